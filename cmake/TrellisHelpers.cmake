@@ -1,0 +1,46 @@
+# Build-tree include root: <trellis/core/error.h> resolves to core/error.h.
+# Installed builds get an explicit list of public headers instead (Install.cmake).
+include(GNUInstallDirs)
+option(BUILD_SHARED_LIBS "Build shared libraries" ON)
+
+set(TRELLIS_BUILD_INCLUDE_DIR ${PROJECT_BINARY_DIR}/include)
+file(MAKE_DIRECTORY ${TRELLIS_BUILD_INCLUDE_DIR})
+if(NOT EXISTS ${TRELLIS_BUILD_INCLUDE_DIR}/trellis)
+  file(CREATE_LINK ${PROJECT_SOURCE_DIR} ${TRELLIS_BUILD_INCLUDE_DIR}/trellis SYMBOLIC)
+endif()
+
+set(TRELLIS_WARNINGS -Wall -Wextra -Wpedantic -Wno-unused-parameter)
+set(TRELLIS_INSTALL_TARGETS "" CACHE INTERNAL "")
+
+# trellis_component(<name> SOURCES ... PUBLIC_HEADERS ... [DEPS ...] [PRIVATE_DEPS ...])
+# Creates trellis_<name> (alias trellis::<name>, exported as trellis::<name>).
+function(trellis_component name)
+  cmake_parse_arguments(A "" "" "SOURCES;PUBLIC_HEADERS;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(tgt trellis_${name})
+  add_library(${tgt} ${A_SOURCES})
+  add_library(trellis::${name} ALIAS ${tgt})
+  set_target_properties(${tgt} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME trellis_${name})
+  target_include_directories(${tgt} PUBLIC
+    $<BUILD_INTERFACE:${TRELLIS_BUILD_INCLUDE_DIR}>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_compile_options(${tgt} PRIVATE ${TRELLIS_WARNINGS})
+  target_link_libraries(${tgt} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+  foreach(h ${A_PUBLIC_HEADERS})
+    get_filename_component(dir ${h} DIRECTORY)
+    install(FILES ${h} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/trellis/${name}/${dir})
+  endforeach()
+  set(TRELLIS_INSTALL_TARGETS ${TRELLIS_INSTALL_TARGETS} ${tgt} CACHE INTERNAL "")
+endfunction()
+
+# trellis_test(<binary> SOURCES ... DEPS ...): one gtest binary per component.
+function(trellis_test name)
+  cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${A_SOURCES})
+  target_compile_options(${name} PRIVATE ${TRELLIS_WARNINGS})
+  target_link_libraries(${name} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 120)
+  endif()
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
+    PROPERTIES TIMEOUT ${A_TIMEOUT} LABELS "${A_LABELS}")
+endfunction()

@@ -1,0 +1,47 @@
+#pragma once
+
+// Deadlines and durations. Every wait in Trellis takes a Deadline (or a
+// timeout that becomes one at the top of the call) and passes it down, so one
+// timeout governs a whole operation and is named in the error it produces.
+//
+// Convention (torch.distributed's): a timeout of zero means "no timeout".
+
+#include <chrono>
+#include <string>
+
+namespace trellis {
+
+using Clock = std::chrono::steady_clock;
+using Duration = std::chrono::nanoseconds;
+
+class Deadline {
+ public:
+  // A deadline that never expires.
+  static Deadline never() { return Deadline(Clock::time_point::max()); }
+  // Expires `d` from now; `d <= 0` is already expired.
+  static Deadline after(Duration d);
+  // Like after(), except that a zero timeout means never (the user-facing
+  // convention). A negative timeout is a caller error: InvalidArgumentError.
+  static Deadline fromTimeout(Duration timeout);
+  static Deadline at(Clock::time_point tp) { return Deadline(tp); }
+
+  bool isNever() const { return tp_ == Clock::time_point::max(); }
+  bool expired() const { return !isNever() && Clock::now() >= tp_; }
+  // Time left, never negative; Duration::max() for never().
+  Duration remaining() const;
+  Clock::time_point timePoint() const { return tp_; }
+
+  friend bool operator==(const Deadline&, const Deadline&) = default;
+  friend Deadline earliest(Deadline a, Deadline b) {
+    return a.tp_ <= b.tp_ ? a : b;
+  }
+
+ private:
+  explicit Deadline(Clock::time_point tp) : tp_(tp) {}
+  Clock::time_point tp_;
+};
+
+// "250ms", "1.5s", "20us", "2m30s", "none" for zero.
+std::string formatDuration(Duration d);
+
+}  // namespace trellis

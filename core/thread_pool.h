@@ -1,0 +1,84 @@
+#pragma once
+
+// A fixed-size pool of worker threads.
+//
+// Contract
+//  - post(task): `task(Error)` runs exactly once: on a worker with an OK
+//    error, or with CANCELLED when the pool is cancelled before the task ran.
+//    A task posted after shutdown() runs at once on the posting thread with
+//    CANCELLED (no lock held). Nothing is silently dropped.
+//  - submit(fn) wraps post(): the returned future carries fn's result, its
+//    exception as an Error, or CANCELLED.
+//  - shutdown(kDrain) stops accepting work and lets the workers run
+//    everything already queued; shutdown(kCancel) fails the queued tasks with
+//    CANCELLED on the calling thread. Both return at once and are idempotent;
+//    join() waits for the workers to exit. The destructor drains and joins.
+//  - join() and the destructor must not be called from a worker thread of
+//    the same pool (a checked error: it would wait for itself).
+//  - Thread-safe: any thread may post, submit and shut down.
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <trellis/core/error.h>
+#include <trellis/core/future.h>
+
+namespace trellis {
+
+class ThreadPool {
+ public:
+  using Task = std::function<void(const Error&)>;
+  enum class ShutdownMode { kDrain, kCancel };
+
+  // `numThreads` >= 1; `name` prefixes the threads' names ("name/3").
+  explicit ThreadPool(size_t numThreads, std::string name = "pool");
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  void post(Task task);
+
+  template <typename F>
+  auto submit(F&& fn) {
+    using R = typename detail::Unwrap<std::invoke_result_t<F&>>::type;
+    Promise<R> promise;
+    auto future = promise.getFuture();
+    post([promise, fn = std::forward<F>(fn)](const Error& error) mutable {
+      if (!error.ok()) {
+        promise.setError(error);
+        return;
+      }
+      detail::fulfil(promise, fn);
+    });
+    return future;
+  }
+
+  void shutdown(ShutdownMode mode = ShutdownMode::kDrain);
+  void join();
+
+  // True on one of this pool's worker threads.
+  bool inPool() const;
+  size_t numThreads() const { return threads_.size(); }
+  size_t queued() const;
+  const std::string& name() const { return name_; }
+
+ private:
+  void workerLoop(size_t index);
+
+  const std::string name_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;  // GUARDED_BY(mu_)
+  bool stopping_ = false;   // GUARDED_BY(mu_)
+  std::vector<std::thread> threads_;
+  std::vector<std::thread::id> threadIds_;
+  std::mutex joinMu_;
+};
+
+}  // namespace trellis

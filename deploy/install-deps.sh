@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package that building, testing and benchmarking
+# Trellis need. Idempotent and non-interactive: packages already present are
+# skipped, so a second run costs one dpkg query. Works as root or via sudo.
+# Exits non-zero, naming the packages, when any could not be installed.
+set -euo pipefail
+
+PACKAGES=(
+  # toolchain
+  cmake ninja-build ccache g++ clang libclang-rt-14-dev pkg-config git
+  # libraries (DESIGN.md, "Dependencies")
+  libtorch-dev libopenblas0-pthread
+  libuv1-dev libboost-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
+  # tests and benchmarks
+  googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
+  libtensorpipe-dev
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "installed" ]] || missing+=("$p")
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=()
+if [[ $(id -u) -ne 0 ]]; then
+  if command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo)
+  else
+    echo "install-deps: not root and no sudo; cannot install: ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${SUDO[@]}" apt-get update -qq || echo "install-deps: apt-get update failed; trying the cached lists" >&2
+if ! "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/tmp/trellis-install-deps.log 2>&1; then
+  tail -n 30 /tmp/trellis-install-deps.log >&2
+fi
+
+failed=()
+for p in "${missing[@]}"; do
+  status=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "installed" ]] || failed+=("$p")
+done
+if ((${#failed[@]} > 0)); then
+  echo "install-deps: could not install: ${failed[*]} (log: /tmp/trellis-install-deps.log)" >&2
+  exit 1
+fi
+echo "install-deps: done"

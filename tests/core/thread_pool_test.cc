@@ -1,0 +1,149 @@
+#include <atomic>
+#include <latch>
+#include <stdexcept>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include <trellis/core/thread_pool.h>
+
+namespace trellis {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(ThreadPoolTest, RejectsZeroThreads) {
+  EXPECT_THROW(ThreadPool(0, "empty"), InvalidArgumentError);
+}
+
+TEST(ThreadPoolTest, SubmitReturnsResults) {
+  ThreadPool pool(2, "t");
+  auto a = pool.submit([] { return 6 * 7; });
+  auto b = pool.submit([] { return std::string("ok"); });
+  auto c = pool.submit([] {});
+  EXPECT_EQ(a.wait(5s), 42);
+  EXPECT_EQ(b.wait(5s), "ok");
+  EXPECT_NO_THROW(c.wait(5s));
+}
+
+TEST(ThreadPoolTest, TasksRunOnPoolThreads) {
+  ThreadPool pool(2, "t");
+  EXPECT_FALSE(pool.inPool());
+  EXPECT_TRUE(pool.submit([&] { return pool.inPool(); }).wait(5s));
+}
+
+TEST(ThreadPoolTest, ExceptionBecomesFutureError) {
+  ThreadPool pool(1, "t");
+  auto f =
+      pool.submit([]() -> int { throw std::runtime_error("task failed"); });
+  EXPECT_THROW(f.wait(5s), InternalError);
+  EXPECT_NE(f.error().message().find("task failed"), std::string::npos);
+  // The worker survives a throwing task.
+  EXPECT_EQ(pool.submit([] { return 1; }).wait(5s), 1);
+}
+
+TEST(ThreadPoolTest, ThrowingPostedTaskDoesNotKillWorker) {
+  ThreadPool pool(1, "t");
+  pool.post(
+      [](const Error&) { throw std::runtime_error("posted task threw"); });
+  EXPECT_EQ(pool.submit([] { return 2; }).wait(5s), 2);
+}
+
+TEST(ThreadPoolTest, DrainRunsEveryQueuedTask) {
+  std::atomic<int> ran{0};
+  std::atomic<int> cancelled{0};
+  {
+    ThreadPool pool(1, "t");
+    std::latch started(1);
+    std::latch release(1);
+    pool.post([&](const Error&) {
+      started.count_down();
+      release.wait();
+    });
+    started.wait();
+    for (int i = 0; i < 100; ++i) {
+      pool.post([&](const Error& e) { e.ok() ? ++ran : ++cancelled; });
+    }
+    EXPECT_EQ(pool.queued(), 100u);
+    pool.shutdown(ThreadPool::ShutdownMode::kDrain);
+    release.count_down();
+    pool.join();
+  }
+  EXPECT_EQ(ran.load(), 100);
+  EXPECT_EQ(cancelled.load(), 0);
+}
+
+TEST(ThreadPoolTest, CancelFailsEveryQueuedTaskExplicitly) {
+  ThreadPool pool(1, "t");
+  std::latch started(1);
+  std::latch release(1);
+  pool.post([&](const Error&) {
+    started.count_down();
+    release.wait();
+  });
+  started.wait();
+  std::vector<Future<int>> futures;
+  for (int i = 0; i < 50; ++i) {
+    futures.push_back(pool.submit([i] { return i; }));
+  }
+  std::atomic<int> cancelledPosts{0};
+  pool.post([&](const Error& e) {
+    if (e.code() == Code::kCancelled) {
+      ++cancelledPosts;
+    }
+  });
+  pool.shutdown(ThreadPool::ShutdownMode::kCancel);
+  release.count_down();
+  pool.join();
+  for (auto& f : futures) {
+    ASSERT_TRUE(f.completed());
+    EXPECT_THROW(f.wait(), CancelledError);
+  }
+  EXPECT_EQ(cancelledPosts.load(), 1);
+}
+
+TEST(ThreadPoolTest, PostAfterShutdownFailsAtOnce) {
+  ThreadPool pool(1, "t");
+  pool.shutdown();
+  pool.shutdown();  // idempotent
+  Error seen;
+  pool.post([&](const Error& e) { seen = e; });
+  EXPECT_EQ(seen.code(), Code::kCancelled);
+  EXPECT_NE(seen.message().find("'t' is shut down"), std::string::npos);
+  EXPECT_THROW(pool.submit([] { return 1; }).wait(1s), CancelledError);
+  pool.join();
+  pool.join();  // idempotent
+}
+
+TEST(ThreadPoolTest, ManyProducers) {
+  ThreadPool pool(2, "t");
+  std::atomic<int> sum{0};
+  std::vector<std::thread> producers;
+  std::vector<Future<void>> futures[4];
+  for (int t = 0; t < 4; ++t) {
+    producers.emplace_back([&, t] {
+      for (int i = 0; i < 1000; ++i) {
+        futures[t].push_back(pool.submit([&] { sum.fetch_add(1); }));
+      }
+    });
+  }
+  for (auto& p : producers) {
+    p.join();
+  }
+  for (auto& fs : futures) {
+    waitAll(fs, Deadline::after(10s));
+  }
+  EXPECT_EQ(sum.load(), 4000);
+}
+
+TEST(ThreadPoolDeathTest, JoinFromOwnWorkerIsACheckedError) {
+  EXPECT_DEATH(
+      {
+        ThreadPool pool(1, "t");
+        pool.submit([&] { pool.join(); }).wait(5s);
+      },
+      "join\\(\\) called from one of its own workers");
+}
+
+}  // namespace
+}  // namespace trellis
