@@ -2,6 +2,8 @@
 # test; `make run` runs the main job. Both install dependencies first.
 JOBS ?= $(shell nproc)
 FUZZ_RUNS ?= 200000
+# Lets ccache share results between clones in different folders (CI).
+export CCACHE_BASEDIR ?= $(CURDIR)
 
 .PHONY: deps build test test-dev test-asan test-fuzz run clean
 

@@ -7,7 +7,7 @@ set -euo pipefail
 
 PACKAGES=(
   # toolchain
-  cmake ninja-build ccache g++ clang libclang-rt-14-dev pkg-config git
+  make cmake ninja-build ccache g++ clang libclang-rt-14-dev pkg-config git
   # libraries (DESIGN.md, "Dependencies")
   libtorch-dev libopenblas0-pthread
   libuv1-dev libboost-dev
