@@ -1,0 +1,16 @@
+#pragma once
+
+// The basic channel: tensor bytes travel through the pipe's connection,
+// inline after the payloads (CPU tensors only).
+
+#include <memory>
+
+namespace trellis::transport {
+class Channel;
+}
+
+namespace trellis::transport::basic {
+
+std::shared_ptr<Channel> create();
+
+}  // namespace trellis::transport::basic

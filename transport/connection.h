@@ -1,0 +1,107 @@
+#pragma once
+
+// Internal extension points of the transport layer (not installed).
+//
+// A Transport makes byte-stream Connections (connect / listen) on a Context's
+// Loop; uv is one, shm will be another. A Channel says how tensor bytes move
+// once a pipe is established; basic sends them inline through the pipe's
+// connection. Everything here is used on the loop thread only, except name(),
+// viable() and the other const queries.
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <trellis/core/error.h>
+#include <trellis/transport/loop.h>
+#include <trellis/transport/message.h>
+
+namespace trellis::transport {
+
+struct IoBuf {
+  const void* data;
+  size_t length;
+};
+
+// Receives the bytes of a Connection. The connection asks for a buffer before
+// each read (readBuffer, which must return a non-empty span), then reports
+// how many bytes landed in it (onRead) or the error that ended the stream
+// (onReadError: UNAVAILABLE for EOF or reset). No call after close().
+class ReadSink {
+ public:
+  virtual ~ReadSink() = default;
+  virtual void readBuffer(char** base, size_t* length) = 0;
+  virtual void onRead(size_t n) = 0;
+  virtual void onReadError(const Error& error) = 0;
+};
+
+class Connection {
+ public:
+  using WriteCallback = std::function<void(const Error&)>;
+  virtual ~Connection() = default;
+
+  virtual void startReading(ReadSink* sink) = 0;
+  virtual void stopReading() = 0;
+
+  // Writes `bufs` in order after everything written before. Returns true
+  // when every byte was written during the call (`cb` is then dropped);
+  // otherwise `cb` fires once, later, from the loop. The buffers must stay
+  // valid until then (the array itself may be freed on return).
+  virtual bool write(const IoBuf* bufs, size_t n, WriteCallback cb) = 0;
+
+  // Idempotent. No ReadSink call afterwards; write callbacks still pending
+  // fire later with an error. After close() returns no byte is read from or
+  // written to any buffer passed in.
+  virtual void close() = 0;
+
+  virtual std::string peerAddress() const = 0;
+};
+
+class ConnectionListener {
+ public:
+  virtual ~ConnectionListener() = default;
+  // The real bound address, with the transport's scheme.
+  virtual std::string address() const = 0;
+  virtual void close() = 0;  // idempotent
+};
+
+class Transport {
+ public:
+  using AcceptCallback =
+      std::function<void(const Error&, std::shared_ptr<Connection>)>;
+  using ConnectCallback =
+      std::function<void(const Error&, std::shared_ptr<Connection>)>;
+
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  // OK when this transport can work in this process (e.g. shm: /dev/shm).
+  virtual Error viable() const = 0;
+  // Only between processes sharing a host (and IPC namespace).
+  virtual bool sameHostOnly() const = 0;
+
+  // Loop thread. `cb` fires for every accepted connection, or once with an
+  // error if accepting fails for good.
+  virtual Error listen(Loop& loop, const std::string& address,
+                       AcceptCallback cb,
+                       std::unique_ptr<ConnectionListener>* out) = 0;
+  // Loop thread. `cb` fires once, later.
+  virtual void connect(Loop& loop, const std::string& address,
+                       ConnectCallback cb) = 0;
+};
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  virtual std::string name() const = 0;
+  virtual Error viable() const = 0;
+  virtual bool sameHostOnly() const = 0;
+  virtual bool supportsDevice(const Device& device) const = 0;
+  // True when tensor bytes travel inline in the frame, after the payloads,
+  // through the pipe's connection (basic). Out-of-band channels (cma,
+  // cuda_ipc) return false; the pipe does not drive those yet, so the
+  // negotiation skips them (docs/transport.md, "Extending").
+  virtual bool inlineThroughConnection() const = 0;
+};
+
+}  // namespace trellis::transport

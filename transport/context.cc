@@ -1,0 +1,611 @@
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <unistd.h>
+
+#include <trellis/core/check.h>
+#include <trellis/core/future.h>
+#include <trellis/core/logging.h>
+#include <trellis/transport/basic_channel.h>
+#include <trellis/transport/context.h>
+#include <trellis/transport/context_impl.h>
+#include <trellis/transport/shm/factory.h>
+#include <trellis/transport/uv/factory.h>
+
+namespace trellis::transport {
+
+namespace {
+
+constexpr const char* kTransportsEnv = "TRELLIS_TRANSPORTS";
+constexpr const char* kChannelsEnv = "TRELLIS_CHANNELS";
+// Names accepted in the filters even before their backend is registered
+// (shm, cma and cuda_ipc arrive later or only in some builds).
+const std::vector<std::string> kKnownTransports = {"uv", "shm"};
+const std::vector<std::string> kKnownChannels = {"basic", "cma", "cuda_ipc"};
+constexpr auto kListenTimeout = std::chrono::seconds(30);
+constexpr auto kDestructorJoin = std::chrono::seconds(60);
+
+std::string trim(std::string s) {
+  const auto b = s.find_first_not_of(" \t");
+  const auto e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) {
+    out += (out.empty() ? "" : ", ") + s;
+  }
+  return out;
+}
+
+std::optional<std::set<std::string>> combineFilters(
+    const std::vector<std::string>& option, const char* env,
+    const std::vector<std::string>& known) {
+  std::optional<std::set<std::string>> allowed;
+  if (!option.empty()) {
+    std::string joined;
+    for (const auto& o : option) {
+      joined += (joined.empty() ? "" : ",") + o;
+    }
+    auto parsed =
+        parseNameList(std::string("ContextOptions::") +
+                          (env == kTransportsEnv ? "transports" : "channels"),
+                      joined, known);
+    allowed = std::set<std::string>(parsed->begin(), parsed->end());
+  }
+  const char* v = std::getenv(env);
+  if (v != nullptr && *v != '\0') {
+    auto parsed = parseNameList(env, v, known);
+    std::set<std::string> fromEnv(parsed->begin(), parsed->end());
+    if (allowed) {
+      std::set<std::string> both;
+      std::set_intersection(allowed->begin(), allowed->end(), fromEnv.begin(),
+                            fromEnv.end(), std::inserter(both, both.end()));
+      allowed = both;
+    } else {
+      allowed = fromEnv;
+    }
+  }
+  return allowed;
+}
+
+class BasicChannel : public Channel {
+ public:
+  std::string name() const override { return "basic"; }
+  Error viable() const override { return Error(); }
+  bool sameHostOnly() const override { return false; }
+  bool supportsDevice(const Device& d) const override {
+    return d.type == DeviceType::kCpu;
+  }
+  bool inlineThroughConnection() const override { return true; }
+};
+
+}  // namespace
+
+std::string Device::toString() const {
+  return type == DeviceType::kCpu ? "cpu" : "cuda:" + std::to_string(index);
+}
+
+namespace basic {
+std::shared_ptr<Channel> create() { return std::make_shared<BasicChannel>(); }
+}  // namespace basic
+
+std::optional<std::vector<std::string>> parseNameList(
+    const std::string& variable, const std::string& value,
+    const std::vector<std::string>& known) {
+  if (trim(value).empty()) {
+    return std::nullopt;
+  }
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (true) {
+    const size_t comma = value.find(',', pos);
+    std::string entry = trim(value.substr(
+        pos, comma == std::string::npos ? std::string::npos : comma - pos));
+    if (entry.empty()) {
+      throw InvalidArgumentError(Error::invalidArgument(
+          variable + "='" + value +
+          "': empty entry (expected a comma list of " + join(known) + ")"));
+    }
+    if (std::find(known.begin(), known.end(), entry) == known.end()) {
+      throw InvalidArgumentError(
+          Error::invalidArgument(variable + ": unknown entry '" + entry +
+                                 "' (known: " + join(known) + ")"));
+    }
+    if (std::find(out.begin(), out.end(), entry) == out.end()) {
+      out.push_back(entry);
+    }
+    if (comma == std::string::npos) {
+      break;
+    }
+    pos = comma + 1;
+  }
+  return out;
+}
+
+std::string localHostId() {
+  std::string id;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::getline(boot, id);
+  char ns[128] = {0};
+  const ssize_t n = ::readlink("/proc/self/ns/ipc", ns, sizeof(ns) - 1);
+  if (n > 0) {
+    id += "/" + std::string(ns, static_cast<size_t>(n));
+  }
+  if (id.empty()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    id = std::string("host:") + host;
+  }
+  return id.substr(0, wire_format::kMaxHostIdBytes);
+}
+
+Error negotiate(const std::vector<Offer>& localTransports,
+                const std::vector<Offer>& localChannels,
+                const wire_format::Hello& remote, bool sameHost,
+                const std::string& bootstrap, Negotiated* out) {
+  auto offered = [](const std::vector<std::string>& list,
+                    const std::string& name) {
+    return std::find(list.begin(), list.end(), name) != list.end();
+  };
+  auto usable = [&](const Offer& o,
+                    const std::vector<std::string>& remoteList) {
+    return offered(remoteList, o.name) && (!o.sameHostOnly || sameHost);
+  };
+  const Offer* transport = nullptr;
+  for (const auto& t : localTransports) {
+    if (t.name == bootstrap && usable(t, remote.transports)) {
+      transport = &t;
+      break;
+    }
+  }
+  if (transport == nullptr) {
+    return Error(Code::kFailedPrecondition,
+                 "transport '" + bootstrap +
+                     "' is not enabled on both sides "
+                     "(peer offers: " +
+                     join(remote.transports) + ")");
+  }
+  for (const auto& c : localChannels) {
+    if (c.inlineChannel && usable(c, remote.channels)) {
+      *out = Negotiated{transport->name, c.name};
+      return Error();
+    }
+  }
+  std::vector<std::string> mine;
+  for (const auto& c : localChannels) {
+    mine.push_back(c.name);
+  }
+  return Error(Code::kFailedPrecondition,
+               "no channel usable by both sides (this side: " + join(mine) +
+                   "; peer: " + join(remote.channels) +
+                   (sameHost ? "; same host" : "; different hosts") + ")");
+}
+
+// ---- ContextImpl -----------------------------------------------------------
+
+ContextImpl::ContextImpl(ContextOptions options)
+    : options_(std::move(options)),
+      token_(options_.token),
+      hostId_(localHostId()),
+      ids_(rootIds().next(options_.name)),
+      loop_(Loop::create(ids_.parentId())) {
+  if (!token_ && options_.tokenFromEnvironment) {
+    token_ = auth::JobToken::fromEnvironment();
+  }
+}
+
+ContextImpl::~ContextImpl() = default;
+
+void ContextImpl::registerTransport(int priority,
+                                    std::shared_ptr<Transport> t) {
+  TRELLIS_CHECK(t != nullptr, "registerTransport(nullptr)");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_) {
+    throw FailedPreconditionError(Error(
+        Code::kFailedPrecondition,
+        "registerTransport after the context's first listen()/connect()"));
+  }
+  const std::string name = t->name();
+  transports_.erase(
+      std::remove_if(transports_.begin(), transports_.end(),
+                     [&](const Entry& e) { return e.name == name; }),
+      transports_.end());
+  transports_.push_back(Entry{priority, name, std::move(t), nullptr});
+  std::stable_sort(
+      transports_.begin(), transports_.end(),
+      [](const Entry& a, const Entry& b) { return a.priority > b.priority; });
+}
+
+void ContextImpl::registerChannel(int priority, std::shared_ptr<Channel> c) {
+  TRELLIS_CHECK(c != nullptr, "registerChannel(nullptr)");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_) {
+    throw FailedPreconditionError(
+        Error(Code::kFailedPrecondition,
+              "registerChannel after the context's first listen()/connect()"));
+  }
+  const std::string name = c->name();
+  channels_.erase(
+      std::remove_if(channels_.begin(), channels_.end(),
+                     [&](const Entry& e) { return e.name == name; }),
+      channels_.end());
+  channels_.push_back(Entry{priority, name, nullptr, std::move(c)});
+  std::stable_sort(
+      channels_.begin(), channels_.end(),
+      [](const Entry& a, const Entry& b) { return a.priority > b.priority; });
+}
+
+void ContextImpl::applyFilters() {
+  std::vector<std::string> knownT = kKnownTransports;
+  std::vector<std::string> knownC = kKnownChannels;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& e : transports_) {
+      if (std::find(knownT.begin(), knownT.end(), e.name) == knownT.end()) {
+        knownT.push_back(e.name);
+      }
+    }
+    for (const auto& e : channels_) {
+      if (std::find(knownC.begin(), knownC.end(), e.name) == knownC.end()) {
+        knownC.push_back(e.name);
+      }
+    }
+  }
+  auto t = combineFilters(options_.transports, kTransportsEnv, knownT);
+  auto c = combineFilters(options_.channels, kChannelsEnv, knownC);
+  std::lock_guard<std::mutex> lock(mu_);
+  allowedTransports_ = std::move(t);
+  allowedChannels_ = std::move(c);
+}
+
+void ContextImpl::freeze() {
+  std::lock_guard<std::mutex> lock(mu_);
+  frozen_ = true;
+}
+
+std::shared_ptr<Transport> ContextImpl::transport(
+    const std::string& name) const {
+  for (const auto& o : transportOffers()) {
+    if (o.name == name) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& e : transports_) {
+        if (e.name == name) {
+          return e.transport;
+        }
+      }
+    }
+  }
+  return nullptr;
+}
+
+std::vector<Offer> ContextImpl::transportOffers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Offer> out;
+  for (const auto& e : transports_) {
+    if ((!allowedTransports_ || allowedTransports_->count(e.name)) &&
+        e.transport->viable().ok()) {
+      out.push_back(Offer{e.name, e.transport->sameHostOnly(), true});
+    }
+  }
+  return out;
+}
+
+std::vector<Offer> ContextImpl::channelOffers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Offer> out;
+  for (const auto& e : channels_) {
+    if ((!allowedChannels_ || allowedChannels_->count(e.name)) &&
+        e.channel->viable().ok()) {
+      out.push_back(Offer{e.name, e.channel->sameHostOnly(),
+                          e.channel->inlineThroughConnection()});
+    }
+  }
+  return out;
+}
+
+wire_format::Hello ContextImpl::localHello() const {
+  wire_format::Hello h;
+  for (const auto& o : transportOffers()) {
+    h.transports.push_back(o.name);
+  }
+  for (const auto& o : channelOffers()) {
+    h.channels.push_back(o.name);
+  }
+  h.hostId = hostId_;
+  h.pid = static_cast<uint64_t>(::getpid());
+  h.tokenConfigured = token_.has_value();
+  return h;
+}
+
+std::shared_ptr<ListenerImpl> ContextImpl::listen(
+    const std::vector<std::string>& addrs) {
+  freeze();
+  auto l =
+      std::make_shared<ListenerImpl>(shared_from_this(), ids_.next("listener"));
+  if (addrs.empty()) {
+    throw InvalidArgumentError(
+        Error::invalidArgument("listen() needs at least one address"));
+  }
+  Promise<void> done;
+  auto self = shared_from_this();
+  loop_->run([self, l, addrs, done]() mutable {
+    if (self->closedFromLoop_) {
+      done.setError(Error::cancelled(self->ids_.parentId() + " is closed"));
+      return;
+    }
+    Error e = l->listenFromLoop(addrs);
+    if (!e.ok()) {
+      l->failFromLoop(e);
+      done.setError(e);
+      return;
+    }
+    self->listeners_[l.get()] = l;
+    done.setValue();
+  });
+  if (!loop_->inLoop()) {
+    done.getFuture().wait(kListenTimeout);
+  } else {
+    throwIfError(done.getFuture().error());
+  }
+  return l;
+}
+
+std::shared_ptr<PipeImpl> ContextImpl::connect(const std::string& address) {
+  freeze();
+  auto p =
+      std::make_shared<PipeImpl>(shared_from_this(), ids_.next("pipe"), true);
+  loop_->run([p, address] { p->connectFromLoop(address); });
+  return p;
+}
+
+void ContextImpl::addPipeFromLoop(const std::shared_ptr<PipeImpl>& p) {
+  pipes_[p.get()] = p;
+}
+void ContextImpl::removePipeFromLoop(PipeImpl* p) { pipes_.erase(p); }
+void ContextImpl::removeListenerFromLoop(ListenerImpl* l) {
+  listeners_.erase(l);
+}
+
+void ContextImpl::close() {
+  if (closing_.exchange(true)) {
+    return;
+  }
+  auto self = shared_from_this();
+  loop_->defer([self] { self->closeFromLoop(); });
+}
+
+void ContextImpl::closeFromLoop() {
+  if (closedFromLoop_) {
+    return;
+  }
+  closedFromLoop_ = true;
+  const Error e = Error::cancelled(ids_.parentId() + " closed");
+  auto listeners = listeners_;
+  for (auto& [raw, l] : listeners) {
+    l->failFromLoop(e);
+  }
+  auto pipes = pipes_;
+  for (auto& [raw, p] : pipes) {
+    p->failFromLoop(e);
+  }
+  listeners_.clear();
+  pipes_.clear();
+  loop_->stopFromLoop();
+}
+
+bool ContextImpl::join(Deadline deadline) { return loop_->join(deadline); }
+
+// ---- ListenerImpl ----------------------------------------------------------
+
+ListenerImpl::ListenerImpl(std::shared_ptr<ContextImpl> ctx, std::string id)
+    : ctx_(std::move(ctx)), id_(std::move(id)) {}
+
+Error ListenerImpl::listenFromLoop(const std::vector<std::string>& addrs) {
+  std::weak_ptr<ListenerImpl> weak = shared_from_this();
+  for (const auto& address : addrs) {
+    const size_t sep = address.find("://");
+    const std::string name =
+        sep == std::string::npos ? std::string() : address.substr(0, sep);
+    auto transport = ctx_->transport(name);
+    if (transport == nullptr) {
+      return Error::invalidArgument(id_ + ": address '" + address +
+                                    "' names no transport enabled in this "
+                                    "context");
+    }
+    if (addresses_.count(name) != 0) {
+      return Error::invalidArgument(id_ + ": two addresses for transport '" +
+                                    name + "' (one per transport)");
+    }
+    std::unique_ptr<ConnectionListener> cl;
+    Error e = transport->listen(
+        ctx_->loop(), address,
+        [weak, name](const Error& err, std::shared_ptr<Connection> conn) {
+          if (auto self = weak.lock()) {
+            self->onConnection(name, err, std::move(conn));
+          } else if (conn) {
+            conn->close();
+          }
+        },
+        &cl);
+    if (!e.ok()) {
+      return e.withContext(id_);
+    }
+    addresses_[name] = cl->address();
+    listeners_.push_back(std::move(cl));
+  }
+  return Error();
+}
+
+void ListenerImpl::onConnection(const std::string& transport,
+                                const Error& error,
+                                std::shared_ptr<Connection> conn) {
+  if (!error_.ok()) {
+    if (conn) {
+      conn->close();
+    }
+    return;
+  }
+  if (!error.ok()) {
+    TRELLIS_LOG_WARN("{}: {}", id_, error.what());
+    return;
+  }
+  auto p = std::make_shared<PipeImpl>(ctx_, ctx_->ids().next("pipe"), false);
+  p->acceptFromLoop(std::move(conn), transport);
+  if (ready_.size() >= ctx_->limits().maxPendingOperations) {
+    p->failFromLoop(Error(Code::kResourceExhausted,
+                          id_ + ": too many connections waiting for accept()"));
+    return;
+  }
+  ready_.push_back(std::move(p));
+  serveFromLoop();
+}
+
+void ListenerImpl::serveFromLoop() {
+  while (!accepts_.empty() && !ready_.empty()) {
+    auto cb = std::move(accepts_.front());
+    accepts_.pop_front();
+    auto p = std::move(ready_.front());
+    ready_.pop_front();
+    auto handle = std::make_shared<Pipe>(std::move(p));
+    ctx_->loop().deliver([cb = std::move(cb), handle = std::move(handle)] {
+      cb(Error(), handle);
+    });
+  }
+}
+
+void ListenerImpl::accept(Listener::AcceptCallback cb) {
+  TRELLIS_CHECK(cb != nullptr, "Listener::accept needs a callback");
+  auto self = shared_from_this();
+  ctx_->loop().run([self, cb = std::move(cb)]() mutable {
+    if (!self->error_.ok()) {
+      self->ctx_->loop().deliver(
+          [cb = std::move(cb), e = self->error_] { cb(e, nullptr); });
+      return;
+    }
+    self->accepts_.push_back(std::move(cb));
+    self->serveFromLoop();
+  });
+}
+
+void ListenerImpl::close() {
+  auto self = shared_from_this();
+  ctx_->loop().run(
+      [self] { self->failFromLoop(Error::cancelled(self->id_ + " closed")); });
+}
+
+void ListenerImpl::failFromLoop(const Error& error) {
+  if (!error_.ok()) {
+    return;
+  }
+  auto self = shared_from_this();
+  error_ = error;
+  for (auto& l : listeners_) {
+    l->close();
+  }
+  listeners_.clear();
+  auto accepts = std::move(accepts_);
+  accepts_.clear();
+  auto ready = std::move(ready_);
+  ready_.clear();
+  for (auto& p : ready) {
+    p->failFromLoop(error);
+  }
+  for (auto& cb : accepts) {
+    ctx_->loop().deliver([cb = std::move(cb), error] { cb(error, nullptr); });
+  }
+  ctx_->removeListenerFromLoop(this);
+}
+
+// ---- public handles --------------------------------------------------------
+
+Listener::Listener(std::shared_ptr<ListenerImpl> impl)
+    : impl_(std::move(impl)) {}
+Listener::~Listener() { impl_->close(); }
+void Listener::accept(AcceptCallback cb) { impl_->accept(std::move(cb)); }
+void Listener::close() { impl_->close(); }
+const std::map<std::string, std::string>& Listener::addresses() const {
+  return impl_->addresses();
+}
+const std::string& Listener::address(const std::string& transport) const {
+  auto it = impl_->addresses().find(transport);
+  if (it == impl_->addresses().end()) {
+    throw NotFoundError(Error::notFound(
+        impl_->id() + " does not listen on transport '" + transport + "'"));
+  }
+  return it->second;
+}
+
+std::shared_ptr<Context> Context::create(ContextOptions options) {
+  auto impl = std::make_shared<ContextImpl>(std::move(options));
+  impl->registerTransport(100, uv::create());
+  impl->registerTransport(200, shm::create());
+  impl->registerChannel(100, basic::create());
+  try {
+    impl->applyFilters();
+  } catch (...) {
+    impl->close();
+    impl->join(Deadline::never());
+    throw;
+  }
+  return std::shared_ptr<Context>(new Context(std::move(impl)));
+}
+
+Context::Context(std::shared_ptr<ContextImpl> impl) : impl_(std::move(impl)) {}
+
+Context::~Context() {
+  impl_->close();
+  if (!impl_->loop().inLoop() &&
+      !impl_->join(Deadline::after(kDestructorJoin))) {
+    TRELLIS_LOG_ERROR("{}: loop thread still running {} after close",
+                      impl_->ids().parentId(), formatDuration(kDestructorJoin));
+  }
+}
+
+void Context::registerTransport(int priority,
+                                std::shared_ptr<Transport> transport) {
+  impl_->registerTransport(priority, std::move(transport));
+  impl_->applyFilters();
+}
+
+void Context::registerChannel(int priority, std::shared_ptr<Channel> channel) {
+  impl_->registerChannel(priority, std::move(channel));
+  impl_->applyFilters();
+}
+
+std::shared_ptr<Listener> Context::listen(
+    const std::vector<std::string>& addresses) {
+  return std::make_shared<Listener>(impl_->listen(addresses));
+}
+
+std::shared_ptr<Pipe> Context::connect(const std::string& address) {
+  return std::make_shared<Pipe>(impl_->connect(address));
+}
+
+void Context::close() { impl_->close(); }
+
+bool Context::join(Duration timeout) {
+  return impl_->join(Deadline::fromTimeout(timeout));
+}
+
+const std::string& Context::name() const { return impl_->ids().parentId(); }
+
+std::vector<std::string> Context::transportNames() const {
+  std::vector<std::string> out;
+  for (const auto& o : impl_->transportOffers()) {
+    out.push_back(o.name);
+  }
+  return out;
+}
+
+std::vector<std::string> Context::channelNames() const {
+  std::vector<std::string> out;
+  for (const auto& o : impl_->channelOffers()) {
+    out.push_back(o.name);
+  }
+  return out;
+}
+
+}  // namespace trellis::transport

@@ -1,0 +1,260 @@
+#pragma once
+
+// Internal: the objects behind Context, Listener and Pipe. Not installed.
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <trellis/core/auth.h>
+#include <trellis/core/ids.h>
+#include <trellis/transport/connection.h>
+#include <trellis/transport/context.h>
+#include <trellis/transport/loop.h>
+#include <trellis/transport/wire_format.h>
+
+namespace trellis::transport {
+
+class PipeImpl;
+class ListenerImpl;
+
+// "boot_id/ipc-namespace": equal only for processes that can share memory.
+std::string localHostId();
+
+struct Negotiated {
+  std::string transport;
+  std::string channel;
+};
+
+// Picks the highest-priority transport and inline channel in `local` (in
+// priority order) that the peer also offers; same-host-only ones only when
+// `sameHost`. The transport must be `bootstrap` (the one the handshake runs
+// on): switching transports after the handshake comes with shm.
+struct Offer {
+  std::string name;
+  bool sameHostOnly = false;
+  bool inlineChannel = true;  // channels only
+};
+Error negotiate(const std::vector<Offer>& localTransports,
+                const std::vector<Offer>& localChannels,
+                const wire_format::Hello& remote, bool sameHost,
+                const std::string& bootstrap, Negotiated* out);
+
+class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
+ public:
+  explicit ContextImpl(ContextOptions options);
+  ~ContextImpl();
+
+  Loop& loop() { return *loop_; }
+  const ContextOptions& options() const { return options_; }
+  const Limits& limits() const { return options_.limits; }
+  const std::optional<auth::JobToken>& token() const { return token_; }
+  const std::string& hostId() const { return hostId_; }
+  IdAllocator& ids() { return ids_; }
+
+  void registerTransport(int priority, std::shared_ptr<Transport> t);
+  void registerChannel(int priority, std::shared_ptr<Channel> c);
+  // Applies the option/environment filters; called once, at create().
+  void applyFilters();
+
+  std::shared_ptr<Transport> transport(const std::string& name) const;
+  std::vector<Offer> transportOffers() const;
+  std::vector<Offer> channelOffers() const;
+  wire_format::Hello localHello() const;
+
+  std::shared_ptr<ListenerImpl> listen(const std::vector<std::string>& addrs);
+  std::shared_ptr<PipeImpl> connect(const std::string& address);
+
+  // Loop thread: bookkeeping of live objects, so close() reaches them all.
+  void addPipeFromLoop(const std::shared_ptr<PipeImpl>& p);
+  void removePipeFromLoop(PipeImpl* p);
+  void removeListenerFromLoop(ListenerImpl* l);
+  bool closedFromLoop() const { return closedFromLoop_; }
+
+  void close();
+  bool join(Deadline deadline);
+
+ private:
+  struct Entry {
+    int priority;
+    std::string name;
+    std::shared_ptr<Transport> transport;
+    std::shared_ptr<Channel> channel;
+  };
+  void freeze();
+  void closeFromLoop();
+
+  ContextOptions options_;
+  std::optional<auth::JobToken> token_;
+  std::string hostId_;
+  IdAllocator ids_;
+  std::shared_ptr<Loop> loop_;
+
+  mutable std::mutex mu_;
+  std::vector<Entry> transports_;  // guarded by mu_ until frozen_
+  std::vector<Entry> channels_;    // guarded by mu_ until frozen_
+  bool frozen_ = false;            // guarded by mu_
+  std::optional<std::set<std::string>> allowedTransports_;  // guarded by mu_
+  std::optional<std::set<std::string>> allowedChannels_;    // guarded by mu_
+  std::atomic<bool> closing_{false};
+
+  // Loop thread only.
+  std::unordered_map<PipeImpl*, std::shared_ptr<PipeImpl>> pipes_;
+  std::unordered_map<ListenerImpl*, std::shared_ptr<ListenerImpl>> listeners_;
+  bool closedFromLoop_ = false;
+};
+
+class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
+ public:
+  ListenerImpl(std::shared_ptr<ContextImpl> ctx, std::string id);
+  // Loop thread.
+  Error listenFromLoop(const std::vector<std::string>& addresses);
+  void accept(Listener::AcceptCallback cb);
+  void close();
+  void failFromLoop(const Error& error);
+  const std::map<std::string, std::string>& addresses() const {
+    return addresses_;
+  }
+  const std::string& id() const { return id_; }
+
+ private:
+  void onConnection(const std::string& transport, const Error& error,
+                    std::shared_ptr<Connection> conn);
+  void serveFromLoop();
+
+  std::shared_ptr<ContextImpl> ctx_;
+  const std::string id_;
+  std::map<std::string, std::string> addresses_;  // written before returned
+  // Loop thread only.
+  std::vector<std::unique_ptr<ConnectionListener>> listeners_;
+  std::deque<Listener::AcceptCallback> accepts_;
+  std::deque<std::shared_ptr<PipeImpl>> ready_;
+  Error error_;
+};
+
+class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
+                 private ReadSink {
+ public:
+  PipeImpl(std::shared_ptr<ContextImpl> ctx, std::string id, bool connector);
+  ~PipeImpl() override;
+
+  // Loop thread: starts the handshake timer and connects / takes `conn`.
+  void connectFromLoop(const std::string& address);
+  void acceptFromLoop(std::shared_ptr<Connection> conn,
+                      const std::string& transport);
+  void failFromLoop(const Error& error);
+
+  void write(Message message, Pipe::WriteCallback cb);
+  void readDescriptor(Pipe::ReadDescriptorCallback cb);
+  void read(Allocation allocation, Pipe::ReadCallback cb);
+  void close();
+
+  const std::string& id() const { return id_; }
+  std::string peerAddress() const;
+  std::string transportName() const;
+  std::string channelName() const;
+
+ private:
+  enum class State {
+    kConnecting,
+    kAwaitHello,       // acceptor
+    kAwaitHelloReply,  // connector
+    kAwaitAuth,        // acceptor
+    kAwaitAccept,      // connector
+    kEstablished,
+    kFailed,
+  };
+  enum class Rx {
+    kHeader,
+    kLayout,
+    kDescriptor,
+    kDescriptorReady,
+    kAwaitRead,
+    kBody,
+  };
+
+  struct WriteOp {
+    Message message;
+    Pipe::WriteCallback cb;
+    std::vector<uint8_t> head;
+    bool done = false;
+  };
+  struct Segment {
+    uint8_t* data;
+    size_t length;
+  };
+
+  // ReadSink.
+  void readBuffer(char** base, size_t* length) override;
+  void onRead(size_t n) override;
+  void onReadError(const Error& error) override;
+
+  void attach(std::shared_ptr<Connection> conn, const std::string& transport);
+  void process();
+  bool step();
+  bool stepHandshake();
+  bool stepFrame();
+  void updateReading();
+  size_t buffered() const { return stageEnd_ - stageBegin_; }
+  const uint8_t* stageData() const { return stage_.data() + stageBegin_; }
+  void consume(size_t n) { stageBegin_ += n; }
+  bool needBytes(size_t n);
+  void established(const Negotiated& n);
+  void sendRaw(std::vector<uint8_t> bytes);
+  void submitWrite(const std::shared_ptr<WriteOp>& op);
+  void completeWrite(const std::shared_ptr<WriteOp>& op, const Error& error);
+  void serveDescriptor();
+  bool fillSegments();
+  void finishBody();
+
+  std::shared_ptr<ContextImpl> ctx_;
+  const std::string id_;
+  const bool connector_;
+
+  mutable std::mutex infoMu_;
+  std::string peer_;       // guarded by infoMu_
+  Negotiated negotiated_;  // guarded by infoMu_
+
+  // Loop thread only from here on.
+  std::shared_ptr<Connection> conn_;
+  std::string bootstrap_;
+  State state_ = State::kConnecting;
+  Error error_;
+  LoopTimer* timer_ = nullptr;
+  wire_format::Hello remoteHello_;
+  auth::Nonce myNonce_{};
+  auth::Nonce peerNonce_{};
+
+  std::vector<uint8_t> stage_;
+  size_t stageBegin_ = 0;
+  size_t stageEnd_ = 0;
+  bool reading_ = false;
+  bool processing_ = false;
+  bool again_ = false;
+  // A direct read into the current segment is in progress.
+  bool direct_ = false;
+  size_t pendingHandshakeBody_ = 0;  // 0: reading a handshake header
+
+  Rx rx_ = Rx::kHeader;
+  size_t layoutLength_ = 0;
+  wire_format::FrameLayout layout_;
+  std::string descriptor_;
+  size_t descriptorFilled_ = 0;
+  std::vector<Segment> segments_;
+  size_t segIndex_ = 0;
+  size_t segOffset_ = 0;
+
+  std::deque<std::shared_ptr<WriteOp>> queuedWrites_;    // before handshake
+  std::deque<std::shared_ptr<WriteOp>> inflightWrites_;  // submitted
+  std::deque<Pipe::ReadDescriptorCallback> descriptorCbs_;
+  Pipe::ReadCallback readCb_;
+  size_t pendingOps_ = 0;
+};
+
+}  // namespace trellis::transport

@@ -1,0 +1,228 @@
+#include <condition_variable>
+
+#include <trellis/core/check.h>
+#include <trellis/core/logging.h>
+#include <trellis/core/thread_pool.h>
+#include <trellis/transport/loop.h>
+
+namespace trellis::transport {
+
+namespace {
+
+// Leaked on purpose: tasks may be deferred during static destruction.
+ThreadPool& fallbackPool() {
+  static ThreadPool* pool = new ThreadPool(1, "trellis-late");
+  return *pool;
+}
+
+}  // namespace
+
+Loop::Loop(std::string id) : id_(std::move(id)) {
+  TRELLIS_CHECK(uv_loop_init(&loop_) == 0, "uv_loop_init failed");
+  TRELLIS_CHECK(uv_async_init(&loop_, &async_, &Loop::onAsync) == 0,
+                "uv_async_init failed");
+  async_.data = this;
+  TRELLIS_CHECK(uv_idle_init(&loop_, &idle_) == 0, "uv_idle_init failed");
+  idle_.data = this;
+}
+
+std::shared_ptr<Loop> Loop::create(std::string id) {
+  std::shared_ptr<Loop> loop(new Loop(std::move(id)));
+  loop->thread_ = std::thread([loop]() mutable {
+    loop->threadMain();
+    loop.reset();
+  });
+  return loop;
+}
+
+Loop::~Loop() {
+  if (thread_.joinable()) {
+    if (std::this_thread::get_id() == thread_.get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+  }
+}
+
+void Loop::threadMain() {
+  threadId_.store(std::this_thread::get_id(), std::memory_order_release);
+  uv_run(&loop_, UV_RUN_DEFAULT);
+  std::vector<Task> rest;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    exited_ = true;
+    rest.swap(remote_);
+  }
+  rest.insert(rest.end(), std::make_move_iterator(local_.begin()),
+              std::make_move_iterator(local_.end()));
+  local_.clear();
+  for (auto& t : rest) {
+    t();
+  }
+  uv_run(&loop_, UV_RUN_NOWAIT);  // close callbacks of what those tasks closed
+  const int rc = uv_loop_close(&loop_);
+  if (rc != 0) {
+    TRELLIS_LOG_ERROR("{}: uv_loop_close: {}", id_, uv_strerror(rc));
+  }
+  {
+    std::lock_guard<std::mutex> lock(joinMu_);
+    finished_ = true;
+  }
+  joinCv_.notify_all();
+}
+
+void Loop::defer(Task task) {
+  if (inLoop() && !stopped_) {
+    local_.push_back(std::move(task));
+    if (!idleActive_ && scopeDepth_ == 0) {
+      idleActive_ = true;
+      uv_idle_start(&idle_, &Loop::onIdle);
+    }
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!exited_) {
+      remote_.push_back(std::move(task));
+      // Under the lock, so the handle cannot be closed meanwhile; tasks
+      // queued after it is closed run when the thread exits.
+      if (!asyncClosed_) {
+        uv_async_send(&async_);
+      }
+      return;
+    }
+  }
+  fallbackPool().post([t = std::move(task)](const Error&) { t(); });
+}
+
+void Loop::run(Task task) {
+  if (inLoop() && !stopped_) {
+    ++publicDepth_;
+    task();
+    --publicDepth_;
+    return;
+  }
+  defer(std::move(task));
+}
+
+void Loop::deliver(Task task) {
+  if (publicDepth_ > 0) {
+    defer(std::move(task));
+  } else {
+    task();
+  }
+}
+
+void Loop::onAsync(uv_async_t* h) {
+  auto* self = static_cast<Loop*>(h->data);
+  Scope scope(*self);
+  std::vector<Task> tasks;
+  {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    tasks.swap(self->remote_);
+  }
+  for (auto& t : tasks) {
+    t();
+  }
+}
+
+void Loop::onIdle(uv_idle_t* h) { static_cast<Loop*>(h->data)->runLocal(); }
+
+void Loop::drainLocal() {
+  ++scopeDepth_;
+  while (!local_.empty()) {
+    std::vector<Task> tasks;
+    tasks.swap(local_);
+    for (auto& t : tasks) {
+      t();
+    }
+  }
+  --scopeDepth_;
+  if (idleActive_) {
+    idleActive_ = false;
+    uv_idle_stop(&idle_);
+  }
+}
+
+void Loop::runLocal() {
+  std::vector<Task> tasks;
+  tasks.swap(local_);
+  for (auto& t : tasks) {
+    t();
+  }
+  if (local_.empty() && idleActive_) {
+    idleActive_ = false;
+    uv_idle_stop(&idle_);
+  }
+}
+
+void Loop::stopFromLoop() {
+  TRELLIS_DCHECK(inLoop(), "stopFromLoop off the loop thread");
+  if (stopped_) {
+    return;
+  }
+  stopped_ = true;
+  // Drain what is queued; later tasks go to remote_ and run at exit.
+  runLocal();
+  uv_idle_stop(&idle_);
+  idleActive_ = false;
+  uv_close(reinterpret_cast<uv_handle_t*>(&idle_), nullptr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    asyncClosed_ = true;
+    uv_close(reinterpret_cast<uv_handle_t*>(&async_), nullptr);
+  }
+}
+
+bool Loop::join(Deadline deadline) {
+  if (inLoop()) {
+    return false;
+  }
+  std::unique_lock<std::mutex> lock(joinMu_);
+  if (deadline.isNever()) {
+    joinCv_.wait(lock, [&] { return finished_; });
+  } else if (!joinCv_.wait_until(lock, deadline.timePoint(),
+                                 [&] { return finished_; })) {
+    return false;
+  }
+  lock.unlock();
+  std::lock_guard<std::mutex> tl(mu_);  // serialises concurrent joiners
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+  return true;
+}
+
+LoopTimer* LoopTimer::start(Loop& loop, Duration after,
+                            std::function<void()> fn) {
+  auto* t = new LoopTimer();
+  t->loop_ = &loop;
+  t->fn_ = std::move(fn);
+  uv_timer_init(loop.uv(), &t->timer_);
+  t->timer_.data = t;
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(after).count();
+  uv_timer_start(&t->timer_, &LoopTimer::onTimer,
+                 static_cast<uint64_t>(ms < 1 ? 1 : ms), 0);
+  return t;
+}
+
+void LoopTimer::onTimer(uv_timer_t* h) {
+  auto* t = static_cast<LoopTimer*>(h->data);
+  Loop::Scope scope(*t->loop_);
+  auto fn = std::move(t->fn_);
+  t->cancel();
+  if (fn) {
+    fn();
+  }
+}
+
+void LoopTimer::cancel() {
+  fn_ = nullptr;
+  uv_timer_stop(&timer_);
+  uv_close(reinterpret_cast<uv_handle_t*>(&timer_),
+           [](uv_handle_t* h) { delete static_cast<LoopTimer*>(h->data); });
+}
+
+}  // namespace trellis::transport

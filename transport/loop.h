@@ -1,0 +1,126 @@
+#pragma once
+
+// Internal: the event loop thread of a Context (docs/transport.md, "Thread
+// model"). Not installed.
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <uv.h>
+
+#include <trellis/core/deadline.h>
+
+namespace trellis::transport {
+
+class Loop {
+ public:
+  using Task = std::function<void()>;
+
+  // The thread keeps the Loop alive until it exits, so dropping the last
+  // reference on the loop thread itself is safe.
+  static std::shared_ptr<Loop> create(std::string id);
+  ~Loop();  // joins the thread unless called on it
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+
+  uv_loop_t* uv() { return &loop_; }
+  const std::string& id() const { return id_; }
+  bool inLoop() const {
+    return std::this_thread::get_id() ==
+           threadId_.load(std::memory_order_acquire);
+  }
+
+  // Runs `task` on the loop thread later, never inline. Tasks deferred after
+  // the loop has exited run on a process-wide fallback thread, so none is
+  // ever dropped.
+  void defer(Task task);
+
+  // A public entry point: on the loop thread `task` runs now, inside a
+  // "public call" scope (so callbacks it completes are deferred); elsewhere
+  // it is deferred.
+  void run(Task task);
+
+  // Invokes a user callback: deferred when inside a public call on this
+  // thread, otherwise run now. Loop thread only.
+  void deliver(Task task);
+
+  // Wraps every entry from libuv into Trellis code (read/write/connect/
+  // accept/timer callbacks). Callbacks deferred inside it run when the
+  // outermost scope ends, in the same loop iteration, instead of costing
+  // another trip through the loop.
+  class Scope {
+   public:
+    explicit Scope(Loop& loop) : loop_(loop) { ++loop_.scopeDepth_; }
+    ~Scope() {
+      if (--loop_.scopeDepth_ == 0 && !loop_.local_.empty()) {
+        loop_.drainLocal();
+      }
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    Loop& loop_;
+  };
+
+  // Loop thread only: closes the loop's own handles; uv_run then returns
+  // once every other handle has been closed by its owner.
+  void stopFromLoop();
+
+  // Waits for the loop thread to finish, until `deadline`.
+  bool join(Deadline deadline);
+
+ private:
+  explicit Loop(std::string id);
+  static void onAsync(uv_async_t* h);
+  static void onIdle(uv_idle_t* h);
+  void threadMain();
+  void runLocal();
+  void drainLocal();
+
+  const std::string id_;
+  uv_loop_t loop_;
+  uv_async_t async_;
+  uv_idle_t idle_;
+  std::thread thread_;
+  std::atomic<std::thread::id> threadId_;
+
+  std::mutex mu_;
+  std::vector<Task> remote_;  // guarded by mu_
+  bool exited_ = false;       // guarded by mu_
+  bool asyncClosed_ = false;  // guarded by mu_
+  std::mutex joinMu_;
+  bool finished_ = false;  // guarded by joinMu_
+  std::condition_variable_any joinCv_;
+
+  // Loop thread only.
+  std::vector<Task> local_;
+  bool idleActive_ = false;
+  bool stopped_ = false;
+  int publicDepth_ = 0;
+  int scopeDepth_ = 0;
+};
+
+// A one-shot timer on a loop. Loop thread only. `fn` runs once unless
+// cancel() is called first; the object frees itself.
+class LoopTimer {
+ public:
+  static LoopTimer* start(Loop& loop, Duration after, std::function<void()> fn);
+  void cancel();
+
+ private:
+  LoopTimer() = default;
+  static void onTimer(uv_timer_t* t);
+  uv_timer_t timer_;
+  Loop* loop_ = nullptr;
+  std::function<void()> fn_;
+};
+
+}  // namespace trellis::transport

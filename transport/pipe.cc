@@ -1,0 +1,866 @@
+#include <cstring>
+
+#include <trellis/core/check.h>
+#include <trellis/core/logging.h>
+#include <trellis/transport/context_impl.h>
+#include <trellis/transport/pipe.h>
+
+namespace trellis::transport {
+
+namespace wf = wire_format;
+
+namespace {
+
+// Bytes read ahead of the consumer; also bounds per-pipe memory at rest.
+constexpr size_t kStageBytes = 32 << 10;
+// A segment at least this long is read straight into its destination.
+constexpr size_t kDirectThreshold = 16 << 10;
+constexpr size_t kNoHeader = static_cast<size_t>(-1);
+
+}  // namespace
+
+// ---- public handle ---------------------------------------------------------
+
+Pipe::Pipe(std::shared_ptr<PipeImpl> impl) : impl_(std::move(impl)) {}
+Pipe::~Pipe() { impl_->close(); }
+void Pipe::write(Message message, WriteCallback cb) {
+  impl_->write(std::move(message), std::move(cb));
+}
+void Pipe::readDescriptor(ReadDescriptorCallback cb) {
+  impl_->readDescriptor(std::move(cb));
+}
+void Pipe::read(Allocation allocation, ReadCallback cb) {
+  impl_->read(std::move(allocation), std::move(cb));
+}
+void Pipe::close() { impl_->close(); }
+const std::string& Pipe::id() const { return impl_->id(); }
+std::string Pipe::peerAddress() const { return impl_->peerAddress(); }
+std::string Pipe::transportName() const { return impl_->transportName(); }
+std::string Pipe::channelName() const { return impl_->channelName(); }
+
+// ---- PipeImpl --------------------------------------------------------------
+
+PipeImpl::PipeImpl(std::shared_ptr<ContextImpl> ctx, std::string id,
+                   bool connector)
+    : ctx_(std::move(ctx)), id_(std::move(id)), connector_(connector) {}
+
+PipeImpl::~PipeImpl() = default;
+
+std::string PipeImpl::peerAddress() const {
+  std::lock_guard<std::mutex> lock(infoMu_);
+  return peer_;
+}
+std::string PipeImpl::transportName() const {
+  std::lock_guard<std::mutex> lock(infoMu_);
+  return negotiated_.transport;
+}
+std::string PipeImpl::channelName() const {
+  std::lock_guard<std::mutex> lock(infoMu_);
+  return negotiated_.channel;
+}
+
+void PipeImpl::connectFromLoop(const std::string& address) {
+  auto self = shared_from_this();
+  ctx_->addPipeFromLoop(self);
+  if (ctx_->closedFromLoop()) {
+    failFromLoop(Error::cancelled(id_ + ": context is closed"));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(infoMu_);
+    peer_ = address;
+  }
+  const size_t sep = address.find("://");
+  const std::string name =
+      sep == std::string::npos ? std::string() : address.substr(0, sep);
+  auto transport = ctx_->transport(name);
+  if (transport == nullptr) {
+    failFromLoop(Error::invalidArgument(
+        id_ + ": address '" + address +
+        "' names no transport enabled in this context (expected e.g. "
+        "uv://127.0.0.1:port)"));
+    return;
+  }
+  const Duration timeout = ctx_->options().handshakeTimeout;
+  if (timeout > Duration::zero()) {
+    std::weak_ptr<PipeImpl> weak = self;
+    timer_ = LoopTimer::start(ctx_->loop(), timeout, [weak, timeout] {
+      if (auto p = weak.lock()) {
+        p->timer_ = nullptr;
+        p->failFromLoop(Error::timeout(
+            p->id_ + ": connect and handshake did not complete within " +
+            formatDuration(timeout)));
+      }
+    });
+  }
+  transport->connect(
+      ctx_->loop(), address,
+      [self, name](const Error& error, std::shared_ptr<Connection> conn) {
+        if (self->state_ == State::kFailed) {
+          if (conn) {
+            conn->close();
+          }
+          return;
+        }
+        if (!error.ok()) {
+          self->failFromLoop(error.withContext(self->id_));
+          return;
+        }
+        self->attach(std::move(conn), name);
+        self->sendRaw(wf::encodeHello(wf::HandshakeType::kHello,
+                                      self->ctx_->localHello()));
+        self->state_ = State::kAwaitHelloReply;
+        self->process();
+      });
+}
+
+void PipeImpl::acceptFromLoop(std::shared_ptr<Connection> conn,
+                              const std::string& transport) {
+  auto self = shared_from_this();
+  ctx_->addPipeFromLoop(self);
+  const Duration timeout = ctx_->options().handshakeTimeout;
+  if (timeout > Duration::zero()) {
+    std::weak_ptr<PipeImpl> weak = self;
+    timer_ = LoopTimer::start(ctx_->loop(), timeout, [weak, timeout] {
+      if (auto p = weak.lock()) {
+        p->timer_ = nullptr;
+        p->failFromLoop(Error::timeout(
+            p->id_ + ": handshake with " + p->peerAddress() +
+            " did not complete within " + formatDuration(timeout)));
+      }
+    });
+  }
+  attach(std::move(conn), transport);
+  state_ = State::kAwaitHello;
+  process();
+}
+
+void PipeImpl::attach(std::shared_ptr<Connection> conn,
+                      const std::string& transport) {
+  conn_ = std::move(conn);
+  bootstrap_ = transport;
+  {
+    std::lock_guard<std::mutex> lock(infoMu_);
+    peer_ = conn_->peerAddress();
+  }
+  stage_.resize(kStageBytes);
+  pendingHandshakeBody_ = kNoHeader;
+  updateReading();
+}
+
+void PipeImpl::updateReading() {
+  if (conn_ == nullptr || state_ == State::kFailed) {
+    return;
+  }
+  const bool full = stageBegin_ == 0 && stageEnd_ == stage_.size();
+  if (!full && !reading_) {
+    reading_ = true;
+    conn_->startReading(this);
+  } else if (full && reading_) {
+    reading_ = false;
+    conn_->stopReading();
+  }
+}
+
+void PipeImpl::readBuffer(char** base, size_t* length) {
+  if (state_ == State::kEstablished && buffered() == 0) {
+    uint8_t* dst = nullptr;
+    size_t rem = 0;
+    if (rx_ == Rx::kDescriptor) {
+      dst = reinterpret_cast<uint8_t*>(descriptor_.data()) + descriptorFilled_;
+      rem = descriptor_.size() - descriptorFilled_;
+    } else if (rx_ == Rx::kBody && segIndex_ < segments_.size()) {
+      dst = segments_[segIndex_].data + segOffset_;
+      rem = segments_[segIndex_].length - segOffset_;
+    }
+    if (rem >= kDirectThreshold) {
+      direct_ = true;
+      *base = reinterpret_cast<char*>(dst);
+      *length = rem;
+      return;
+    }
+  }
+  direct_ = false;
+  if (buffered() == 0) {
+    stageBegin_ = stageEnd_ = 0;
+  } else if (stageEnd_ == stage_.size() && stageBegin_ > 0) {
+    std::memmove(stage_.data(), stage_.data() + stageBegin_, buffered());
+    stageEnd_ -= stageBegin_;
+    stageBegin_ = 0;
+  }
+  *base = reinterpret_cast<char*>(stage_.data() + stageEnd_);
+  *length = stage_.size() - stageEnd_;
+}
+
+void PipeImpl::onRead(size_t n) {
+  auto self = shared_from_this();
+  if (direct_) {
+    direct_ = false;
+    if (rx_ == Rx::kDescriptor) {
+      descriptorFilled_ += n;
+    } else {
+      segOffset_ += n;
+    }
+  } else {
+    stageEnd_ += n;
+  }
+  process();
+}
+
+void PipeImpl::onReadError(const Error& error) {
+  auto self = shared_from_this();
+  reading_ = false;
+  std::string where;
+  if (state_ != State::kEstablished) {
+    where = " during the handshake";
+  } else if (rx_ != Rx::kHeader || buffered() > 0) {
+    where = " in the middle of a message";
+  }
+  failFromLoop(error.withContext(id_ + ": connection to " + peerAddress() +
+                                 " lost" + where));
+}
+
+bool PipeImpl::needBytes(size_t n) {
+  if (buffered() >= n) {
+    return true;
+  }
+  if (n > stage_.size()) {
+    // Only for a layout, whose length was checked against the limits.
+    std::vector<uint8_t> bigger(n);
+    std::memcpy(bigger.data(), stageData(), buffered());
+    stageEnd_ = buffered();
+    stageBegin_ = 0;
+    stage_.swap(bigger);
+  } else if (stageBegin_ + n > stage_.size()) {
+    std::memmove(stage_.data(), stageData(), buffered());
+    stageEnd_ = buffered();
+    stageBegin_ = 0;
+  }
+  return false;
+}
+
+void PipeImpl::process() {
+  if (processing_) {
+    again_ = true;
+    return;
+  }
+  auto self = shared_from_this();
+  processing_ = true;
+  do {
+    again_ = false;
+    while (state_ != State::kFailed && step()) {
+    }
+  } while (again_ && state_ != State::kFailed);
+  processing_ = false;
+  updateReading();
+}
+
+bool PipeImpl::step() {
+  switch (state_) {
+    case State::kConnecting:
+    case State::kFailed:
+      return false;
+    case State::kEstablished:
+      return stepFrame();
+    default:
+      return stepHandshake();
+  }
+}
+
+bool PipeImpl::stepHandshake() {
+  wf::HandshakeType expected;
+  switch (state_) {
+    case State::kAwaitHello:
+      expected = wf::HandshakeType::kHello;
+      break;
+    case State::kAwaitHelloReply:
+      expected = wf::HandshakeType::kHelloReply;
+      break;
+    case State::kAwaitAuth:
+      expected = wf::HandshakeType::kAuth;
+      break;
+    default:
+      expected = wf::HandshakeType::kAccept;
+      break;
+  }
+  if (pendingHandshakeBody_ == kNoHeader) {
+    if (!needBytes(wf::kHandshakeHeaderBytes)) {
+      return false;
+    }
+    Error e = wf::decodeHandshakeHeader(
+        std::span<const uint8_t>(stageData(), wf::kHandshakeHeaderBytes),
+        expected, &pendingHandshakeBody_);
+    if (!e.ok()) {
+      pendingHandshakeBody_ = kNoHeader;
+      failFromLoop(e.withContext(id_ + " (peer " + peerAddress() + ")"));
+      return false;
+    }
+    consume(wf::kHandshakeHeaderBytes);
+  }
+  if (!needBytes(pendingHandshakeBody_)) {
+    return false;
+  }
+  const std::span<const uint8_t> body(stageData(), pendingHandshakeBody_);
+  consume(pendingHandshakeBody_);
+  pendingHandshakeBody_ = kNoHeader;
+  const std::string who = id_ + " (peer " + peerAddress() + ")";
+  const auto& token = ctx_->token();
+
+  switch (state_) {
+    case State::kAwaitHello: {
+      wf::Hello hello;
+      hello.version = 0;
+      Error e = wf::decodeHello(body, wf::HandshakeType::kHello, &hello);
+      wf::Hello mine = ctx_->localHello();
+      myNonce_ = auth::randomNonce();
+      mine.nonce = myNonce_;
+      if (!e.ok()) {
+        if (hello.version != 0 && hello.version != wf::kProtocolVersion) {
+          // Let the peer see our version and fail with a clear message too.
+          sendRaw(wf::encodeHello(wf::HandshakeType::kHelloReply, mine));
+        }
+        failFromLoop(e.withContext(who));
+        return false;
+      }
+      remoteHello_ = std::move(hello);
+      sendRaw(wf::encodeHello(wf::HandshakeType::kHelloReply, mine));
+      if (remoteHello_.tokenConfigured != token.has_value()) {
+        failFromLoop(Error::auth(who + ": job token configured on " +
+                                 (token ? "this side but not on the peer"
+                                        : "the peer but not on this side")));
+        return false;
+      }
+      state_ = State::kAwaitAuth;
+      return true;
+    }
+    case State::kAwaitHelloReply: {
+      wf::Hello hello;
+      Error e = wf::decodeHello(body, wf::HandshakeType::kHelloReply, &hello);
+      if (!e.ok()) {
+        failFromLoop(e.withContext(who));
+        return false;
+      }
+      remoteHello_ = std::move(hello);
+      peerNonce_ = remoteHello_.nonce;
+      if (remoteHello_.tokenConfigured != token.has_value()) {
+        failFromLoop(Error::auth(who + ": job token configured on " +
+                                 (token ? "this side but not on the peer"
+                                        : "the peer but not on this side")));
+        return false;
+      }
+      wf::AuthMessage a;
+      myNonce_ = auth::randomNonce();
+      a.nonce = myNonce_;
+      if (token) {
+        a.proof = auth::computeProof(*token, "connector", peerNonce_, myNonce_);
+      }
+      sendRaw(wf::encodeAuth(a));
+      state_ = State::kAwaitAccept;
+      return true;
+    }
+    case State::kAwaitAuth: {
+      wf::AuthMessage a;
+      Error e = wf::decodeAuth(body, &a);
+      if (!e.ok()) {
+        failFromLoop(e.withContext(who));
+        return false;
+      }
+      peerNonce_ = a.nonce;
+      wf::AcceptMessage acc;
+      if (token) {
+        Error v = a.proof ? auth::verifyProof(*token, "connector", myNonce_,
+                                              a.nonce, *a.proof, peerAddress())
+                          : Error::auth("peer sent no job token proof");
+        if (!v.ok()) {
+          acc.status = wf::AcceptStatus::kAuthFailed;
+          acc.reason = "job token proof rejected";
+          sendRaw(wf::encodeAccept(acc));
+          failFromLoop(v.withContext(who));
+          return false;
+        }
+        acc.proof = auth::computeProof(*token, "acceptor", a.nonce, myNonce_);
+      } else if (a.proof) {
+        failFromLoop(Error::protocol(
+            who +
+            ": peer sent a token proof although neither side has a token"));
+        return false;
+      }
+      Negotiated n;
+      Error ne = negotiate(ctx_->transportOffers(), ctx_->channelOffers(),
+                           remoteHello_, remoteHello_.hostId == ctx_->hostId(),
+                           bootstrap_, &n);
+      if (!ne.ok()) {
+        acc.status = wf::AcceptStatus::kNoCommonTransport;
+        acc.reason = ne.message();
+        acc.proof.reset();
+        sendRaw(wf::encodeAccept(acc));
+        failFromLoop(ne.withContext(who));
+        return false;
+      }
+      acc.transport = n.transport;
+      acc.channel = n.channel;
+      sendRaw(wf::encodeAccept(acc));
+      established(n);
+      return true;
+    }
+    default: {  // kAwaitAccept
+      wf::AcceptMessage acc;
+      Error e = wf::decodeAccept(body, &acc);
+      if (!e.ok()) {
+        failFromLoop(e.withContext(who));
+        return false;
+      }
+      if (acc.status == wf::AcceptStatus::kAuthFailed) {
+        failFromLoop(Error::auth(
+            who + ": peer rejected this side's job token: " + acc.reason));
+        return false;
+      }
+      if (acc.status == wf::AcceptStatus::kNoCommonTransport) {
+        failFromLoop(
+            Error(Code::kFailedPrecondition,
+                  who + ": no common transport/channel: " + acc.reason));
+        return false;
+      }
+      if (token) {
+        Error v = acc.proof
+                      ? auth::verifyProof(*token, "acceptor", myNonce_,
+                                          peerNonce_, *acc.proof, peerAddress())
+                      : Error::auth("peer sent no job token proof");
+        if (!v.ok()) {
+          failFromLoop(v.withContext(who));
+          return false;
+        }
+      } else if (acc.proof) {
+        failFromLoop(Error::protocol(who + ": unexpected token proof"));
+        return false;
+      }
+      bool channelOk = false;
+      for (const auto& c : ctx_->channelOffers()) {
+        channelOk = channelOk || (c.name == acc.channel && c.inlineChannel);
+      }
+      if (acc.transport != bootstrap_ || !channelOk) {
+        failFromLoop(Error::protocol(who + ": peer chose transport '" +
+                                     acc.transport + "' and channel '" +
+                                     acc.channel +
+                                     "', which this side did "
+                                     "not offer for this connection"));
+        return false;
+      }
+      established(Negotiated{acc.transport, acc.channel});
+      return true;
+    }
+  }
+}
+
+void PipeImpl::established(const Negotiated& n) {
+  state_ = State::kEstablished;
+  if (timer_ != nullptr) {
+    timer_->cancel();
+    timer_ = nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> lock(infoMu_);
+    negotiated_ = n;
+  }
+  TRELLIS_LOG_DEBUG("{}: established with {} over {}+{}", id_, peerAddress(),
+                    n.transport, n.channel);
+  rx_ = Rx::kHeader;
+  auto queued = std::move(queuedWrites_);
+  queuedWrites_.clear();
+  for (auto& op : queued) {
+    if (state_ != State::kEstablished) {
+      break;
+    }
+    submitWrite(op);
+  }
+}
+
+void PipeImpl::sendRaw(std::vector<uint8_t> bytes) {
+  auto buf = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
+  const IoBuf b{buf->data(), buf->size()};
+  std::weak_ptr<PipeImpl> weak = shared_from_this();
+  conn_->write(&b, 1, [weak, buf](const Error& e) {
+    auto self = weak.lock();
+    if (self && !e.ok()) {
+      self->failFromLoop(e.withContext(self->id_ + ": handshake write"));
+    }
+  });
+}
+
+bool PipeImpl::stepFrame() {
+  switch (rx_) {
+    case Rx::kHeader: {
+      if (!needBytes(wf::kFrameHeaderBytes)) {
+        return false;
+      }
+      Error e = wf::decodeFrameHeader(
+          std::span<const uint8_t>(stageData(), wf::kFrameHeaderBytes),
+          ctx_->limits(), &layoutLength_);
+      if (!e.ok()) {
+        failFromLoop(e.withContext(id_ + " (peer " + peerAddress() + ")"));
+        return false;
+      }
+      consume(wf::kFrameHeaderBytes);
+      rx_ = Rx::kLayout;
+      return true;
+    }
+    case Rx::kLayout: {
+      if (!needBytes(layoutLength_)) {
+        return false;
+      }
+      Error e =
+          wf::decodeLayout(std::span<const uint8_t>(stageData(), layoutLength_),
+                           ctx_->limits(), &layout_);
+      if (e.ok()) {
+        for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+          if (layout_.tensors[i].device.type != DeviceType::kCpu) {
+            e = Error::protocol("tensor " + std::to_string(i) + " on " +
+                                layout_.tensors[i].device.toString() +
+                                " sent inline over channel " + channelName() +
+                                ", which carries CPU only");
+            break;
+          }
+        }
+      }
+      if (!e.ok()) {
+        failFromLoop(e.withContext(id_ + " (peer " + peerAddress() + ")"));
+        return false;
+      }
+      consume(layoutLength_);
+      // Sized only now that the length passed the limits.
+      descriptor_.assign(layout_.descriptorLength, '\0');
+      descriptorFilled_ = 0;
+      rx_ = Rx::kDescriptor;
+      return true;
+    }
+    case Rx::kDescriptor: {
+      const size_t want = descriptor_.size() - descriptorFilled_;
+      const size_t n = std::min(want, buffered());
+      if (n > 0) {
+        std::memcpy(descriptor_.data() + descriptorFilled_, stageData(), n);
+        consume(n);
+        descriptorFilled_ += n;
+      }
+      if (descriptorFilled_ == descriptor_.size()) {
+        rx_ = Rx::kDescriptorReady;
+        return true;
+      }
+      return false;
+    }
+    case Rx::kDescriptorReady: {
+      if (descriptorCbs_.empty()) {
+        return false;
+      }
+      serveDescriptor();
+      return true;
+    }
+    case Rx::kAwaitRead:
+      return false;
+    case Rx::kBody: {
+      bool progress = false;
+      while (segIndex_ < segments_.size()) {
+        auto& seg = segments_[segIndex_];
+        if (segOffset_ == seg.length) {
+          ++segIndex_;
+          segOffset_ = 0;
+          continue;
+        }
+        const size_t n = std::min(seg.length - segOffset_, buffered());
+        if (n == 0) {
+          break;
+        }
+        std::memcpy(seg.data + segOffset_, stageData(), n);
+        consume(n);
+        segOffset_ += n;
+        progress = true;
+      }
+      if (segIndex_ == segments_.size()) {
+        finishBody();
+        return true;
+      }
+      return progress;
+    }
+  }
+  return false;
+}
+
+void PipeImpl::serveDescriptor() {
+  auto cb = std::move(descriptorCbs_.front());
+  descriptorCbs_.pop_front();
+  --pendingOps_;
+  Descriptor d;
+  d.descriptor = std::move(descriptor_);
+  descriptor_.clear();
+  d.payloadLengths = layout_.payloadLengths;
+  d.tensors = layout_.tensors;
+  rx_ = Rx::kAwaitRead;
+  ctx_->loop().deliver([cb = std::move(cb), d = std::move(d)]() mutable {
+    cb(Error(), std::move(d));
+  });
+}
+
+void PipeImpl::finishBody() {
+  rx_ = Rx::kHeader;
+  segments_.clear();
+  segIndex_ = segOffset_ = 0;
+  auto cb = std::move(readCb_);
+  readCb_ = nullptr;
+  --pendingOps_;
+  ctx_->loop().deliver([cb = std::move(cb)] { cb(Error()); });
+}
+
+void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
+  const Message& m = op->message;
+  op->head.clear();
+  wf::encodeFrameHead(m, &op->head);
+  std::vector<IoBuf> iov;
+  iov.reserve(2 + m.payloads.size() + m.tensors.size());
+  iov.push_back(IoBuf{op->head.data(), op->head.size()});
+  if (!m.descriptor.empty()) {
+    iov.push_back(IoBuf{m.descriptor.data(), m.descriptor.size()});
+  }
+  for (const auto& p : m.payloads) {
+    if (p.length > 0) {
+      iov.push_back(IoBuf{p.data, p.length});
+    }
+  }
+  for (const auto& t : m.tensors) {
+    if (t.length > 0) {
+      iov.push_back(IoBuf{t.data, t.length});
+    }
+  }
+  inflightWrites_.push_back(op);
+  std::weak_ptr<PipeImpl> weak = shared_from_this();
+  const bool done =
+      conn_->write(iov.data(), iov.size(), [weak, op](const Error& e) {
+        if (auto self = weak.lock()) {
+          self->completeWrite(op, e);
+        }
+      });
+  if (done) {
+    completeWrite(op, Error());
+  }
+}
+
+void PipeImpl::completeWrite(const std::shared_ptr<WriteOp>& op,
+                             const Error& error) {
+  if (op->done) {
+    return;
+  }
+  if (!error.ok()) {
+    failFromLoop(error.withContext(id_ + ": write to " + peerAddress()));
+    return;
+  }
+  op->done = true;
+  for (auto it = inflightWrites_.begin(); it != inflightWrites_.end(); ++it) {
+    if (*it == op) {
+      inflightWrites_.erase(it);
+      break;
+    }
+  }
+  --pendingOps_;
+  auto cb = std::move(op->cb);
+  op->message = Message();
+  ctx_->loop().deliver([cb = std::move(cb)] { cb(Error()); });
+}
+
+void PipeImpl::failFromLoop(const Error& error) {
+  if (state_ == State::kFailed) {
+    return;
+  }
+  auto self = shared_from_this();
+  state_ = State::kFailed;
+  error_ = error;
+  if (error.code() == Code::kCancelled) {
+    TRELLIS_LOG_DEBUG("{}", error.what());
+  } else {
+    TRELLIS_LOG_INFO("{}", error.what());
+  }
+  if (timer_ != nullptr) {
+    timer_->cancel();
+    timer_ = nullptr;
+  }
+  if (conn_ != nullptr) {
+    conn_->close();
+    reading_ = false;
+  }
+  std::vector<Pipe::WriteCallback> writes;
+  for (auto* q : {&queuedWrites_, &inflightWrites_}) {
+    for (auto& op : *q) {
+      if (!op->done) {
+        op->done = true;
+        writes.push_back(std::move(op->cb));
+        op->message = Message();
+      }
+    }
+    q->clear();
+  }
+  auto descs = std::move(descriptorCbs_);
+  descriptorCbs_.clear();
+  auto readCb = std::move(readCb_);
+  readCb_ = nullptr;
+  pendingOps_ = 0;
+  segments_.clear();
+  descriptor_.clear();
+  descriptor_.shrink_to_fit();
+  std::vector<uint8_t>().swap(stage_);
+  stageBegin_ = stageEnd_ = 0;
+  auto& loop = ctx_->loop();
+  for (auto& cb : writes) {
+    loop.deliver([cb = std::move(cb), error] { cb(error); });
+  }
+  for (auto& cb : descs) {
+    loop.deliver([cb = std::move(cb), error] { cb(error, Descriptor()); });
+  }
+  if (readCb) {
+    loop.deliver([cb = std::move(readCb), error] { cb(error); });
+  }
+  ctx_->removePipeFromLoop(this);
+}
+
+void PipeImpl::write(Message message, Pipe::WriteCallback cb) {
+  TRELLIS_CHECK(cb != nullptr, "Pipe::write needs a callback");
+  auto self = shared_from_this();
+  ctx_->loop().run([self, message = std::move(message),
+                    cb = std::move(cb)]() mutable {
+    auto& loop = self->ctx_->loop();
+    if (self->state_ == State::kFailed) {
+      loop.deliver([cb = std::move(cb), e = self->error_] { cb(e); });
+      return;
+    }
+    Error e = wf::checkOutgoing(message, self->ctx_->limits());
+    for (size_t i = 0; e.ok() && i < message.tensors.size(); ++i) {
+      if (message.tensors[i].device.type != DeviceType::kCpu) {
+        e = Error::invalidArgument(
+            "tensor " + std::to_string(i) + " is on " +
+            message.tensors[i].device.toString() +
+            "; the available channels carry CPU tensors only");
+      }
+    }
+    if (e.ok() &&
+        self->pendingOps_ >= self->ctx_->limits().maxPendingOperations) {
+      e = Error(Code::kResourceExhausted,
+                self->id_ + ": too many pending operations (limit " +
+                    std::to_string(self->ctx_->limits().maxPendingOperations) +
+                    ")");
+    }
+    if (!e.ok()) {
+      loop.deliver([cb = std::move(cb),
+                    e = e.withContext(self->id_ + ": write")] { cb(e); });
+      return;
+    }
+    auto op = std::make_shared<WriteOp>();
+    op->message = std::move(message);
+    op->cb = std::move(cb);
+    ++self->pendingOps_;
+    if (self->state_ == State::kEstablished) {
+      self->submitWrite(op);
+    } else {
+      self->queuedWrites_.push_back(std::move(op));
+    }
+  });
+}
+
+void PipeImpl::readDescriptor(Pipe::ReadDescriptorCallback cb) {
+  TRELLIS_CHECK(cb != nullptr, "Pipe::readDescriptor needs a callback");
+  auto self = shared_from_this();
+  ctx_->loop().run([self, cb = std::move(cb)]() mutable {
+    auto& loop = self->ctx_->loop();
+    if (self->state_ == State::kFailed) {
+      loop.deliver(
+          [cb = std::move(cb), e = self->error_] { cb(e, Descriptor()); });
+      return;
+    }
+    if (self->pendingOps_ >= self->ctx_->limits().maxPendingOperations) {
+      Error e(Code::kResourceExhausted,
+              self->id_ + ": too many pending operations");
+      loop.deliver([cb = std::move(cb), e] { cb(e, Descriptor()); });
+      return;
+    }
+    ++self->pendingOps_;
+    self->descriptorCbs_.push_back(std::move(cb));
+    self->process();
+  });
+}
+
+void PipeImpl::read(Allocation allocation, Pipe::ReadCallback cb) {
+  TRELLIS_CHECK(cb != nullptr, "Pipe::read needs a callback");
+  auto self = shared_from_this();
+  ctx_->loop().run([self, allocation = std::move(allocation),
+                    cb = std::move(cb)]() mutable {
+    auto& loop = self->ctx_->loop();
+    if (self->state_ == State::kFailed) {
+      loop.deliver([cb = std::move(cb), e = self->error_] { cb(e); });
+      return;
+    }
+    auto reject = [&](std::string why) {
+      loop.deliver([cb = std::move(cb),
+                    e = Error::invalidArgument(self->id_ + ": read: " + why)] {
+        cb(e);
+      });
+    };
+    if (self->rx_ != Rx::kAwaitRead) {
+      reject(self->rx_ == Rx::kBody
+                 ? "a read is already in progress"
+                 : "no descriptor is waiting: call readDescriptor() and wait "
+                   "for its callback first");
+      return;
+    }
+    const auto& lay = self->layout_;
+    if (allocation.payloads.size() != lay.payloadLengths.size() ||
+        allocation.tensors.size() != lay.tensors.size()) {
+      reject("allocation has " + std::to_string(allocation.payloads.size()) +
+             " payloads and " + std::to_string(allocation.tensors.size()) +
+             " tensors; the descriptor announced " +
+             std::to_string(lay.payloadLengths.size()) + " and " +
+             std::to_string(lay.tensors.size()));
+      return;
+    }
+    std::vector<Segment> segs;
+    segs.reserve(allocation.payloads.size() + allocation.tensors.size());
+    auto check = [&](const Allocation::Buffer& b, size_t want,
+                     const std::string& what) -> bool {
+      if (b.length != want) {
+        reject(what + " buffer has " + std::to_string(b.length) +
+               " bytes; the descriptor announced " + std::to_string(want));
+        return false;
+      }
+      if (want > 0 && b.data == nullptr) {
+        reject(what + " buffer is null");
+        return false;
+      }
+      if (want > 0) {
+        segs.push_back(Segment{static_cast<uint8_t*>(b.data), want});
+      }
+      return true;
+    };
+    for (size_t i = 0; i < allocation.payloads.size(); ++i) {
+      if (!check(allocation.payloads[i], lay.payloadLengths[i],
+                 "payload " + std::to_string(i))) {
+        return;
+      }
+    }
+    for (size_t i = 0; i < allocation.tensors.size(); ++i) {
+      if (!check(allocation.tensors[i], lay.tensors[i].length,
+                 "tensor " + std::to_string(i))) {
+        return;
+      }
+    }
+    self->segments_ = std::move(segs);
+    self->segIndex_ = 0;
+    self->segOffset_ = 0;
+    self->readCb_ = std::move(cb);
+    ++self->pendingOps_;
+    self->rx_ = Rx::kBody;
+    self->process();
+  });
+}
+
+void PipeImpl::close() {
+  auto self = shared_from_this();
+  ctx_->loop().run([self] {
+    self->failFromLoop(Error::cancelled(self->id_ + ": pipe closed"));
+  });
+}
+
+}  // namespace trellis::transport

@@ -1,0 +1,75 @@
+#pragma once
+
+// Pipe: an ordered, bidirectional message stream between two Contexts.
+//
+// Contract
+//  - Thread safety: every method may be called from any thread, including
+//    from inside a callback of this or another pipe.
+//  - Ordering: messages arrive in the order write() was called; callbacks of
+//    each kind fire in the order of their calls.
+//  - Callbacks: each fires exactly once, on the context's loop thread, never
+//    inline from the call that queued it and never under a Trellis lock. A
+//    callback must not block: it holds up every pipe of the context.
+//  - Reading is two-step: readDescriptor(cb) delivers the next message's
+//    Descriptor; then read(allocation, cb) receives its payloads and tensors
+//    straight into the caller's buffers (no intermediate copy for large
+//    ones). Exactly one read() must follow each delivered descriptor. An
+//    allocation that does not match the descriptor (count or length), or a
+//    read() with no descriptor waiting, fails that read() with
+//    InvalidArgument; the pipe stays usable and a correct read() may follow.
+//  - Ownership: write() borrows every payload/tensor buffer until its
+//    callback fires; read() borrows the allocation until its callback fires.
+//  - Errors are sticky: the first connection, protocol (DATA_LOSS), auth
+//    (UNAUTHENTICATED) or timeout error fails every pending and later
+//    operation with the same Error. A peer that closes or dies fails them
+//    with UNAVAILABLE (ConnectionError). close() fails them with CANCELLED.
+//    A message exceeding this context's limits fails that write() with
+//    InvalidArgument and nothing else.
+//  - A pipe is usable as soon as it is returned: operations queue until the
+//    handshake completes.
+//  - Destroying the last shared_ptr closes the pipe.
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <trellis/core/error.h>
+#include <trellis/transport/message.h>
+
+namespace trellis::transport {
+
+class PipeImpl;
+
+class Pipe {
+ public:
+  using WriteCallback = std::function<void(const Error&)>;
+  using ReadDescriptorCallback =
+      std::function<void(const Error&, Descriptor descriptor)>;
+  using ReadCallback = std::function<void(const Error&)>;
+
+  explicit Pipe(std::shared_ptr<PipeImpl> impl);
+  ~Pipe();
+  Pipe(const Pipe&) = delete;
+  Pipe& operator=(const Pipe&) = delete;
+
+  void write(Message message, WriteCallback cb);
+  void readDescriptor(ReadDescriptorCallback cb);
+  void read(Allocation allocation, ReadCallback cb);
+
+  // Fails pending operations with CANCELLED and closes the connection.
+  // Asynchronous and idempotent.
+  void close();
+
+  // "ctx.pipe3"; stable for the pipe's life.
+  const std::string& id() const;
+  // The peer's address as the transport reports it ("uv://127.0.0.1:4242").
+  std::string peerAddress() const;
+  // Negotiated transport / channel names; empty until the handshake is done.
+  std::string transportName() const;
+  std::string channelName() const;
+
+ private:
+  std::shared_ptr<PipeImpl> impl_;
+};
+
+}  // namespace trellis::transport

@@ -1,0 +1,130 @@
+#include <algorithm>
+#include <cstring>
+
+#include <trellis/transport/shm/ring.h>
+
+namespace trellis::transport::shm {
+
+namespace {
+
+uint64_t loadAcquire(uint64_t* p) {
+  return std::atomic_ref<uint64_t>(*p).load(std::memory_order_acquire);
+}
+void storeRelease(uint64_t* p, uint64_t v) {
+  std::atomic_ref<uint64_t>(*p).store(v, std::memory_order_release);
+}
+// The waiting flags pair with the indices Dekker-style: each side stores
+// one, fences, then loads the other; seq_cst on both makes it impossible
+// for both to miss each other (a lost wake-up).
+void setFlag(uint32_t* p, bool on) {
+  std::atomic_ref<uint32_t>(*p).store(on ? 1 : 0, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+bool takeFlag(uint32_t* p) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  std::atomic_ref<uint32_t> f(*p);
+  if (f.load(std::memory_order_seq_cst) == 0) {
+    return false;
+  }
+  return f.exchange(0, std::memory_order_seq_cst) != 0;
+}
+
+}  // namespace
+
+bool validRingBytes(uint64_t n) {
+  return n >= kMinRingBytes && n <= kMaxRingBytes && (n & (n - 1)) == 0;
+}
+
+RingWriter::RingWriter(RingControl* control, char* data, size_t capacity)
+    : control_(control), data_(data), capacity_(capacity) {}
+
+Error RingWriter::space(size_t* free) {
+  const uint64_t tail = loadAcquire(&control_->tail);
+  // Unsigned: a tail behind the last one seen or beyond our head makes
+  // `used` exceed what we have written since lastTail_.
+  const uint64_t used = head_ - tail;
+  if (used > head_ - lastTail_) {
+    free_ = 0;
+    *free = 0;
+    return Error::protocol("shm peer corrupted ring: consumer tail " +
+                           std::to_string(tail) + " outside [" +
+                           std::to_string(lastTail_) + ", " +
+                           std::to_string(head_) + "]");
+  }
+  lastTail_ = tail;
+  free_ = static_cast<size_t>(capacity_ - used);
+  *free = free_;
+  return Error();
+}
+
+size_t RingWriter::write(const void* src, size_t n) {
+  n = std::min(n, free_);
+  if (n == 0) {
+    return 0;
+  }
+  const size_t off = static_cast<size_t>(head_ & (capacity_ - 1));
+  const size_t first = std::min(n, static_cast<size_t>(capacity_) - off);
+  std::memcpy(data_ + off, src, first);
+  if (n > first) {
+    std::memcpy(data_, static_cast<const char*>(src) + first, n - first);
+  }
+  head_ += n;
+  free_ -= n;
+  storeRelease(&control_->head, head_);
+  return n;
+}
+
+void RingWriter::setWaiting(bool on) {
+  setFlag(&control_->producerWaiting, on);
+}
+
+bool RingWriter::takeConsumerWaiting() {
+  return takeFlag(&control_->consumerWaiting);
+}
+
+RingReader::RingReader(RingControl* control, const char* data, size_t capacity)
+    : control_(control), data_(data), capacity_(capacity) {}
+
+Error RingReader::available(size_t* n) {
+  const uint64_t head = loadAcquire(&control_->head);
+  const uint64_t avail = head - tail_;
+  if (avail > capacity_ || avail < lastHead_ - tail_) {
+    avail_ = 0;
+    *n = 0;
+    return Error::protocol("shm peer corrupted ring: producer head " +
+                           std::to_string(head) + " outside [" +
+                           std::to_string(lastHead_) + ", " +
+                           std::to_string(tail_ + capacity_) + "]");
+  }
+  lastHead_ = head;
+  avail_ = static_cast<size_t>(avail);
+  *n = avail_;
+  return Error();
+}
+
+size_t RingReader::read(void* dst, size_t n) {
+  n = std::min(n, avail_);
+  if (n == 0) {
+    return 0;
+  }
+  const size_t off = static_cast<size_t>(tail_ & (capacity_ - 1));
+  const size_t first = std::min(n, static_cast<size_t>(capacity_) - off);
+  std::memcpy(dst, data_ + off, first);
+  if (n > first) {
+    std::memcpy(static_cast<char*>(dst) + first, data_, n - first);
+  }
+  tail_ += n;
+  avail_ -= n;
+  storeRelease(&control_->tail, tail_);
+  return n;
+}
+
+void RingReader::setWaiting(bool on) {
+  setFlag(&control_->consumerWaiting, on);
+}
+
+bool RingReader::takeProducerWaiting() {
+  return takeFlag(&control_->producerWaiting);
+}
+
+}  // namespace trellis::transport::shm

@@ -1,0 +1,340 @@
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include <trellis/transport/wire_format.h>
+
+namespace trellis::transport::wire_format {
+
+using trellis::wire::WireReader;
+using trellis::wire::WireWriter;
+
+namespace {
+
+std::vector<uint8_t> withHeader(HandshakeType type, const WireWriter& body) {
+  // Sized up front and filled by index: GCC 12 warns (falsely) about
+  // insert() into a freshly reserved vector.
+  std::vector<uint8_t> out(kHandshakeHeaderBytes + body.size());
+  std::memcpy(out.data(), kMagic.data(), kMagic.size());
+  out[4] = static_cast<uint8_t>(type);
+  const auto len = static_cast<uint32_t>(body.size());
+  for (int i = 0; i < 4; ++i) {
+    out[5 + i] = static_cast<uint8_t>(len >> (8 * i));
+  }
+  if (body.size() > 0) {
+    std::memcpy(out.data() + kHandshakeHeaderBytes, body.bytes().data(),
+                body.size());
+  }
+  return out;
+}
+
+void putNames(WireWriter& w, const std::vector<std::string>& names) {
+  w.putVarint(names.size());
+  for (const auto& n : names) {
+    w.putString(n);
+  }
+}
+
+std::vector<std::string> readNames(WireReader& r, std::string_view field) {
+  const uint64_t n = r.varint(kMaxNames, field);
+  std::vector<std::string> out;
+  for (uint64_t i = 0; i < n && r.ok(); ++i) {
+    out.emplace_back(r.string(kMaxNameBytes, field));
+  }
+  return out;
+}
+
+template <typename T>
+void readArray(WireReader& r, T* out, std::string_view field) {
+  auto b = r.raw(out->size(), field);
+  if (r.ok()) {
+    std::memcpy(out->data(), b.data(), out->size());
+  }
+}
+
+std::optional<auth::Mac> readProof(WireReader& r) {
+  auto b = r.bytes(auth::kMacBytes, "proof");
+  if (!r.ok() || b.empty()) {
+    return std::nullopt;
+  }
+  if (b.size() != auth::kMacBytes) {
+    r.fail("proof", "proof must be 0 or 32 bytes");
+    return std::nullopt;
+  }
+  auth::Mac m;
+  std::memcpy(m.data(), b.data(), m.size());
+  return m;
+}
+
+void putProof(WireWriter& w, const std::optional<auth::Mac>& p) {
+  if (p) {
+    w.putBytes(*p);
+  } else {
+    w.putBytes(std::span<const uint8_t>());
+  }
+}
+
+const char* typeName(HandshakeType t) {
+  switch (t) {
+    case HandshakeType::kHello:
+      return "hello";
+    case HandshakeType::kHelloReply:
+      return "hello reply";
+    case HandshakeType::kAuth:
+      return "auth";
+    case HandshakeType::kAccept:
+      return "accept";
+  }
+  return "?";
+}
+
+uint32_t readLe32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+}
+
+}  // namespace
+
+Error decodeHandshakeHeader(std::span<const uint8_t> header,
+                            HandshakeType expected, size_t* bodyLength) {
+  if (header.size() != kHandshakeHeaderBytes) {
+    return Error::protocol("transport handshake: truncated header");
+  }
+  if (std::memcmp(header.data(), kMagic.data(), kMagic.size()) != 0) {
+    return Error::protocol(
+        "transport handshake: wrong magic (not a Trellis transport peer)");
+  }
+  if (header[4] != static_cast<uint8_t>(expected)) {
+    return Error::protocol(std::string("transport handshake: expected a ") +
+                           typeName(expected) + " message, got type " +
+                           std::to_string(header[4]));
+  }
+  const uint32_t len = readLe32(header.data() + 5);
+  if (len > kMaxHandshakeBodyBytes) {
+    return Error::protocol(
+        "transport handshake: " + std::string(typeName(expected)) +
+        " body of " + std::to_string(len) + " bytes exceeds the limit of " +
+        std::to_string(kMaxHandshakeBodyBytes));
+  }
+  *bodyLength = len;
+  return Error();
+}
+
+std::vector<uint8_t> encodeHello(HandshakeType type, const Hello& hello) {
+  WireWriter w;
+  w.putVarint(hello.version);
+  putNames(w, hello.transports);
+  putNames(w, hello.channels);
+  w.putString(hello.hostId);
+  w.putVarint(hello.pid);
+  w.putBool(hello.tokenConfigured);
+  if (type == HandshakeType::kHelloReply) {
+    w.putRaw(std::span<const uint8_t>(hello.nonce));
+  }
+  return withHeader(type, w);
+}
+
+Error decodeHello(std::span<const uint8_t> body, HandshakeType type,
+                  Hello* out) {
+  WireReader r(body, typeName(type));
+  const uint64_t version = r.varint("version");
+  out->version = static_cast<uint32_t>(
+      std::min<uint64_t>(version, std::numeric_limits<uint32_t>::max()));
+  if (r.ok() && version != kProtocolVersion) {
+    return Error::protocol(
+        "transport handshake: peer speaks protocol version " +
+        std::to_string(version) + ", this build speaks " +
+        std::to_string(kProtocolVersion));
+  }
+  out->transports = readNames(r, "transports");
+  out->channels = readNames(r, "channels");
+  out->hostId = std::string(r.string(kMaxHostIdBytes, "host id"));
+  out->pid = r.varint("pid");
+  out->tokenConfigured = r.boolean("token configured");
+  if (type == HandshakeType::kHelloReply) {
+    readArray(r, &out->nonce, "nonce");
+  }
+  r.expectEnd();
+  return r.error();
+}
+
+std::vector<uint8_t> encodeAuth(const AuthMessage& m) {
+  WireWriter w;
+  w.putRaw(std::span<const uint8_t>(m.nonce));
+  putProof(w, m.proof);
+  return withHeader(HandshakeType::kAuth, w);
+}
+
+Error decodeAuth(std::span<const uint8_t> body, AuthMessage* out) {
+  WireReader r(body, "auth");
+  readArray(r, &out->nonce, "nonce");
+  out->proof = readProof(r);
+  r.expectEnd();
+  return r.error();
+}
+
+std::vector<uint8_t> encodeAccept(const AcceptMessage& m) {
+  WireWriter w;
+  w.putU8(static_cast<uint8_t>(m.status));
+  w.putString(m.reason);
+  putProof(w, m.proof);
+  w.putString(m.transport);
+  w.putString(m.channel);
+  return withHeader(HandshakeType::kAccept, w);
+}
+
+Error decodeAccept(std::span<const uint8_t> body, AcceptMessage* out) {
+  WireReader r(body, "accept");
+  const uint8_t status = r.u8("status");
+  if (r.ok() &&
+      status > static_cast<uint8_t>(AcceptStatus::kNoCommonTransport)) {
+    r.fail("status", "unknown status " + std::to_string(status));
+  }
+  out->status = static_cast<AcceptStatus>(status);
+  out->reason = std::string(r.string(kMaxReasonBytes, "reason"));
+  out->proof = readProof(r);
+  out->transport = std::string(r.string(kMaxNameBytes, "transport"));
+  out->channel = std::string(r.string(kMaxNameBytes, "channel"));
+  r.expectEnd();
+  return r.error();
+}
+
+size_t maxLayoutBytes(const Limits& limits) {
+  // u8 type + 3 varints + per payload a varint + per tensor varint+u8+varint.
+  const size_t v = wire::kMaxVarintBytes;
+  return 1 + 3 * v + limits.maxPayloadsPerMessage * v +
+         limits.maxTensorsPerMessage * (2 * v + 1);
+}
+
+Error checkOutgoing(const Message& m, const Limits& limits) {
+  auto tooBig = [](std::string what, size_t got, size_t max) {
+    return Error::invalidArgument(what + " (" + std::to_string(got) +
+                                  ") exceeds the context limit of " +
+                                  std::to_string(max));
+  };
+  if (m.descriptor.size() > limits.maxDescriptorBytes) {
+    return tooBig("descriptor size", m.descriptor.size(),
+                  limits.maxDescriptorBytes);
+  }
+  if (m.payloads.size() > limits.maxPayloadsPerMessage) {
+    return tooBig("payload count", m.payloads.size(),
+                  limits.maxPayloadsPerMessage);
+  }
+  if (m.tensors.size() > limits.maxTensorsPerMessage) {
+    return tooBig("tensor count", m.tensors.size(),
+                  limits.maxTensorsPerMessage);
+  }
+  for (size_t i = 0; i < m.payloads.size(); ++i) {
+    const auto& p = m.payloads[i];
+    if (p.length > limits.maxPayloadBytes) {
+      return tooBig("payload " + std::to_string(i) + " size", p.length,
+                    limits.maxPayloadBytes);
+    }
+    if (p.length > 0 && p.data == nullptr) {
+      return Error::invalidArgument("payload " + std::to_string(i) +
+                                    " has a null pointer and length " +
+                                    std::to_string(p.length));
+    }
+  }
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& t = m.tensors[i];
+    if (t.length > limits.maxTensorBytes) {
+      return tooBig("tensor " + std::to_string(i) + " size", t.length,
+                    limits.maxTensorBytes);
+    }
+    if (t.length > 0 && t.data == nullptr) {
+      return Error::invalidArgument("tensor " + std::to_string(i) +
+                                    " has a null pointer and length " +
+                                    std::to_string(t.length));
+    }
+    if (t.device.index < 0 ||
+        static_cast<uint32_t>(t.device.index) > kMaxDeviceIndex) {
+      return Error::invalidArgument("tensor " + std::to_string(i) +
+                                    " has device index " +
+                                    std::to_string(t.device.index));
+    }
+  }
+  return Error();
+}
+
+void encodeFrameHead(const Message& m, std::vector<uint8_t>* out) {
+  // Built by hand rather than with WireWriter: this runs once per message on
+  // the latency path and must not allocate beyond `out`.
+  const size_t start = out->size();
+  out->resize(start + kFrameHeaderBytes);
+  auto putVarint = [out](uint64_t v) {
+    while (v >= 0x80) {
+      out->push_back(static_cast<uint8_t>(v | 0x80));
+      v >>= 7;
+    }
+    out->push_back(static_cast<uint8_t>(v));
+  };
+  out->push_back(kFrameMessage);
+  putVarint(m.descriptor.size());
+  putVarint(m.payloads.size());
+  for (const auto& p : m.payloads) {
+    putVarint(p.length);
+  }
+  putVarint(m.tensors.size());
+  for (const auto& t : m.tensors) {
+    putVarint(t.length);
+    out->push_back(static_cast<uint8_t>(t.device.type));
+    putVarint(static_cast<uint64_t>(t.device.index));
+  }
+  const auto len =
+      static_cast<uint32_t>(out->size() - start - kFrameHeaderBytes);
+  for (int i = 0; i < 4; ++i) {
+    (*out)[start + i] = static_cast<uint8_t>(len >> (8 * i));
+  }
+}
+
+Error decodeFrameHeader(std::span<const uint8_t> header, const Limits& limits,
+                        size_t* layoutLength) {
+  if (header.size() != kFrameHeaderBytes) {
+    return Error::protocol("message frame: truncated header");
+  }
+  const uint32_t len = readLe32(header.data());
+  const size_t max = maxLayoutBytes(limits);
+  if (len == 0 || len > max) {
+    return Error::protocol("message frame: layout length " +
+                           std::to_string(len) + " outside 1.." +
+                           std::to_string(max));
+  }
+  *layoutLength = len;
+  return Error();
+}
+
+Error decodeLayout(std::span<const uint8_t> layout, const Limits& limits,
+                   FrameLayout* out) {
+  WireReader r(layout, "message frame");
+  const uint8_t type = r.u8("frame type");
+  if (r.ok() && type != kFrameMessage) {
+    r.fail("frame type", "unknown frame type " + std::to_string(type));
+  }
+  out->descriptorLength =
+      r.varint(limits.maxDescriptorBytes, "descriptor length");
+  const uint64_t np = r.varint(limits.maxPayloadsPerMessage, "payload count");
+  out->payloadLengths.clear();
+  for (uint64_t i = 0; i < np && r.ok(); ++i) {
+    out->payloadLengths.push_back(
+        r.varint(limits.maxPayloadBytes, "payload length"));
+  }
+  const uint64_t nt = r.varint(limits.maxTensorsPerMessage, "tensor count");
+  out->tensors.clear();
+  for (uint64_t i = 0; i < nt && r.ok(); ++i) {
+    Descriptor::TensorInfo t;
+    t.length = r.varint(limits.maxTensorBytes, "tensor length");
+    const uint8_t dt = r.u8("device type");
+    if (r.ok() && dt > static_cast<uint8_t>(DeviceType::kCuda)) {
+      r.fail("device type", "unknown device type " + std::to_string(dt));
+    }
+    t.device.type = static_cast<DeviceType>(dt);
+    t.device.index =
+        static_cast<int32_t>(r.varint(kMaxDeviceIndex, "device index"));
+    out->tensors.push_back(t);
+  }
+  r.expectEnd();
+  return r.error();
+}
+
+}  // namespace trellis::transport::wire_format
