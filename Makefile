@@ -5,7 +5,7 @@ FUZZ_RUNS ?= 200000
 # Lets ccache share results between clones in different folders (CI).
 export CCACHE_BASEDIR ?= $(CURDIR)
 
-.PHONY: deps build test test-dev test-asan test-fuzz run clean
+.PHONY: deps build test test-dev test-asan test-tsan test-fuzz run clean
 
 deps:
 	bash deploy/install-deps.sh
@@ -17,11 +17,17 @@ build: deps
 test-dev: build
 	ctest --preset dev -j $(JOBS)
 
-# Sanitizer pass over the components whose tests are labelled 'sanitize'.
+# AddressSanitizer + UBSan pass over the components' tests and fuzz replays.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay
-	ctest --preset asan -j $(JOBS) -L 'core|fuzz'
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper
+	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport'
+
+# ThreadSanitizer pass over the components with threads and loops.
+test-tsan: deps
+	cmake --preset tsan
+	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper
+	ctest --preset tsan -j $(JOBS) -L 'core|store|transport'
 
 # libFuzzer targets, a bounded number of iterations each.
 test-fuzz: deps
@@ -30,8 +36,16 @@ test-fuzz: deps
 	mkdir -p build/fuzz/corpus/wire
 	build/fuzz/tests/fuzz/wire_fuzz -runs=$(FUZZ_RUNS) -max_len=512 \
 	    build/fuzz/corpus/wire tests/fuzz/corpus/wire
+	cmake --build --preset fuzz -j $(JOBS) --target store_request_fuzz
+	mkdir -p build/fuzz/corpus/store_request
+	build/fuzz/tests/fuzz/store_request_fuzz -runs=$(FUZZ_RUNS) -max_len=512 \
+	    build/fuzz/corpus/store_request tests/fuzz/corpus/store_request
+	cmake --build --preset fuzz -j $(JOBS) --target transport_frame_fuzz
+	mkdir -p build/fuzz/corpus/transport_frame
+	build/fuzz/tests/fuzz/transport_frame_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
+	    build/fuzz/corpus/transport_frame tests/fuzz/corpus/transport_frame
 
-test: build test-asan test-fuzz
+test: build test-asan test-tsan test-fuzz
 	ctest --preset dev -j $(JOBS)
 
 run: build
