@@ -26,7 +26,7 @@ constexpr uint32_t kVersion = 1;
 constexpr size_t kClientHelloBytes = 9;   // magic, fixed32 version, u8 flags
 constexpr size_t kServerHelloBytes = 10;  // magic, version, flags, status
 constexpr size_t kFrameHeaderBytes = 4;
-constexpr size_t kMaxErrorMessageBytes = 64 * 1024;
+constexpr size_t kMaxErrorMessageBytes = size_t{64} * 1024;
 
 // Client hello flags.
 constexpr uint8_t kClientHasToken = 0x01;
