@@ -25,6 +25,8 @@
 #endif
 
 #include <trellis/core/future.h>
+#include <trellis/transport/basic_channel.h>
+#include <trellis/transport/cma/factory.h>
 #include <trellis/transport/context.h>
 #include <trellis/transport/shm/factory.h>
 
@@ -219,10 +221,13 @@ struct PipeBench {
   std::shared_ptr<Pipe> s;
 
   // `setup` runs on both contexts before they listen or connect.
+  // `transports` restricts both contexts (empty: all).
   explicit PipeBench(const std::string& address,
-                     const std::function<void(Context&)>& setup = nullptr) {
+                     const std::function<void(Context&)>& setup = nullptr,
+                     std::vector<std::string> transports = {}) {
     ContextOptions o;
     o.tokenFromEnvironment = false;
+    o.transports = std::move(transports);
     o.name = "bench-server";
     server = Context::create(o);
     o.name = "bench-client";
@@ -312,8 +317,11 @@ std::vector<double> pipePingPong(PipeBench& b) {
   return us;
 }
 
-double pipeThroughput(PipeBench& b, size_t size) {
-  const size_t count = std::max<size_t>(kBytesPerSize / size, 4);
+// One-way throughput; `asTensor` sends the bytes as one CPU tensor (which a
+// cma pipe moves out of band) instead of a payload.
+double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
+                      size_t total = kBytesPerSize) {
+  const size_t count = std::max<size_t>(total / size, 4);
   auto src = prefaulted(size);
   auto dst = prefaulted(size);
   Promise<void> done;
@@ -324,7 +332,9 @@ double pipeThroughput(PipeBench& b, size_t size) {
         Promise<void>(done).setError(e);
         return;
       }
-      b.s->read(Allocation{{{dst.data(), size}}, {}}, [&](const Error& e) {
+      Allocation a;
+      (asTensor ? a.tensors : a.payloads).push_back({dst.data(), size});
+      b.s->read(std::move(a), [&](const Error& e) {
         if (!e.ok()) {
           Promise<void>(done).setError(e);
         } else if (++received == count) {
@@ -339,7 +349,11 @@ double pipeThroughput(PipeBench& b, size_t size) {
   const auto t0 = Clock::now();
   for (size_t i = 0; i < count; ++i) {
     Message m;
-    m.payloads.push_back({src.data(), size});
+    if (asTensor) {
+      m.tensors.push_back({src.data(), size, Device{}});
+    } else {
+      m.payloads.push_back({src.data(), size});
+    }
     b.c->write(std::move(m), [](const Error&) {});
   }
   done.getFuture().wait(std::chrono::seconds(120));
@@ -348,7 +362,14 @@ double pipeThroughput(PipeBench& b, size_t size) {
 }
 
 void trellisUv() {
-  PipeBench b("uv://127.0.0.1:0");
+  {
+    // Unrestricted, a pipe connected over uv in one host moves to shm (the
+    // same-host upgrade): this row shows it.
+    PipeBench b("uv://127.0.0.1:0");
+    auto us = pipePingPong(b);
+    addLatency("uv_upgraded", us, "tcp");
+  }
+  PipeBench b("uv://127.0.0.1:0", nullptr, {"uv"});
   auto us = pipePingPong(b);
   addLatency("uv", us, "tcp");
   for (size_t size : kSizes) {
@@ -378,6 +399,41 @@ void trellisShm() {
   });
   auto us = pipePingPong(b);
   addLatency("shm_nospin", us, "tcp");
+}
+
+// CPU tensors over shm + cma (process_vm_readv straight into the reader's
+// buffer: one copy) against shm + basic (through the ring: two copies), the
+// large sizes against memcpy. Both contexts are in this process; cma reads
+// from its own pid, the same kernel path as from a sibling. The small sizes
+// show where cma starts to pay, which sets its default threshold.
+void trellisCma() {
+  auto only = [](const std::string& channel) {
+    return [channel](Context& c) {
+      if (channel == "cma") {
+        c.registerChannel(150, cma::create({0}));
+      } else {
+        c.registerChannel(150, basic::create());
+        c.registerChannel(100, cma::create({~size_t{0}}));
+      }
+    };
+  };
+  PipeBench cmaPipe("shm://", only("cma"));
+  PipeBench basicPipe("shm://", only("basic"));
+  for (size_t size : {size_t{64} << 10, size_t{256} << 10, size_t{1} << 20}) {
+    const std::string n = std::to_string(size >> 10) + "KiB";
+    results.push_back({"shm_basic_tensor_" + n,
+                       pipeThroughput(basicPipe, size, true, 256 * kMiB),
+                       "GB/s", ""});
+    results.push_back({"cma_tensor_" + n,
+                       pipeThroughput(cmaPipe, size, true, 256 * kMiB), "GB/s",
+                       "shm_basic_tensor_" + n});
+  }
+  for (size_t size : kSizes) {
+    const std::string n = std::to_string(size / kMiB) + "MiB";
+    results.push_back({"cma_throughput_" + n,
+                       pipeThroughput(cmaPipe, size, true), "GB/s",
+                       "memcpy_64MiB"});
+  }
 }
 
 #ifdef TRELLIS_BENCH_TENSORPIPE
@@ -538,6 +594,7 @@ int main(int argc, char** argv) {
   memcpyBaseline();
   trellisUv();
   trellisShm();
+  trellisCma();
 #ifdef TRELLIS_BENCH_TENSORPIPE
   tensorpipeUv();
 #endif

@@ -3,10 +3,11 @@
 // Internal extension points of the transport layer (not installed).
 //
 // A Transport makes byte-stream Connections (connect / listen) on a Context's
-// Loop; uv is one, shm will be another. A Channel says how tensor bytes move
-// once a pipe is established; basic sends them inline through the pipe's
-// connection. Everything here is used on the loop thread only, except name(),
-// viable() and the other const queries.
+// Loop (uv, shm). A Channel says how tensor bytes move once a pipe is
+// established: basic sends them inline through the pipe's connection, cma
+// out of band (a record in the frame, a copy by the reader). Everything here is
+// used on the loop thread only, except name(), viable() and the other const
+// queries.
 
 #include <cstddef>
 #include <functional>
@@ -98,10 +99,26 @@ class Channel {
   virtual bool sameHostOnly() const = 0;
   virtual bool supportsDevice(const Device& device) const = 0;
   // True when tensor bytes travel inline in the frame, after the payloads,
-  // through the pipe's connection (basic). Out-of-band channels (cma,
-  // cuda_ipc) return false; the pipe does not drive those yet, so the
-  // negotiation skips them (docs/transport.md, "Extending").
+  // through the pipe's connection (basic).
   virtual bool inlineThroughConnection() const = 0;
+
+  // Out-of-band channels the pipe drives (cma). A tensor for which
+  // sendsOutOfBand() is true travels as a record {pid, address, length} in
+  // the frame layout instead of its bytes (docs/transport.md, "cma
+  // channel"); the reader calls readOutOfBand() to copy it straight into its
+  // allocation and answers with a completion frame, and only then does the
+  // writer's callback fire. Other tensors and all payloads go inline.
+  virtual bool drivesOutOfBand() const { return false; }
+  virtual bool sendsOutOfBand(const Message::Tensor& /*tensor*/) const {
+    return false;
+  }
+  // Copies `length` bytes at `address` of process `pid` into `dst`. Loop
+  // thread. Errors name the peer (`who`); never throws.
+  virtual Error readOutOfBand(uint64_t /*pid*/, uint64_t /*address*/,
+                              void* /*dst*/, size_t /*length*/,
+                              const std::string& /*who*/) const {
+    return Error(Code::kUnimplemented, name() + " carries no out-of-band data");
+  }
 };
 
 }  // namespace trellis::transport

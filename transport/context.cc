@@ -8,6 +8,7 @@
 #include <trellis/core/future.h>
 #include <trellis/core/logging.h>
 #include <trellis/transport/basic_channel.h>
+#include <trellis/transport/cma/factory.h>
 #include <trellis/transport/context.h>
 #include <trellis/transport/context_impl.h>
 #include <trellis/transport/shm/factory.h>
@@ -129,10 +130,14 @@ std::string localHostId() {
   std::string id;
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::getline(boot, id);
-  char ns[128] = {0};
-  const ssize_t n = ::readlink("/proc/self/ns/ipc", ns, sizeof(ns) - 1);
-  if (n > 0) {
-    id += "/" + std::string(ns, static_cast<size_t>(n));
+  // IPC namespace: shm segments; PID namespace: cma reads a peer by pid,
+  // which must name the same process on both sides.
+  for (const char* link : {"/proc/self/ns/ipc", "/proc/self/ns/pid"}) {
+    char ns[128] = {0};
+    const ssize_t n = ::readlink(link, ns, sizeof(ns) - 1);
+    if (n > 0) {
+      id += "/" + std::string(ns, static_cast<size_t>(n));
+    }
   }
   if (id.empty()) {
     char host[256] = {0};
@@ -281,6 +286,16 @@ std::shared_ptr<Transport> ContextImpl::transport(
   return nullptr;
 }
 
+std::shared_ptr<Channel> ContextImpl::channel(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& e : channels_) {
+    if (e.name == name) {
+      return e.channel;
+    }
+  }
+  return nullptr;
+}
+
 std::vector<Offer> ContextImpl::transportOffers() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Offer> out;
@@ -300,7 +315,8 @@ std::vector<Offer> ContextImpl::channelOffers() const {
     if ((!allowedChannels_ || allowedChannels_->count(e.name)) &&
         e.channel->viable().ok()) {
       out.push_back(Offer{e.name, e.channel->sameHostOnly(),
-                          e.channel->inlineThroughConnection()});
+                          e.channel->inlineThroughConnection() ||
+                              e.channel->drivesOutOfBand()});
     }
   }
   return out;
@@ -398,6 +414,134 @@ void ContextImpl::closeFromLoop() {
 
 bool ContextImpl::join(Deadline deadline) { return loop_->join(deadline); }
 
+void ContextImpl::registerUpgrade(const auth::Nonce& token,
+                                  const std::shared_ptr<PipeImpl>& p) {
+  upgrades_[token] = p;
+}
+
+std::shared_ptr<PipeImpl> ContextImpl::takeUpgrade(const auth::Nonce& token) {
+  auto it = upgrades_.find(token);
+  if (it == upgrades_.end()) {
+    return nullptr;
+  }
+  auto p = it->second.lock();
+  upgrades_.erase(it);
+  return p;
+}
+
+void ContextImpl::dropUpgrade(const auth::Nonce& token) {
+  upgrades_.erase(token);
+}
+
+// ---- UpgradeBinder
+// -----------------------------------------------------------
+
+// Reads the one bind message of a connection to a listener's upgrade address
+// and hands the connection to the pipe whose token it names. Anything else
+// (garbage, an unknown token, silence past the bound) closes that
+// connection only.
+class UpgradeBinder : public std::enable_shared_from_this<UpgradeBinder>,
+                      private ReadSink {
+ public:
+  UpgradeBinder(std::shared_ptr<ListenerImpl> listener,
+                std::shared_ptr<Connection> conn)
+      : listener_(std::move(listener)), conn_(std::move(conn)) {}
+
+  void start() {
+    std::weak_ptr<UpgradeBinder> weak = shared_from_this();
+    timer_ = LoopTimer::start(listener_->ctx_->loop(), kBindTimeout, [weak] {
+      if (auto self = weak.lock()) {
+        self->timer_ = nullptr;
+        self->finish(Error::timeout("no bind message within " +
+                                    formatDuration(kBindTimeout)));
+      }
+    });
+    buf_.resize(wire_format::kHandshakeHeaderBytes);
+    conn_->startReading(this);
+  }
+
+  void close() { finish(Error::cancelled("listener closed")); }
+
+ private:
+  static constexpr Duration kBindTimeout = std::chrono::seconds(10);
+
+  void readBuffer(char** base, size_t* length) override {
+    *base = reinterpret_cast<char*>(buf_.data() + filled_);
+    *length = buf_.size() - filled_;
+  }
+  void onRead(size_t n) override {
+    auto self = shared_from_this();
+    filled_ += n;
+    if (filled_ < buf_.size()) {
+      return;
+    }
+    if (!haveHeader_) {
+      size_t len = 0;
+      Error e = wire_format::decodeHandshakeHeader(
+          buf_, wire_format::HandshakeType::kBind, &len);
+      if (!e.ok()) {
+        finish(e);
+        return;
+      }
+      haveHeader_ = true;
+      if (len > 0) {
+        buf_.assign(len, 0);
+        filled_ = 0;
+        return;
+      }
+      buf_.clear();
+    }
+    wire_format::BindMessage bind;
+    Error e = wire_format::decodeBind(buf_, &bind);
+    if (!e.ok()) {
+      finish(e);
+      return;
+    }
+    conn_->stopReading();
+    auto pipe = listener_->ctx_->takeUpgrade(bind.token);
+    if (pipe == nullptr) {
+      finish(Error::protocol("bind names no pipe waiting for an upgrade"));
+      return;
+    }
+    auto conn = std::move(conn_);
+    conn_ = nullptr;
+    finish(Error());
+    pipe->bindUpgrade(std::move(conn), bind);
+  }
+  void onReadError(const Error& error) override {
+    auto self = shared_from_this();
+    finish(error);
+  }
+
+  void finish(const Error& error) {
+    if (done_) {
+      return;
+    }
+    done_ = true;
+    if (timer_ != nullptr) {
+      timer_->cancel();
+      timer_ = nullptr;
+    }
+    if (conn_ != nullptr) {
+      conn_->close();
+      conn_ = nullptr;
+    }
+    if (!error.ok() && error.code() != Code::kCancelled) {
+      TRELLIS_LOG_WARN("{}: upgrade connection refused: {}", listener_->id_,
+                       error.what());
+    }
+    listener_->binders_.erase(shared_from_this());
+  }
+
+  std::shared_ptr<ListenerImpl> listener_;
+  std::shared_ptr<Connection> conn_;
+  LoopTimer* timer_ = nullptr;
+  std::vector<uint8_t> buf_;
+  size_t filled_ = 0;
+  bool haveHeader_ = false;
+  bool done_ = false;
+};
+
 // ---- ListenerImpl ----------------------------------------------------------
 
 ListenerImpl::ListenerImpl(std::shared_ptr<ContextImpl> ctx, std::string id)
@@ -436,7 +580,51 @@ Error ListenerImpl::listenFromLoop(const std::vector<std::string>& addrs) {
     addresses_[name] = cl->address();
     listeners_.push_back(std::move(cl));
   }
+  listenForUpgrades();
   return Error();
+}
+
+void ListenerImpl::listenForUpgrades() {
+  // Only for listeners reachable over something other than shm, and only if
+  // this context may and can use shm; a failure only costs the upgrade.
+  auto shm = ctx_->transport("shm");
+  if (shm == nullptr || addresses_.count("shm") != 0) {
+    return;
+  }
+  std::weak_ptr<ListenerImpl> weak = shared_from_this();
+  std::unique_ptr<ConnectionListener> cl;
+  Error e = shm->listen(
+      ctx_->loop(), "shm://",
+      [weak](const Error& err, std::shared_ptr<Connection> conn) {
+        if (auto self = weak.lock()) {
+          self->onUpgradeConnection(err, std::move(conn));
+        } else if (conn) {
+          conn->close();
+        }
+      },
+      &cl);
+  if (!e.ok()) {
+    TRELLIS_LOG_INFO("{}: no same-host upgrade address: {}", id_, e.what());
+    return;
+  }
+  upgradeAddress_ = cl->address();
+  upgradeListener_ = std::move(cl);
+}
+
+void ListenerImpl::onUpgradeConnection(const Error& error,
+                                       std::shared_ptr<Connection> conn) {
+  constexpr size_t kMaxBinders = 64;
+  if (!error.ok()) {
+    TRELLIS_LOG_WARN("{}: upgrade listener: {}", id_, error.what());
+    return;
+  }
+  if (!error_.ok() || binders_.size() >= kMaxBinders) {
+    conn->close();
+    return;
+  }
+  auto b = std::make_shared<UpgradeBinder>(shared_from_this(), std::move(conn));
+  binders_.insert(b);
+  b->start();
 }
 
 void ListenerImpl::onConnection(const std::string& transport,
@@ -453,6 +641,9 @@ void ListenerImpl::onConnection(const std::string& transport,
     return;
   }
   auto p = std::make_shared<PipeImpl>(ctx_, ctx_->ids().next("pipe"), false);
+  if (transport != "shm") {
+    p->setUpgradeAddress(upgradeAddress_);
+  }
   p->acceptFromLoop(std::move(conn), transport);
   if (ready_.size() >= ctx_->limits().maxPendingOperations) {
     p->failFromLoop(Error(Code::kResourceExhausted,
@@ -506,6 +697,14 @@ void ListenerImpl::failFromLoop(const Error& error) {
     l->close();
   }
   listeners_.clear();
+  if (upgradeListener_ != nullptr) {
+    upgradeListener_->close();
+    upgradeListener_.reset();
+  }
+  auto binders = binders_;
+  for (auto& b : binders) {
+    b->close();
+  }
   auto accepts = std::move(accepts_);
   accepts_.clear();
   auto ready = std::move(ready_);
@@ -543,6 +742,7 @@ std::shared_ptr<Context> Context::create(ContextOptions options) {
   impl->registerTransport(100, uv::create());
   impl->registerTransport(200, shm::create());
   impl->registerChannel(100, basic::create());
+  impl->registerChannel(150, cma::create());
   try {
     impl->applyFilters();
   } catch (...) {

@@ -4,11 +4,12 @@
 // pipes use (docs/transport.md).
 //
 // Contract
-//  - Transports (byte streams: uv, later shm) and channels (how tensor bytes
-//    move: basic, later cma / cuda_ipc) are registered with a priority; the
-//    handshake picks the highest-priority pair that both ends support and
-//    that is viable between them (same-host-only ones only on one host).
-//    create() registers the built-in ones: transport uv, channel basic.
+//  - Transports (byte streams: uv, shm) and channels (how tensor bytes
+//    move: basic, cma) are registered with a priority; the handshake picks
+//    the highest-priority pair that both ends support and that is viable
+//    between them (same-host-only ones only on one host). create()
+//    registers the built-in ones: transports uv (100) and shm (200),
+//    channels basic (100) and cma (150).
 //  - The choice is restricted by ContextOptions::transports / channels and by
 //    the environment variables TRELLIS_TRANSPORTS / TRELLIS_CHANNELS (comma
 //    lists). An unknown name is an InvalidArgumentError naming the variable

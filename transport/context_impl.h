@@ -32,14 +32,15 @@ struct Negotiated {
   std::string channel;
 };
 
-// Picks the highest-priority transport and inline channel in `local` (in
+// Picks the highest-priority transport and drivable channel in `local` (in
 // priority order) that the peer also offers; same-host-only ones only when
 // `sameHost`. The transport must be `bootstrap` (the one the handshake runs
 // on): switching transports after the handshake comes with shm.
 struct Offer {
   std::string name;
   bool sameHostOnly = false;
-  bool inlineChannel = true;  // channels only
+  // Channels only: the pipe can drive it (inline, or out of band like cma).
+  bool inlineChannel = true;
 };
 Error negotiate(const std::vector<Offer>& localTransports,
                 const std::vector<Offer>& localChannels,
@@ -64,6 +65,7 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   void applyFilters();
 
   std::shared_ptr<Transport> transport(const std::string& name) const;
+  std::shared_ptr<Channel> channel(const std::string& name) const;
   std::vector<Offer> transportOffers() const;
   std::vector<Offer> channelOffers() const;
   wire_format::Hello localHello() const;
@@ -76,6 +78,12 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   void removePipeFromLoop(PipeImpl* p);
   void removeListenerFromLoop(ListenerImpl* l);
   bool closedFromLoop() const { return closedFromLoop_; }
+  // Loop thread: pipes waiting for their same-host upgrade connection, by
+  // the secret token sent in their accept message.
+  void registerUpgrade(const auth::Nonce& token,
+                       const std::shared_ptr<PipeImpl>& p);
+  std::shared_ptr<PipeImpl> takeUpgrade(const auth::Nonce& token);
+  void dropUpgrade(const auth::Nonce& token);
 
   void close();
   bool join(Deadline deadline);
@@ -108,7 +116,10 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   std::unordered_map<PipeImpl*, std::shared_ptr<PipeImpl>> pipes_;
   std::unordered_map<ListenerImpl*, std::shared_ptr<ListenerImpl>> listeners_;
   bool closedFromLoop_ = false;
+  std::map<auth::Nonce, std::weak_ptr<PipeImpl>> upgrades_;
 };
+
+class UpgradeBinder;
 
 class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
  public:
@@ -126,6 +137,9 @@ class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
  private:
   void onConnection(const std::string& transport, const Error& error,
                     std::shared_ptr<Connection> conn);
+  void onUpgradeConnection(const Error& error,
+                           std::shared_ptr<Connection> conn);
+  void listenForUpgrades();
   void serveFromLoop();
 
   std::shared_ptr<ContextImpl> ctx_;
@@ -136,6 +150,12 @@ class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
   std::deque<Listener::AcceptCallback> accepts_;
   std::deque<std::shared_ptr<PipeImpl>> ready_;
   Error error_;
+  // The automatic shm:// listener for same-host upgrades ("" when none).
+  std::unique_ptr<ConnectionListener> upgradeListener_;
+  std::string upgradeAddress_;
+  std::set<std::shared_ptr<UpgradeBinder>> binders_;
+
+  friend class UpgradeBinder;
 };
 
 class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
@@ -149,6 +169,14 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void acceptFromLoop(std::shared_ptr<Connection> conn,
                       const std::string& transport);
   void failFromLoop(const Error& error);
+  // Acceptor, before acceptFromLoop: the listener's upgrade address.
+  void setUpgradeAddress(std::string address) {
+    upgradeAddress_ = std::move(address);
+  }
+  // Acceptor, loop thread: a connection to the upgrade listener presented
+  // this pipe's token.
+  void bindUpgrade(std::shared_ptr<Connection> conn,
+                   const wire_format::BindMessage& bind);
 
   void write(Message message, Pipe::WriteCallback cb);
   void readDescriptor(Pipe::ReadDescriptorCallback cb);
@@ -167,6 +195,8 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
     kAwaitHelloReply,  // connector
     kAwaitAuth,        // acceptor
     kAwaitAccept,      // connector
+    kAwaitBind,        // acceptor: upgrade offered, bind or failure pending
+    kAwaitDecision,    // connector: upgrade tried, acceptor's decision pending
     kEstablished,
     kFailed,
   };
@@ -184,10 +214,23 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
     Pipe::WriteCallback cb;
     std::vector<uint8_t> head;
     bool done = false;
+    // Out-of-band tensors: the callback waits for the wire write and for the
+    // reader's completion frame (peerError is what the reader reported).
+    bool awaitsPeer = false;
+    bool wireDone = false;
+    bool peerDone = false;
+    Error peerError;
   };
   struct Segment {
     uint8_t* data;
     size_t length;
+  };
+  struct OutOfBandRead {
+    size_t tensor;
+    uint8_t* data;
+    size_t length;
+    uint64_t pid;
+    uint64_t address;
   };
 
   // ReadSink.
@@ -206,9 +249,16 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void consume(size_t n) { stageBegin_ += n; }
   bool needBytes(size_t n);
   void established(const Negotiated& n);
+  void offerUpgrade(const Negotiated& n);
+  void tryUpgrade(const wire_format::AcceptMessage& acc);
+  void upgradeFailed(const std::string& why);
+  void stayOnBootstrap(const std::string& why);
   void sendRaw(std::vector<uint8_t> bytes);
   void submitWrite(const std::shared_ptr<WriteOp>& op);
   void completeWrite(const std::shared_ptr<WriteOp>& op, const Error& error);
+  void finishWrite(const std::shared_ptr<WriteOp>& op, const Error& error);
+  void onCompletion(const wire_format::FrameLayout& completion);
+  Error readOutOfBand();
   void serveDescriptor();
   bool fillSegments();
   void finishBody();
@@ -247,11 +297,23 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   std::string descriptor_;
   size_t descriptorFilled_ = 0;
   std::vector<Segment> segments_;
+  std::vector<OutOfBandRead> outOfBand_;  // the current read's cma tensors
   size_t segIndex_ = 0;
   size_t segOffset_ = 0;
 
   std::deque<std::shared_ptr<WriteOp>> queuedWrites_;    // before handshake
   std::deque<std::shared_ptr<WriteOp>> inflightWrites_;  // submitted
+  // Submitted writes with out-of-band tensors, in order, until the reader's
+  // completion frame for each arrives.
+  std::deque<std::shared_ptr<WriteOp>> awaitingPeer_;
+  std::shared_ptr<Channel> channel_;  // the negotiated one
+
+  // Same-host upgrade.
+  std::string upgradeAddress_;  // acceptor: listener's shm://
+  std::optional<auth::Nonce> upgradeToken_;
+  Negotiated pendingNegotiated_;             // the channel, kept meanwhile
+  std::shared_ptr<Connection> upgradeConn_;  // connector: bound shm conn
+  LoopTimer* upgradeTimer_ = nullptr;        // acceptor: bind bound
   std::deque<Pipe::ReadDescriptorCallback> descriptorCbs_;
   Pipe::ReadCallback readCb_;
   size_t pendingOps_ = 0;

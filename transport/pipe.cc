@@ -1,4 +1,5 @@
 #include <cstring>
+#include <unistd.h>
 
 #include <trellis/core/check.h>
 #include <trellis/core/logging.h>
@@ -279,6 +280,12 @@ bool PipeImpl::stepHandshake() {
     case State::kAwaitAuth:
       expected = wf::HandshakeType::kAuth;
       break;
+    case State::kAwaitBind:
+      expected = wf::HandshakeType::kUpgradeFailed;
+      break;
+    case State::kAwaitDecision:
+      expected = wf::HandshakeType::kUpgradeDecision;
+      break;
     default:
       expected = wf::HandshakeType::kAccept;
       break;
@@ -399,8 +406,71 @@ bool PipeImpl::stepHandshake() {
       }
       acc.transport = n.transport;
       acc.channel = n.channel;
+      bool peerHasShm = false;
+      for (const auto& t : remoteHello_.transports) {
+        peerHasShm = peerHasShm || t == "shm";
+      }
+      if (!upgradeAddress_.empty() && bootstrap_ != "shm" && peerHasShm &&
+          remoteHello_.hostId == ctx_->hostId() &&
+          ctx_->transport("shm") != nullptr) {
+        upgradeToken_ = auth::randomNonce();
+        acc.upgradeAddress = upgradeAddress_;
+        acc.upgradeToken = upgradeToken_;
+        sendRaw(wf::encodeAccept(acc));
+        offerUpgrade(n);
+        return true;
+      }
       sendRaw(wf::encodeAccept(acc));
       established(n);
+      return true;
+    }
+    case State::kAwaitBind: {
+      std::string reason;
+      Error e = wf::decodeUpgradeFailed(body, &reason);
+      if (!e.ok()) {
+        failFromLoop(e.withContext(who));
+        return false;
+      }
+      stayOnBootstrap("the peer could not upgrade: " + reason);
+      return true;
+    }
+    case State::kAwaitDecision: {
+      wf::UpgradeDecision d;
+      Error e = wf::decodeUpgradeDecision(body, &d);
+      if (!e.ok()) {
+        failFromLoop(e.withContext(who));
+        return false;
+      }
+      if (d == wf::UpgradeDecision::kStay) {
+        if (upgradeConn_ != nullptr) {
+          upgradeConn_->close();
+          upgradeConn_ = nullptr;
+        }
+        TRELLIS_LOG_INFO("{}: peer keeps the pipe on {}", who, bootstrap_);
+        established(pendingNegotiated_);
+        return true;
+      }
+      if (upgradeConn_ == nullptr) {
+        failFromLoop(Error::protocol(
+            who + ": peer switched to shm, but no shm connection was bound"));
+        return false;
+      }
+      if (buffered() != 0) {
+        failFromLoop(Error::protocol(
+            who + ": bytes after the upgrade decision on " + bootstrap_));
+        return false;
+      }
+      conn_->stopReading();
+      conn_->close();
+      reading_ = false;
+      conn_ = std::move(upgradeConn_);
+      upgradeConn_ = nullptr;
+      bootstrap_ = "shm";
+      {
+        std::lock_guard<std::mutex> lock(infoMu_);
+        peer_ = conn_->peerAddress();
+      }
+      established(Negotiated{"shm", pendingNegotiated_.channel});
       return true;
     }
     default: {  // kAwaitAccept
@@ -446,10 +516,154 @@ bool PipeImpl::stepHandshake() {
                                      "not offer for this connection"));
         return false;
       }
+      if (!acc.upgradeAddress.empty()) {
+        pendingNegotiated_ = Negotiated{acc.transport, acc.channel};
+        upgradeToken_ = acc.upgradeToken;
+        state_ = State::kAwaitDecision;
+        tryUpgrade(acc);
+        return state_ != State::kFailed;
+      }
       established(Negotiated{acc.transport, acc.channel});
       return true;
     }
   }
+}
+
+// Acceptor: the accept offered the upgrade; wait (bounded) for the bind on
+// the upgrade listener or the connector's "upgrade failed".
+void PipeImpl::offerUpgrade(const Negotiated& n) {
+  // Within the handshake bound, so that a late bind ends in "stay", not in
+  // a handshake timeout.
+  Duration bindWait = std::chrono::seconds(10);
+  const Duration handshake = ctx_->options().handshakeTimeout;
+  if (handshake > Duration::zero()) {
+    bindWait = std::min(bindWait, handshake / 2);
+  }
+  pendingNegotiated_ = n;
+  state_ = State::kAwaitBind;
+  ctx_->registerUpgrade(*upgradeToken_, shared_from_this());
+  std::weak_ptr<PipeImpl> weak = shared_from_this();
+  upgradeTimer_ = LoopTimer::start(ctx_->loop(), bindWait, [weak, bindWait] {
+    if (auto p = weak.lock()) {
+      p->upgradeTimer_ = nullptr;
+      if (p->state_ == State::kAwaitBind) {
+        p->stayOnBootstrap("no bound shm connection within " +
+                           formatDuration(bindWait));
+        p->process();
+      }
+    }
+  });
+}
+
+void PipeImpl::stayOnBootstrap(const std::string& why) {
+  if (upgradeTimer_ != nullptr) {
+    upgradeTimer_->cancel();
+    upgradeTimer_ = nullptr;
+  }
+  ctx_->dropUpgrade(*upgradeToken_);
+  TRELLIS_LOG_INFO("{}: same-host upgrade to shm not done ({}); staying on {}",
+                   id_, why, bootstrap_);
+  sendRaw(wf::encodeUpgradeDecision(wf::UpgradeDecision::kStay));
+  established(pendingNegotiated_);
+}
+
+void PipeImpl::bindUpgrade(std::shared_ptr<Connection> conn,
+                           const wf::BindMessage& bind) {
+  auto self = shared_from_this();
+  if (state_ != State::kAwaitBind) {
+    conn->close();
+    return;
+  }
+  const auto& token = ctx_->token();
+  Error v;
+  if (token) {
+    v = bind.proof
+            ? auth::verifyProof(*token, "upgrade", myNonce_, *upgradeToken_,
+                                *bind.proof, conn->peerAddress())
+            : Error::auth("bind carries no job token proof");
+  } else if (bind.proof) {
+    v = Error::protocol("bind carries a proof although no token is set");
+  }
+  if (!v.ok() || buffered() != 0) {
+    conn->close();
+    stayOnBootstrap(v.ok() ? "bytes after the accept on " + bootstrap_
+                           : "bind rejected: " + v.message());
+    process();
+    return;
+  }
+  if (upgradeTimer_ != nullptr) {
+    upgradeTimer_->cancel();
+    upgradeTimer_ = nullptr;
+  }
+  // The decision goes over the old connection, which closes once it is
+  // written; nothing else is read from it.
+  auto old = conn_;
+  old->stopReading();
+  reading_ = false;
+  auto bytes = std::make_shared<std::vector<uint8_t>>(
+      wf::encodeUpgradeDecision(wf::UpgradeDecision::kSwitch));
+  const IoBuf b{bytes->data(), bytes->size()};
+  if (old->write(&b, 1, [old, bytes](const Error&) { old->close(); })) {
+    old->close();
+  }
+  conn_ = std::move(conn);
+  bootstrap_ = "shm";
+  {
+    std::lock_guard<std::mutex> lock(infoMu_);
+    peer_ = conn_->peerAddress();
+  }
+  established(Negotiated{"shm", pendingNegotiated_.channel});
+  process();
+}
+
+// Connector: the accept offered an upgrade. Whatever happens here, the
+// acceptor decides (over the first connection) and the pipe follows.
+void PipeImpl::tryUpgrade(const wf::AcceptMessage& acc) {
+  Error why = wf::checkUpgradeAddress(acc.upgradeAddress);
+  auto shm = ctx_->transport("shm");
+  if (why.ok() && remoteHello_.hostId != ctx_->hostId()) {
+    why = Error::protocol("peer offered an shm upgrade from another host");
+  }
+  if (why.ok() && shm == nullptr) {
+    why = Error(Code::kFailedPrecondition,
+                "shm is not enabled or not viable on this side");
+  }
+  if (!why.ok()) {
+    upgradeFailed(why.message());
+    return;
+  }
+  std::weak_ptr<PipeImpl> weak = shared_from_this();
+  shm->connect(ctx_->loop(), acc.upgradeAddress,
+               [weak](const Error& e, std::shared_ptr<Connection> conn) {
+                 auto self = weak.lock();
+                 if (self == nullptr || self->state_ != State::kAwaitDecision) {
+                   if (conn) {
+                     conn->close();
+                   }
+                   return;
+                 }
+                 if (!e.ok()) {
+                   self->upgradeFailed("connect: " + e.message());
+                   return;
+                 }
+                 wf::BindMessage bind;
+                 bind.token = *self->upgradeToken_;
+                 if (const auto& token = self->ctx_->token()) {
+                   bind.proof = auth::computeProof(
+                       *token, "upgrade", self->peerNonce_, bind.token);
+                 }
+                 auto bytes = std::make_shared<std::vector<uint8_t>>(
+                     wf::encodeBind(bind));
+                 const IoBuf b{bytes->data(), bytes->size()};
+                 self->upgradeConn_ = conn;
+                 conn->write(&b, 1, [bytes](const Error&) {});
+               });
+}
+
+void PipeImpl::upgradeFailed(const std::string& why) {
+  TRELLIS_LOG_INFO("{}: same-host upgrade to shm failed ({}); staying on {}",
+                   id_, why, bootstrap_);
+  sendRaw(wf::encodeUpgradeFailed(why));
 }
 
 void PipeImpl::established(const Negotiated& n) {
@@ -462,6 +676,7 @@ void PipeImpl::established(const Negotiated& n) {
     std::lock_guard<std::mutex> lock(infoMu_);
     negotiated_ = n;
   }
+  channel_ = ctx_->channel(n.channel);
   TRELLIS_LOG_DEBUG("{}: established with {} over {}+{}", id_, peerAddress(),
                     n.transport, n.channel);
   rx_ = Rx::kHeader;
@@ -511,6 +726,27 @@ bool PipeImpl::stepFrame() {
       Error e =
           wf::decodeLayout(std::span<const uint8_t>(stageData(), layoutLength_),
                            ctx_->limits(), &layout_);
+      if (e.ok() && layout_.type == wf::kFrameCompletion) {
+        consume(layoutLength_);
+        rx_ = Rx::kHeader;
+        onCompletion(layout_);
+        return state_ != State::kFailed;
+      }
+      if (e.ok() && layout_.type == wf::kFrameMessageOutOfBand) {
+        if (channel_ == nullptr || !channel_->drivesOutOfBand()) {
+          e = Error::protocol("out-of-band tensor records over channel " +
+                              channelName() + ", which has none");
+        }
+        for (size_t i = 0; e.ok() && i < layout_.outOfBand.size(); ++i) {
+          const auto& o = layout_.outOfBand[i];
+          if (o.present && o.pid != remoteHello_.pid) {
+            e = Error::protocol(
+                "tensor " + std::to_string(i) + ": cma record names pid " +
+                std::to_string(o.pid) + " but the peer's hello said " +
+                std::to_string(remoteHello_.pid));
+          }
+        }
+      }
       if (e.ok()) {
         for (size_t i = 0; i < layout_.tensors.size(); ++i) {
           if (layout_.tensors[i].device.type != DeviceType::kCpu) {
@@ -603,16 +839,79 @@ void PipeImpl::finishBody() {
   rx_ = Rx::kHeader;
   segments_.clear();
   segIndex_ = segOffset_ = 0;
+  Error error;
+  if (!outOfBand_.empty()) {
+    error = readOutOfBand();
+    outOfBand_.clear();
+    // The writer's callback waits for this, whatever the outcome; the
+    // stream stays in step either way, so only this read fails.
+    auto frame = std::make_shared<std::vector<uint8_t>>(
+        wf::encodeCompletion(error.code(), error.message()));
+    const IoBuf b{frame->data(), frame->size()};
+    std::weak_ptr<PipeImpl> weak = shared_from_this();
+    conn_->write(&b, 1, [weak, frame](const Error& e) {
+      auto self = weak.lock();
+      if (self && !e.ok()) {
+        self->failFromLoop(e.withContext(self->id_ + ": completion write"));
+      }
+    });
+  }
   auto cb = std::move(readCb_);
   readCb_ = nullptr;
   --pendingOps_;
-  ctx_->loop().deliver([cb = std::move(cb)] { cb(Error()); });
+  ctx_->loop().deliver([cb = std::move(cb), error] { cb(error); });
+}
+
+Error PipeImpl::readOutOfBand() {
+  const std::string who = "peer " + peerAddress();
+  for (const auto& r : outOfBand_) {
+    Error e = channel_->readOutOfBand(r.pid, r.address, r.data, r.length, who);
+    if (!e.ok()) {
+      return e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor));
+    }
+  }
+  return Error();
+}
+
+void PipeImpl::onCompletion(const wf::FrameLayout& completion) {
+  if (awaitingPeer_.empty()) {
+    failFromLoop(Error::protocol(id_ + " (peer " + peerAddress() +
+                                 "): completion frame with no out-of-band "
+                                 "write waiting for one"));
+    return;
+  }
+  auto op = std::move(awaitingPeer_.front());
+  awaitingPeer_.pop_front();
+  op->peerDone = true;
+  if (completion.completionCode != Code::kOk) {
+    op->peerError = Error(completion.completionCode,
+                          id_ + ": write: peer " + peerAddress() +
+                              " failed to read the out-of-band tensors: " +
+                              completion.completionReason);
+  }
+  if (op->wireDone) {
+    finishWrite(op, op->peerError);
+  }
 }
 
 void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
   const Message& m = op->message;
   op->head.clear();
-  wf::encodeFrameHead(m, &op->head);
+  std::vector<bool> outOfBand;
+  if (channel_ != nullptr && channel_->drivesOutOfBand()) {
+    for (const auto& t : m.tensors) {
+      const bool oob = channel_->sendsOutOfBand(t);
+      op->awaitsPeer = op->awaitsPeer || oob;
+      outOfBand.push_back(oob);
+    }
+  }
+  if (op->awaitsPeer) {
+    wf::encodeFrameHead(m, &op->head, &outOfBand,
+                        static_cast<uint64_t>(::getpid()));
+    awaitingPeer_.push_back(op);
+  } else {
+    wf::encodeFrameHead(m, &op->head);
+  }
   std::vector<IoBuf> iov;
   iov.reserve(2 + m.payloads.size() + m.tensors.size());
   iov.push_back(IoBuf{op->head.data(), op->head.size()});
@@ -624,8 +923,9 @@ void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
       iov.push_back(IoBuf{p.data, p.length});
     }
   }
-  for (const auto& t : m.tensors) {
-    if (t.length > 0) {
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& t = m.tensors[i];
+    if (t.length > 0 && !(op->awaitsPeer && outOfBand[i])) {
       iov.push_back(IoBuf{t.data, t.length});
     }
   }
@@ -651,6 +951,17 @@ void PipeImpl::completeWrite(const std::shared_ptr<WriteOp>& op,
     failFromLoop(error.withContext(id_ + ": write to " + peerAddress()));
     return;
   }
+  op->wireDone = true;
+  if (!op->awaitsPeer || op->peerDone) {
+    finishWrite(op, op->peerError);
+  }
+}
+
+void PipeImpl::finishWrite(const std::shared_ptr<WriteOp>& op,
+                           const Error& error) {
+  if (op->done) {
+    return;
+  }
   op->done = true;
   for (auto it = inflightWrites_.begin(); it != inflightWrites_.end(); ++it) {
     if (*it == op) {
@@ -661,7 +972,7 @@ void PipeImpl::completeWrite(const std::shared_ptr<WriteOp>& op,
   --pendingOps_;
   auto cb = std::move(op->cb);
   op->message = Message();
-  ctx_->loop().deliver([cb = std::move(cb)] { cb(Error()); });
+  ctx_->loop().deliver([cb = std::move(cb), error] { cb(error); });
 }
 
 void PipeImpl::failFromLoop(const Error& error) {
@@ -680,6 +991,17 @@ void PipeImpl::failFromLoop(const Error& error) {
     timer_->cancel();
     timer_ = nullptr;
   }
+  if (upgradeTimer_ != nullptr) {
+    upgradeTimer_->cancel();
+    upgradeTimer_ = nullptr;
+  }
+  if (upgradeToken_ && !connector_) {
+    ctx_->dropUpgrade(*upgradeToken_);
+  }
+  if (upgradeConn_ != nullptr) {
+    upgradeConn_->close();
+    upgradeConn_ = nullptr;
+  }
   if (conn_ != nullptr) {
     conn_->close();
     reading_ = false;
@@ -695,6 +1017,8 @@ void PipeImpl::failFromLoop(const Error& error) {
     }
     q->clear();
   }
+  awaitingPeer_.clear();
+  outOfBand_.clear();
   auto descs = std::move(descriptorCbs_);
   descriptorCbs_.clear();
   auto readCb = std::move(readCb_);
@@ -840,13 +1164,25 @@ void PipeImpl::read(Allocation allocation, Pipe::ReadCallback cb) {
         return;
       }
     }
+    std::vector<OutOfBandRead> oob;
     for (size_t i = 0; i < allocation.tensors.size(); ++i) {
+      const size_t before = segs.size();
       if (!check(allocation.tensors[i], lay.tensors[i].length,
                  "tensor " + std::to_string(i))) {
         return;
       }
+      if (i < lay.outOfBand.size() && lay.outOfBand[i].present &&
+          segs.size() > before) {
+        // Its bytes are not in the stream: copied from the writer at the end.
+        segs.pop_back();
+        oob.push_back(
+            OutOfBandRead{i, static_cast<uint8_t*>(allocation.tensors[i].data),
+                          lay.tensors[i].length, lay.outOfBand[i].pid,
+                          lay.outOfBand[i].address});
+      }
     }
     self->segments_ = std::move(segs);
+    self->outOfBand_ = std::move(oob);
     self->segIndex_ = 0;
     self->segOffset_ = 0;
     self->readCb_ = std::move(cb);

@@ -19,6 +19,13 @@
 //    InvalidArgument; the pipe stays usable and a correct read() may follow.
 //  - Ownership: write() borrows every payload/tensor buffer until its
 //    callback fires; read() borrows the allocation until its callback fires.
+//    On a cma pipe a large CPU tensor is copied by the reader straight from
+//    the writer's buffer, so that write's callback fires only once the peer
+//    has read the message (or the pipe fails); a failed copy fails that
+//    read and that write with the reader's error, and the pipe goes on.
+//  - Transport: between processes of one host a pipe connected over uv
+//    moves to shm during the handshake when both sides allow it;
+//    transportName() reports where it ended up (docs/transport.md).
 //  - Errors are sticky: the first connection, protocol (DATA_LOSS), auth
 //    (UNAUTHENTICATED) or timeout error fails every pending and later
 //    operation with the same Error. A peer that closes or dies fails them

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <limits>
 
@@ -84,6 +85,12 @@ const char* typeName(HandshakeType t) {
       return "auth";
     case HandshakeType::kAccept:
       return "accept";
+    case HandshakeType::kBind:
+      return "bind";
+    case HandshakeType::kUpgradeFailed:
+      return "upgrade failed";
+    case HandshakeType::kUpgradeDecision:
+      return "upgrade decision";
   }
   return "?";
 }
@@ -180,7 +187,77 @@ std::vector<uint8_t> encodeAccept(const AcceptMessage& m) {
   putProof(w, m.proof);
   w.putString(m.transport);
   w.putString(m.channel);
+  w.putString(m.upgradeAddress);
+  if (m.upgradeToken) {
+    w.putBytes(std::span<const uint8_t>(*m.upgradeToken));
+  } else {
+    w.putBytes(std::span<const uint8_t>());
+  }
   return withHeader(HandshakeType::kAccept, w);
+}
+
+std::vector<uint8_t> encodeBind(const BindMessage& m) {
+  WireWriter w;
+  w.putRaw(std::span<const uint8_t>(m.token));
+  putProof(w, m.proof);
+  return withHeader(HandshakeType::kBind, w);
+}
+
+Error decodeBind(std::span<const uint8_t> body, BindMessage* out) {
+  WireReader r(body, "bind");
+  readArray(r, &out->token, "token");
+  out->proof = readProof(r);
+  r.expectEnd();
+  return r.error();
+}
+
+std::vector<uint8_t> encodeUpgradeFailed(const std::string& reason) {
+  WireWriter w;
+  w.putString(std::string_view(reason).substr(0, kMaxReasonBytes));
+  return withHeader(HandshakeType::kUpgradeFailed, w);
+}
+
+Error decodeUpgradeFailed(std::span<const uint8_t> body, std::string* reason) {
+  WireReader r(body, "upgrade failed");
+  *reason = std::string(r.string(kMaxReasonBytes, "reason"));
+  r.expectEnd();
+  return r.error();
+}
+
+std::vector<uint8_t> encodeUpgradeDecision(UpgradeDecision d) {
+  WireWriter w;
+  w.putU8(static_cast<uint8_t>(d));
+  return withHeader(HandshakeType::kUpgradeDecision, w);
+}
+
+Error decodeUpgradeDecision(std::span<const uint8_t> body,
+                            UpgradeDecision* out) {
+  WireReader r(body, "upgrade decision");
+  const uint8_t d = r.u8("decision");
+  if (r.ok() && d > static_cast<uint8_t>(UpgradeDecision::kStay)) {
+    r.fail("decision", "unknown decision " + std::to_string(d));
+  }
+  *out = static_cast<UpgradeDecision>(d);
+  r.expectEnd();
+  return r.error();
+}
+
+Error checkUpgradeAddress(const std::string& address) {
+  const std::string prefix = "shm://";
+  const std::string name = address.rfind(prefix, 0) == 0
+                               ? address.substr(prefix.size())
+                               : std::string();
+  bool ok = !name.empty() && name.size() <= 100;
+  for (char c : name) {
+    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '.' ||
+                c == '_' || c == '-');
+  }
+  if (!ok) {
+    return Error::protocol("upgrade address '" + address.substr(0, 140) +
+                           "' is not shm://NAME with NAME of 1-100 "
+                           "characters from [A-Za-z0-9._-]");
+  }
+  return Error();
 }
 
 Error decodeAccept(std::span<const uint8_t> body, AcceptMessage* out) {
@@ -195,15 +272,34 @@ Error decodeAccept(std::span<const uint8_t> body, AcceptMessage* out) {
   out->proof = readProof(r);
   out->transport = std::string(r.string(kMaxNameBytes, "transport"));
   out->channel = std::string(r.string(kMaxNameBytes, "channel"));
+  out->upgradeAddress =
+      std::string(r.string(kMaxUpgradeAddressBytes, "upgrade address"));
+  auto token = r.bytes(auth::kNonceBytes, "upgrade token");
+  out->upgradeToken.reset();
+  if (r.ok() &&
+      token.size() != (out->upgradeAddress.empty() ? 0 : auth::kNonceBytes)) {
+    r.fail("upgrade token",
+           "upgrade token must be 32 bytes with an upgrade "
+           "address and absent without one");
+  }
+  if (r.ok() && !token.empty()) {
+    auth::Nonce n;
+    std::memcpy(n.data(), token.data(), n.size());
+    out->upgradeToken = n;
+  }
   r.expectEnd();
   return r.error();
 }
 
 size_t maxLayoutBytes(const Limits& limits) {
   // u8 type + 3 varints + per payload a varint + per tensor varint+u8+varint.
+  // A type-2 tensor adds a placement byte, two fixed64 and a varint. A
+  // completion frame is bounded by its reason.
   const size_t v = wire::kMaxVarintBytes;
-  return 1 + 3 * v + limits.maxPayloadsPerMessage * v +
-         limits.maxTensorsPerMessage * (2 * v + 1);
+  const size_t message = 1 + 3 * v + limits.maxPayloadsPerMessage * v +
+                         limits.maxTensorsPerMessage * (3 * v + 2 + 16);
+  const size_t completion = 2 + v + kMaxReasonBytes;
+  return std::max(message, completion);
 }
 
 Error checkOutgoing(const Message& m, const Limits& limits) {
@@ -257,7 +353,8 @@ Error checkOutgoing(const Message& m, const Limits& limits) {
   return Error();
 }
 
-void encodeFrameHead(const Message& m, std::vector<uint8_t>* out) {
+void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
+                     const std::vector<bool>* outOfBand, uint64_t pid) {
   // Built by hand rather than with WireWriter: this runs once per message on
   // the latency path and must not allocate beyond `out`.
   const size_t start = out->size();
@@ -269,7 +366,12 @@ void encodeFrameHead(const Message& m, std::vector<uint8_t>* out) {
     }
     out->push_back(static_cast<uint8_t>(v));
   };
-  out->push_back(kFrameMessage);
+  auto putFixed64 = [out](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      out->push_back(static_cast<uint8_t>(v >> (8 * i)));
+    }
+  };
+  out->push_back(outOfBand != nullptr ? kFrameMessageOutOfBand : kFrameMessage);
   putVarint(m.descriptor.size());
   putVarint(m.payloads.size());
   for (const auto& p : m.payloads) {
@@ -280,12 +382,37 @@ void encodeFrameHead(const Message& m, std::vector<uint8_t>* out) {
     putVarint(t.length);
     out->push_back(static_cast<uint8_t>(t.device.type));
     putVarint(static_cast<uint64_t>(t.device.index));
+    if (outOfBand != nullptr) {
+      const size_t i = static_cast<size_t>(&t - m.tensors.data());
+      if ((*outOfBand)[i]) {
+        out->push_back(kPlacementCma);
+        putFixed64(pid);
+        putFixed64(reinterpret_cast<uintptr_t>(t.data));
+        putVarint(t.length);
+      } else {
+        out->push_back(kPlacementInline);
+      }
+    }
   }
   const auto len =
       static_cast<uint32_t>(out->size() - start - kFrameHeaderBytes);
   for (int i = 0; i < 4; ++i) {
     (*out)[start + i] = static_cast<uint8_t>(len >> (8 * i));
   }
+}
+
+std::vector<uint8_t> encodeCompletion(Code code, const std::string& reason) {
+  WireWriter w;
+  w.putFixed32(0);
+  w.putU8(kFrameCompletion);
+  w.putU8(static_cast<uint8_t>(code));
+  w.putString(std::string_view(reason).substr(0, kMaxReasonBytes));
+  auto out = w.release();
+  const auto len = static_cast<uint32_t>(out.size() - kFrameHeaderBytes);
+  for (int i = 0; i < 4; ++i) {
+    out[i] = static_cast<uint8_t>(len >> (8 * i));
+  }
+  return out;
 }
 
 Error decodeFrameHeader(std::span<const uint8_t> header, const Limits& limits,
@@ -308,8 +435,28 @@ Error decodeLayout(std::span<const uint8_t> layout, const Limits& limits,
                    FrameLayout* out) {
   WireReader r(layout, "message frame");
   const uint8_t type = r.u8("frame type");
-  if (r.ok() && type != kFrameMessage) {
+  if (r.ok() && type != kFrameMessage && type != kFrameMessageOutOfBand &&
+      type != kFrameCompletion) {
     r.fail("frame type", "unknown frame type " + std::to_string(type));
+  }
+  out->type = type;
+  out->outOfBand.clear();
+  out->completionCode = Code::kOk;
+  out->completionReason.clear();
+  if (r.ok() && type == kFrameCompletion) {
+    const uint8_t status = r.u8("completion status");
+    if (r.ok() && status > static_cast<uint8_t>(Code::kUnauthenticated)) {
+      r.fail("completion status",
+             "unknown completion status " + std::to_string(status));
+    }
+    out->completionCode = static_cast<Code>(status);
+    out->completionReason =
+        std::string(r.string(kMaxReasonBytes, "completion reason"));
+    out->descriptorLength = 0;
+    out->payloadLengths.clear();
+    out->tensors.clear();
+    r.expectEnd();
+    return r.error();
   }
   out->descriptorLength =
       r.varint(limits.maxDescriptorBytes, "descriptor length");
@@ -331,6 +478,32 @@ Error decodeLayout(std::span<const uint8_t> layout, const Limits& limits,
     t.device.type = static_cast<DeviceType>(dt);
     t.device.index =
         static_cast<int32_t>(r.varint(kMaxDeviceIndex, "device index"));
+    if (type == kFrameMessageOutOfBand) {
+      OutOfBand o;
+      const uint8_t placement = r.u8("placement");
+      if (r.ok() && placement > kPlacementCma) {
+        r.fail("placement", "unknown placement " + std::to_string(placement));
+      }
+      if (r.ok() && placement == kPlacementCma) {
+        o.present = true;
+        o.pid = r.fixed64("cma pid");
+        o.address = r.fixed64("cma address");
+        const uint64_t len = r.varint(limits.maxTensorBytes, "cma length");
+        if (r.ok() && len != t.length) {
+          r.fail("cma length", "cma length " + std::to_string(len) +
+                                   " differs from the tensor length " +
+                                   std::to_string(t.length));
+        }
+        if (r.ok() && (o.pid == 0 || o.pid > 0x7fffffff)) {
+          r.fail("cma pid", "invalid pid " + std::to_string(o.pid));
+        }
+        if (r.ok() && t.device.type != DeviceType::kCpu) {
+          r.fail("placement", "cma record for a " + t.device.toString() +
+                                  " tensor (cma carries CPU memory only)");
+        }
+      }
+      out->outOfBand.push_back(o);
+    }
     out->tensors.push_back(t);
   }
   r.expectEnd();

@@ -38,7 +38,12 @@ enum class HandshakeType : uint8_t {
   kHelloReply = 2,  // acceptor -> connector
   kAuth = 3,        // connector -> acceptor
   kAccept = 4,      // acceptor -> connector
+  // The same-host upgrade (docs/transport.md, "Same-host upgrade").
+  kBind = 5,             // connector -> acceptor, on the new shm connection
+  kUpgradeFailed = 6,    // connector -> acceptor, on the first connection
+  kUpgradeDecision = 7,  // acceptor -> connector, on the first connection
 };
+constexpr size_t kMaxUpgradeAddressBytes = 128;
 
 // Validates magic, type and length; returns the body length.
 Error decodeHandshakeHeader(std::span<const uint8_t> header,
@@ -71,11 +76,26 @@ struct AcceptMessage {
   std::optional<auth::Mac> proof;
   std::string transport;
   std::string channel;
+  // Same-host upgrade offer: where to connect (shm://NAME) and the secret
+  // binding that connection to this pipe; both empty when none.
+  std::string upgradeAddress;
+  std::optional<auth::Nonce> upgradeToken;
 };
+
+struct BindMessage {
+  auth::Nonce token{};
+  // With a job token: proof("upgrade", acceptor's nonceA, token).
+  std::optional<auth::Mac> proof;
+};
+
+enum class UpgradeDecision : uint8_t { kSwitch = 0, kStay = 1 };
 
 std::vector<uint8_t> encodeHello(HandshakeType type, const Hello& hello);
 std::vector<uint8_t> encodeAuth(const AuthMessage& m);
 std::vector<uint8_t> encodeAccept(const AcceptMessage& m);
+std::vector<uint8_t> encodeBind(const BindMessage& m);
+std::vector<uint8_t> encodeUpgradeFailed(const std::string& reason);
+std::vector<uint8_t> encodeUpgradeDecision(UpgradeDecision d);
 
 // The version is read first: a different one is a ProtocolError naming both
 // versions and nothing else is parsed.
@@ -83,20 +103,46 @@ Error decodeHello(std::span<const uint8_t> body, HandshakeType type,
                   Hello* out);
 Error decodeAuth(std::span<const uint8_t> body, AuthMessage* out);
 Error decodeAccept(std::span<const uint8_t> body, AcceptMessage* out);
+Error decodeBind(std::span<const uint8_t> body, BindMessage* out);
+Error decodeUpgradeFailed(std::span<const uint8_t> body, std::string* reason);
+Error decodeUpgradeDecision(std::span<const uint8_t> body,
+                            UpgradeDecision* out);
+// "shm://NAME", NAME 1-100 of [A-Za-z0-9._-]; else a ProtocolError.
+Error checkUpgradeAddress(const std::string& address);
 
 // ---- Message frames --------------------------------------------------------
 // fixed32 layout length | layout | descriptor | payloads | inline tensors.
-// layout = u8 frame type (1) | varint descriptor length | varint #payloads |
+// layout = u8 frame type | varint descriptor length | varint #payloads |
 //          varint length... | varint #tensors | (varint length, u8 device
-//          type, varint device index)...
+//          type, varint device index [, type 2 only: u8 placement (0 inline,
+//          1 cma) [, 1 only: fixed64 pid, fixed64 address, varint length]])...
+// A completion frame (type 3) is u8 type | u8 status (the reader's error
+// code, core's Code: 0 ok, <= 16) | string reason, and carries nothing after
+// its layout.
 constexpr size_t kFrameHeaderBytes = 4;
 constexpr uint8_t kFrameMessage = 1;
+constexpr uint8_t kFrameMessageOutOfBand = 2;
+constexpr uint8_t kFrameCompletion = 3;
+constexpr uint8_t kPlacementInline = 0;
+constexpr uint8_t kPlacementCma = 1;
 constexpr uint32_t kMaxDeviceIndex = 1024;
 
+// Where an out-of-band tensor's bytes are in the writer's address space.
+struct OutOfBand {
+  bool present = false;
+  uint64_t pid = 0;
+  uint64_t address = 0;
+};
+
 struct FrameLayout {
+  uint8_t type = kFrameMessage;
   size_t descriptorLength = 0;
   std::vector<size_t> payloadLengths;
   std::vector<Descriptor::TensorInfo> tensors;
+  std::vector<OutOfBand> outOfBand;  // type 2: one per tensor; else empty
+  // Type 3 only.
+  Code completionCode = Code::kOk;
+  std::string completionReason;
 };
 
 // The largest layout the limits allow.
@@ -105,8 +151,14 @@ size_t maxLayoutBytes(const Limits& limits);
 // Checks a message against the limits before it is sent (InvalidArgument).
 Error checkOutgoing(const Message& m, const Limits& limits);
 
-// Appends the frame header and layout of `m` to `out`.
-void encodeFrameHead(const Message& m, std::vector<uint8_t>* out);
+// Appends the frame header and layout of `m` to `out`. With `outOfBand`
+// (one flag per tensor, some set), a type-2 layout naming `pid` and each
+// flagged tensor's address and length.
+void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
+                     const std::vector<bool>* outOfBand = nullptr,
+                     uint64_t pid = 0);
+// A completion frame (header + layout); `reason` is cut to kMaxReasonBytes.
+std::vector<uint8_t> encodeCompletion(Code code, const std::string& reason);
 
 Error decodeFrameHeader(std::span<const uint8_t> header, const Limits& limits,
                         size_t* layoutLength);

@@ -1,8 +1,9 @@
 // Fuzz target for the transport's wire decoders (transport/wire_format.h):
-// handshake header, hello / hello reply, auth, accept, frame header and
-// frame layout. Arbitrary bytes must never crash, read out of bounds or make
-// a decoder accept a length beyond its limit; whatever decodes must
-// re-encode and decode to the same values.
+// handshake header, hello / hello reply, auth, accept, the upgrade's bind /
+// upgrade failed / decision, frame header and frame layout (message,
+// out-of-band records, completion). Arbitrary bytes must never crash, read out
+// of bounds or make a decoder accept a length beyond its limit; whatever
+// decodes must re-encode and decode to the same values.
 //
 // Input: byte 0 selects the decoder, byte 1 tightens the limits, the rest
 // is the message.
@@ -72,7 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (in.size() >= wf::kHandshakeHeaderBytes &&
           wf::decodeHandshakeHeader(
               in.first(wf::kHandshakeHeaderBytes),
-              static_cast<wf::HandshakeType>(1 + (selector >> 3) % 4), &len)
+              static_cast<wf::HandshakeType>(1 + (selector >> 3) % 7), &len)
               .ok()) {
         require(len <= wf::kMaxHandshakeBodyBytes);
       }
@@ -95,6 +96,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                     .ok());
         require(back.nonce == a.nonce && back.proof == a.proof);
       }
+      wf::BindMessage b;
+      if (wf::decodeBind(in, &b).ok()) {
+        const auto bytes = wf::encodeBind(b);
+        wf::BindMessage back;
+        require(wf::decodeBind(std::span<const uint8_t>(bytes).subspan(
+                                   wf::kHandshakeHeaderBytes),
+                               &back)
+                    .ok());
+        require(back.token == b.token && back.proof == b.proof);
+      }
       break;
     }
     case 4: {
@@ -108,7 +119,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                  &back)
                     .ok());
         require(back.status == m.status && back.reason == m.reason &&
-                back.transport == m.transport && back.channel == m.channel);
+                back.transport == m.transport && back.channel == m.channel &&
+                back.upgradeAddress == m.upgradeAddress &&
+                back.upgradeToken == m.upgradeToken);
+        require(m.upgradeAddress.size() <= wf::kMaxUpgradeAddressBytes);
+        require(m.upgradeAddress.empty() != m.upgradeToken.has_value());
+        if (wf::checkUpgradeAddress(m.upgradeAddress).ok()) {
+          require(m.upgradeAddress.rfind("shm://", 0) == 0);
+        }
       }
       break;
     }
@@ -118,6 +136,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           wf::decodeFrameHeader(in.first(wf::kFrameHeaderBytes), limits, &len)
               .ok()) {
         require(len > 0 && len <= wf::maxLayoutBytes(limits));
+      }
+      std::string reason;
+      if (wf::decodeUpgradeFailed(in, &reason).ok()) {
+        require(reason.size() <= wf::kMaxReasonBytes);
+      }
+      wf::UpgradeDecision d;
+      if (wf::decodeUpgradeDecision(in, &d).ok()) {
+        require(d == wf::UpgradeDecision::kSwitch ||
+                d == wf::UpgradeDecision::kStay);
       }
       break;
     }
@@ -135,6 +162,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       for (const auto& t : lay.tensors) {
         require(t.length <= limits.maxTensorBytes);
+      }
+      if (lay.type == wf::kFrameMessageOutOfBand) {
+        require(lay.outOfBand.size() == lay.tensors.size());
+        for (size_t i = 0; i < lay.outOfBand.size(); ++i) {
+          if (lay.outOfBand[i].present) {
+            require(lay.outOfBand[i].pid > 0);
+            require(lay.tensors[i].device.type ==
+                    trellis::transport::DeviceType::kCpu);
+          }
+        }
+      } else {
+        require(lay.outOfBand.empty());
+      }
+      if (lay.type == wf::kFrameCompletion) {
+        require(lay.completionReason.size() <= wf::kMaxReasonBytes);
+        require(lay.tensors.empty() && lay.payloadLengths.empty());
       }
       break;
     }

@@ -93,7 +93,7 @@ TEST(TransportOptionsTest, NoCommonChannelFailsTheHandshake) {
   ContextOptions s;
   s.tokenFromEnvironment = false;
   ContextOptions c = s;
-  c.channels = {"cma"};  // known but not registered: offers nothing
+  c.channels = {"cuda_ipc"};  // known but not registered: offers nothing
   auto server = Context::create(s);
   auto client = Context::create(c);
   auto l = server->listen({"uv://127.0.0.1:0"});

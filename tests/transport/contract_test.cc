@@ -562,9 +562,28 @@ TEST_P(TransportContract, ConnectToNothingIsAConnectionError) {
 INSTANTIATE_TEST_SUITE_P(
     Backends, TransportContract,
     ::testing::Values(
-        Backend{"uv_ipv4_basic", "uv", "uv://127.0.0.1:0", {"basic"}, "basic"},
-        Backend{"uv_ipv6_basic", "uv", "uv://[::1]:0", {"basic"}, "basic"},
-        Backend{"shm_basic", "shm", "shm://", {"basic"}, "basic"}),
+        Backend{"uv_ipv4_basic",
+                "uv",
+                "uv://127.0.0.1:0",
+                {"basic"},
+                "basic",
+                std::nullopt},
+        Backend{"uv_ipv6_basic",
+                "uv",
+                "uv://[::1]:0",
+                {"basic"},
+                "basic",
+                std::nullopt},
+        Backend{"shm_basic", "shm", "shm://", {"basic"}, "basic", std::nullopt},
+        // Threshold 0: every tensor goes by process_vm_readv (pid = self
+        // works for it), so the contract runs through the cma path.
+        Backend{"shm_cma", "shm", "shm://", {"cma", "basic"}, "cma", 0},
+        Backend{"uv_ipv4_cma",
+                "uv",
+                "uv://127.0.0.1:0",
+                {"cma", "basic"},
+                "cma",
+                0}),
     backendName);
 
 }  // namespace

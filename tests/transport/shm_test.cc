@@ -35,7 +35,7 @@ using shm::RingControl;
 using shm::RingReader;
 using shm::RingWriter;
 
-const Backend kShm{"shm", "shm", "shm://", {"basic"}, "basic"};
+const Backend kShm{"shm", "shm", "shm://", {"basic"}, "basic", std::nullopt};
 
 // ---- the ring alone ------------------------------------------------------
 

@@ -8,6 +8,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <trellis/transport/cma/factory.h>
+#include <trellis/transport/context_impl.h>
 #include <trellis/transport/wire_format.h>
 
 namespace trellis::transport::testing {
@@ -63,6 +65,10 @@ PipePair makePair(const Backend& b, ContextOptions serverOpts,
   PipePair pp;
   pp.server = Context::create(std::move(serverOpts));
   pp.client = Context::create(std::move(clientOpts));
+  if (b.cmaThreshold) {
+    pp.server->registerChannel(150, cma::create({*b.cmaThreshold}));
+    pp.client->registerChannel(150, cma::create({*b.cmaThreshold}));
+  }
   pp.listener = pp.server->listen({b.listenAddr});
   pp.clientPipe = pp.client->connect(pp.listener->address(b.transport));
   pp.serverPipe = acceptOne(*pp.listener);
@@ -261,11 +267,17 @@ static bool readHandshake(int fd, wf::HandshakeType type,
 }
 
 bool rawHandshake(int fd) {
+  std::string chosen;
+  return rawHandshake(fd, {"basic"}, false, &chosen);
+}
+
+bool rawHandshake(int fd, const std::vector<std::string>& channels,
+                  bool sameHost, std::string* chosen) {
   wf::Hello h;
   h.transports = {"uv"};
-  h.channels = {"basic"};
-  h.hostId = "raw-test-peer";
-  h.pid = 1;
+  h.channels = channels;
+  h.hostId = sameHost ? localHostId() : "raw-test-peer";
+  h.pid = sameHost ? static_cast<uint64_t>(::getpid()) : 1;
   rawSend(fd, wf::encodeHello(wf::HandshakeType::kHello, h));
   std::vector<uint8_t> body;
   if (!readHandshake(fd, wf::HandshakeType::kHelloReply, &body)) {
@@ -277,8 +289,12 @@ bool rawHandshake(int fd) {
     return false;
   }
   wf::AcceptMessage acc;
-  return wf::decodeAccept(body, &acc).ok() &&
-         acc.status == wf::AcceptStatus::kOk;
+  if (!wf::decodeAccept(body, &acc).ok() ||
+      acc.status != wf::AcceptStatus::kOk) {
+    return false;
+  }
+  *chosen = acc.channel;
+  return true;
 }
 
 std::vector<uint8_t> rawFrameHead(size_t descriptorLen,

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <optional>
+
 // Helpers shared by the transport tests: pipe pairs over any transport,
 // synchronous wrappers with deadlines, a callback checker, and a raw TCP
 // client that speaks the wire format byte by byte.
@@ -30,6 +32,10 @@ struct Backend {
   std::string listenAddr;             // "uv://127.0.0.1:0"
   std::vector<std::string> channels;  // restricts ContextOptions::channels
   std::string expectChannel;
+  // When set, both contexts register cma with this threshold (0: every
+  // non-empty CPU tensor goes by process_vm_readv, even between two contexts
+  // of one process).
+  std::optional<size_t> cmaThreshold;
 };
 
 std::string backendName(const ::testing::TestParamInfo<Backend>& info);
@@ -120,6 +126,10 @@ bool rawRecv(int fd, size_t n, std::vector<uint8_t>* out,
 // Runs the connector side of the handshake without a token; returns false
 // if the acceptor does not accept.
 bool rawHandshake(int fd);
+// The same, offering `channels` and, when `sameHost`, this host's id and
+// pid; `chosen` receives the channel the acceptor picked.
+bool rawHandshake(int fd, const std::vector<std::string>& channels,
+                  bool sameHost, std::string* chosen);
 // Frame head (header + layout) for a message with the given sizes.
 std::vector<uint8_t> rawFrameHead(size_t descriptorLen,
                                   const std::vector<size_t>& payloads);

@@ -56,7 +56,8 @@ class UvHostileTest : public ::testing::Test {
     EXPECT_TRUE(rawPeerClosed(fd, std::chrono::seconds(5)));
   }
 
-  Backend backend_{"uv", "uv", "uv://127.0.0.1:0", {"basic"}, "basic"};
+  Backend backend_{"uv",      "uv",    "uv://127.0.0.1:0",
+                   {"basic"}, "basic", std::nullopt};
   std::shared_ptr<Context> server_;
   std::shared_ptr<Listener> listener_;
   std::string address_;

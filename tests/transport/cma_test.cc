@@ -1,0 +1,387 @@
+// The cma channel (transport/cma/): negotiation, the out-of-band path in one
+// process and between two, lying records from a hostile peer, and a writer
+// killed before its tensor is read. The contract suite runs shm+cma and
+// uv+cma as well (contract_test.cc).
+
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <memory>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <string>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "peer_process.h"
+#include "transport_test_util.h"
+#include <trellis/transport/cma/factory.h>
+#include <trellis/transport/connection.h>
+#include <trellis/transport/wire_format.h>
+
+namespace trellis::transport::testing {
+namespace {
+
+namespace wf = wire_format;
+
+const Backend kShmCma{"shm_cma",        "shm", "shm://",
+                      {"cma", "basic"}, "cma", std::nullopt};
+
+ContextOptions defaults(std::string name) {
+  ContextOptions o;
+  o.name = std::move(name);
+  o.tokenFromEnvironment = false;
+  return o;
+}
+
+// A pipe's read of one message into fresh buffers, with its own error.
+struct ReadResult {
+  Descriptor descriptor;
+  std::vector<std::vector<uint8_t>> tensors;
+  Error error;
+};
+
+ReadResult readAll(const std::shared_ptr<Pipe>& pipe) {
+  Promise<Descriptor> dp;
+  pipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  ReadResult r;
+  auto df = dp.getFuture();
+  if (!df.waitFor(kWait)) {
+    r.error = Error::timeout("no descriptor");
+    return r;
+  }
+  if (!df.error().ok()) {
+    r.error = df.error();
+    return r;
+  }
+  r.descriptor = df.wait(kWait);
+  Allocation a;
+  std::vector<std::vector<uint8_t>> payloads;
+  for (size_t n : r.descriptor.payloadLengths) {
+    payloads.emplace_back(n);
+    a.payloads.push_back({payloads.back().data(), n});
+  }
+  r.tensors.reserve(r.descriptor.tensors.size());
+  for (const auto& t : r.descriptor.tensors) {
+    r.tensors.emplace_back(t.length);
+    a.tensors.push_back({r.tensors.back().data(), t.length});
+  }
+  Promise<void> rp;
+  pipe->read(std::move(a), [rp](const Error& e) mutable {
+    e.ok() ? rp.setValue() : rp.setError(e);
+  });
+  auto rf = rp.getFuture();
+  r.error = rf.waitFor(kWait) ? rf.error() : Error::timeout("no read");
+  return r;
+}
+
+// ---- the channel itself
+// ------------------------------------------------------
+
+TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
+  auto cma = cma::create();
+  ASSERT_TRUE(cma->viable().ok()) << cma->viable().what();
+  EXPECT_TRUE(cma->sameHostOnly());
+  EXPECT_TRUE(cma->drivesOutOfBand());
+  std::vector<uint8_t> src(100000);
+  fillPattern(src.data(), src.size(), 3);
+  std::vector<uint8_t> dst(src.size());
+  ASSERT_TRUE(cma->readOutOfBand(static_cast<uint64_t>(::getpid()),
+                                 reinterpret_cast<uintptr_t>(src.data()),
+                                 dst.data(), dst.size(), "self")
+                  .ok());
+  EXPECT_EQ(src, dst);
+  // Unmapped memory: a clear error naming the pid and the peer.
+  const Error e = cma->readOutOfBand(static_cast<uint64_t>(::getpid()), 16,
+                                     dst.data(), 64, "peer x");
+  EXPECT_EQ(e.code(), Code::kDataLoss) << e.what();
+  EXPECT_NE(e.message().find("pid " + std::to_string(::getpid())),
+            std::string::npos)
+      << e.what();
+  EXPECT_NE(e.message().find("peer x"), std::string::npos) << e.what();
+}
+
+TEST(CmaChannel, ThresholdDecidesWhatGoesOutOfBand) {
+  auto cma = cma::create({1000});
+  uint8_t b = 0;
+  EXPECT_FALSE(cma->sendsOutOfBand({&b, 999, Device{}}));
+  EXPECT_TRUE(cma->sendsOutOfBand({&b, 1000, Device{}}));
+  EXPECT_FALSE(cma->sendsOutOfBand({&b, 5000, Device{DeviceType::kCuda, 0}}));
+  auto all = cma::create({0});
+  EXPECT_FALSE(all->sendsOutOfBand({nullptr, 0, Device{}}));
+  EXPECT_TRUE(all->sendsOutOfBand({&b, 1, Device{}}));
+}
+
+// ---- negotiation
+// ---------------------------------------------------------------
+
+TEST(CmaNegotiation, PreferredOnOneHostRestrictedByEnvironment) {
+  {
+    auto server = Context::create(defaults("server"));
+    auto client = Context::create(defaults("client"));
+    auto l = server->listen({"shm://"});
+    auto c = client->connect(l->address("shm"));
+    auto s = acceptOne(*l);
+    writeAsync(*c, Message()).wait(kWait);
+    readAsync(s).wait(kWait);
+    EXPECT_EQ(c->channelName(), "cma");
+    EXPECT_EQ(s->channelName(), "cma");
+  }
+  {
+    ASSERT_EQ(::getenv("TRELLIS_CHANNELS"), nullptr);
+    ::setenv("TRELLIS_CHANNELS", "basic", 1);
+    auto client = Context::create(defaults("client"));
+    ::unsetenv("TRELLIS_CHANNELS");
+    auto server = Context::create(defaults("server"));
+    auto l = server->listen({"shm://"});
+    auto c = client->connect(l->address("shm"));
+    auto s = acceptOne(*l);
+    writeAsync(*c, Message()).wait(kWait);
+    readAsync(s).wait(kWait);
+    EXPECT_EQ(c->channelName(), "basic");
+    EXPECT_EQ(s->channelName(), "basic");
+  }
+}
+
+TEST(CmaNegotiation, OtherHostsGetBasic) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"uv://127.0.0.1:0"});
+  std::string chosen;
+  const int fd = rawConnect(l->address("uv"));
+  ASSERT_TRUE(rawHandshake(fd, {"cma", "basic"}, /*sameHost=*/false, &chosen));
+  EXPECT_EQ(chosen, "basic");
+  ::close(fd);
+  const int fd2 = rawConnect(l->address("uv"));
+  ASSERT_TRUE(rawHandshake(fd2, {"cma", "basic"}, /*sameHost=*/true, &chosen));
+  EXPECT_EQ(chosen, "cma");
+  ::close(fd2);
+}
+
+// ---- the out-of-band path in one process
+// -------------------------------------
+
+TEST(CmaPipe, LargeTensorsWaitForTheReaderSmallOnesDoNot) {
+  auto pp = makePair(kShmCma, optionsFor(kShmCma, "server"),
+                     optionsFor(kShmCma, "client"));
+  // Below the default threshold: inline, the write completes unread.
+  auto small = patterned("small", {10}, {1000}, 1);
+  writeAsync(*pp.clientPipe, small.view()).wait(kWait);
+  // At the threshold and above: the callback waits for the reader's copy.
+  auto big = patterned("big", {300000}, {1000, size_t{1} << 20, 256 << 10}, 2);
+  auto w = writeAsync(*pp.clientPipe, big.view());
+  EXPECT_FALSE(w.waitFor(std::chrono::milliseconds(200)));
+  auto r1 = readAll(pp.serverPipe);
+  ASSERT_TRUE(r1.error.ok()) << r1.error.what();
+  EXPECT_EQ(r1.tensors.at(0), small.tensors.at(0));
+  auto r2 = readAll(pp.serverPipe);
+  ASSERT_TRUE(r2.error.ok()) << r2.error.what();
+  EXPECT_EQ(r2.descriptor.descriptor, "big");
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(r2.tensors.at(i), big.tensors.at(i)) << "tensor " << i;
+  }
+  w.wait(kWait);
+  EXPECT_EQ(pp.clientPipe->channelName(), "cma");
+}
+
+// ---- hostile peer: lying records
+// ---------------------------------------------
+
+struct RawCmaPeer {
+  std::shared_ptr<Context> server;
+  std::shared_ptr<Listener> listener;
+  int fd = -1;
+  std::shared_ptr<Pipe> pipe;
+  ~RawCmaPeer() {
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+};
+
+std::unique_ptr<RawCmaPeer> rawCmaPeer() {
+  auto p = std::make_unique<RawCmaPeer>();
+  p->server = Context::create(defaults("server"));
+  p->listener = p->server->listen({"uv://127.0.0.1:0"});
+  p->fd = rawConnect(p->listener->address("uv"));
+  std::string chosen;
+  EXPECT_TRUE(rawHandshake(p->fd, {"cma", "basic"}, true, &chosen));
+  EXPECT_EQ(chosen, "cma");
+  p->pipe = acceptOne(*p->listener);
+  return p;
+}
+
+// A frame announcing one cma tensor of `length` bytes at `address` of `pid`.
+std::vector<uint8_t> cmaFrame(uint64_t pid, uintptr_t address, size_t length) {
+  Message m;
+  m.descriptor = "lie";
+  m.tensors.push_back({reinterpret_cast<const void*>(address), length, {}});
+  std::vector<bool> oob{true};
+  std::vector<uint8_t> out;
+  wf::encodeFrameHead(m, &out, &oob, pid);
+  out.insert(out.end(), m.descriptor.begin(), m.descriptor.end());
+  return out;
+}
+
+wf::FrameLayout rawReadFrame(int fd) {
+  std::vector<uint8_t> header;
+  wf::FrameLayout lay;
+  EXPECT_TRUE(rawRecv(fd, wf::kFrameHeaderBytes, &header));
+  size_t len = 0;
+  EXPECT_TRUE(wf::decodeFrameHeader(header, Limits{}, &len).ok());
+  std::vector<uint8_t> body;
+  EXPECT_TRUE(rawRecv(fd, len, &body));
+  EXPECT_TRUE(wf::decodeLayout(body, Limits{}, &lay).ok());
+  return lay;
+}
+
+TEST(CmaHostilePeer, LyingRecordsFailThatReadOnlyAndThePeerIsTold) {
+  auto peer = rawCmaPeer();
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  void* mem = ::mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  std::memset(mem, 0x42, page);
+  ASSERT_EQ(::mprotect(static_cast<char*>(mem) + page, page, PROT_NONE), 0);
+  const auto pid = static_cast<uint64_t>(::getpid());
+  const auto base = reinterpret_cast<uintptr_t>(mem);
+
+  // Longer than the writer's buffer: the copy stops at the guard page.
+  rawSend(peer->fd, cmaFrame(pid, base, 2 * page));
+  auto r = readAll(peer->pipe);
+  EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+  EXPECT_NE(r.error.message().find("after " + std::to_string(page) + " bytes"),
+            std::string::npos)
+      << r.error.what();
+  auto c = rawReadFrame(peer->fd);
+  EXPECT_EQ(c.type, wf::kFrameCompletion);
+  EXPECT_EQ(c.completionCode, Code::kDataLoss);
+  EXPECT_FALSE(c.completionReason.empty());
+
+  // An address that is not mapped at all.
+  rawSend(peer->fd, cmaFrame(pid, 4096, 64));
+  r = readAll(peer->pipe);
+  EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+  EXPECT_NE(rawReadFrame(peer->fd).completionCode, Code::kOk);
+
+  // The pipe goes on: an honest record, then an inline message.
+  rawSend(peer->fd, cmaFrame(pid, base, page));
+  r = readAll(peer->pipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  EXPECT_EQ(r.tensors.at(0), std::vector<uint8_t>(page, 0x42));
+  EXPECT_EQ(rawReadFrame(peer->fd).completionCode, Code::kOk);
+  auto head = rawFrameHead(3, {});
+  head.insert(head.end(), {'a', 'b', 'c'});
+  rawSend(peer->fd, head);
+  r = readAll(peer->pipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  EXPECT_EQ(r.descriptor.descriptor, "abc");
+  ::munmap(mem, 2 * page);
+}
+
+TEST(CmaHostilePeer, RecordForAnotherPidOrLengthFailsThePipeOnly) {
+  {
+    auto peer = rawCmaPeer();
+    uint8_t b[16] = {};
+    rawSend(peer->fd, cmaFrame(1, reinterpret_cast<uintptr_t>(b), sizeof(b)));
+    auto r = readAll(peer->pipe);
+    EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+    EXPECT_NE(r.error.message().find("names pid 1"), std::string::npos)
+        << r.error.what();
+    EXPECT_TRUE(rawPeerClosed(peer->fd, std::chrono::seconds(10)));
+    // The listener still serves.
+    auto client = Context::create(defaults("client"));
+    auto c = client->connect(peer->listener->address("uv"));
+    auto s = acceptOne(*peer->listener);
+    writeAsync(*c, Message()).wait(kWait);
+    readAsync(s).wait(kWait);
+  }
+  {
+    // A record whose length differs from the tensor's.
+    auto peer = rawCmaPeer();
+    auto frame = cmaFrame(static_cast<uint64_t>(::getpid()), 4096, 100);
+    // Layout: ... varint length (100) at the end, before "lie": make it 101.
+    const size_t at = frame.size() - 3 - 1;
+    ASSERT_EQ(frame[at], 100);
+    frame[at] = 101;
+    rawSend(peer->fd, frame);
+    auto r = readAll(peer->pipe);
+    EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+    EXPECT_NE(r.error.message().find("cma length"), std::string::npos)
+        << r.error.what();
+  }
+}
+
+// ---- other processes
+// ----------------------------------------------------------
+
+std::unique_ptr<Child> spawnHelper(std::vector<std::string> args) {
+  return testing::spawnHelper(CMA_PEER_HELPER, std::move(args));
+}
+
+TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  constexpr size_t kBytes = size_t{16} << 20;
+  auto child = spawnHelper({"send", l->address("shm"), std::to_string(kBytes)});
+  auto pipe = acceptOne(*l);
+  EXPECT_EQ(readAsync(pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(child->readLine(30000), "ready shm cma");
+  EXPECT_EQ(pipe->channelName(), "cma");
+  auto r = readAll(pipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_TRUE(checkPattern(r.tensors[0].data(), kBytes, 7));
+  EXPECT_EQ(child->readLine(30000), "written ok");
+  const int status = child->wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  constexpr size_t kBytes = size_t{64} << 20;
+  auto child = spawnHelper({"hold", l->address("shm"), std::to_string(kBytes)});
+  auto pipe = acceptOne(*l);
+  EXPECT_EQ(readAsync(pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(child->readLine(30000), "ready shm cma");
+  EXPECT_EQ(child->readLine(30000), "sent");
+  Promise<Descriptor> dp;
+  pipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  auto d = dp.getFuture().wait(kWait);
+  ASSERT_EQ(d.tensors.size(), 1u);
+  ASSERT_EQ(d.tensors[0].length, kBytes);
+  // The record is here; the memory it names goes away.
+  ASSERT_EQ(::kill(child->pid, SIGKILL), 0);
+  const int status = child->wait();
+  EXPECT_TRUE(WIFSIGNALED(status));
+  std::vector<uint8_t> body(kBytes);
+  Promise<void> rp;
+  const auto t0 = std::chrono::steady_clock::now();
+  pipe->read(Allocation{{}, {{body.data(), body.size()}}},
+             [rp](const Error& e) mutable {
+               e.ok() ? rp.setValue() : rp.setError(e);
+             });
+  auto rf = rp.getFuture();
+  ASSERT_TRUE(rf.waitFor(std::chrono::seconds(10)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  // Either the copy finds no process, or the connection's EOF came first.
+  EXPECT_EQ(rf.error().code(), Code::kUnavailable) << rf.error().what();
+  EXPECT_THROW(rf.wait(kWait), ConnectionError);
+  // The listener still serves.
+  auto client = Context::create(defaults("client"));
+  auto c = client->connect(l->address("shm"));
+  auto s = acceptOne(*l);
+  writeAsync(*c, Message()).wait(kWait);
+  readAsync(s).wait(kWait);
+}
+
+}  // namespace
+}  // namespace trellis::transport::testing

@@ -1,0 +1,39 @@
+#pragma once
+
+// The cma channel: CPU tensors of at least `thresholdBytes` between two
+// processes on one host travel by cross-memory attach (docs/transport.md,
+// "cma channel"). The writer puts {pid, address, length} in the frame
+// instead of the bytes; the reader copies them with process_vm_readv(2)
+// straight into its allocation and answers with a completion frame; the
+// writer's callback fires only then, so its buffer must stay valid until
+// the callback (as for every write). Smaller tensors and all payloads travel
+// inline through the pipe's connection, as with the basic channel.
+//
+// viable() checks once that this process may read a process's memory with
+// process_vm_readv (a seccomp profile may forbid it) and Yama's
+// ptrace_scope: at 1 it allows any process to read this one
+// (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)), since the reader is a peer,
+// not an ancestor; at 2 or 3 cma is not viable. A read that fails at run
+// time (EPERM, EFAULT, a short read) fails that read and that write with an
+// error naming the peer; the pipe goes on.
+//
+// Context::create() registers it with priority 150, above basic (100).
+
+#include <cstddef>
+#include <memory>
+
+namespace trellis::transport {
+class Channel;
+}
+
+namespace trellis::transport::cma {
+
+struct Options {
+  // Tensors of at least this many bytes go by cma; 0 = every non-empty CPU
+  // tensor (docs/benchmarks.md, "cma channel", for the measured default).
+  size_t thresholdBytes = size_t{256} << 10;
+};
+
+std::shared_ptr<Channel> create(Options options = {});
+
+}  // namespace trellis::transport::cma
