@@ -12,6 +12,7 @@
 #include <spawn.h>
 #include <string>
 #include <sys/wait.h>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -54,9 +55,23 @@ struct Child {
     }
     return line;
   }
-  int wait() {
+  // The child's wait status once it exits, waiting at most `timeoutMs`;
+  // a child still running then is SIGKILLed and -1 returned.
+  int wait(int timeoutMs = 30000) {
+    const auto end =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
     int status = 0;
-    ::waitpid(pid, &status, 0);
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() >= end) {
+        ADD_FAILURE() << "child " << pid << " still running after " << timeoutMs
+                      << " ms";
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+        pid = -1;
+        return -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     pid = -1;
     return status;
   }

@@ -21,6 +21,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "peer_process.h"
 #include "transport_test_util.h"
 #include <trellis/transport/connection.h>
 #include <trellis/transport/shm/factory.h>
@@ -443,67 +444,8 @@ TEST(ShmTransport, SilentPeerTimesOutInSetup) {
 // ---- other processes
 // ---------------------------------------------------------
 
-struct Child {
-  pid_t pid = -1;
-  int out = -1;
-  ~Child() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-    if (out >= 0) {
-      ::close(out);
-    }
-  }
-  // A line of stdout within `timeoutMs`; empty if none.
-  std::string readLine(int timeoutMs) {
-    std::string line;
-    const auto end =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
-    while (std::chrono::steady_clock::now() < end) {
-      pollfd p{out, POLLIN, 0};
-      if (::poll(&p, 1, 100) != 1) {
-        continue;
-      }
-      char c;
-      if (::read(out, &c, 1) != 1) {
-        break;
-      }
-      if (c == '\n') {
-        return line;
-      }
-      line += c;
-    }
-    return line;
-  }
-  int wait() {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    pid = -1;
-    return status;
-  }
-};
-
 std::unique_ptr<Child> spawnHelper(std::vector<std::string> args) {
-  int fds[2];
-  EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  args.insert(args.begin(), SHM_PEER_HELPER);
-  std::vector<char*> argv;
-  for (auto& a : args) {
-    argv.push_back(a.data());
-  }
-  argv.push_back(nullptr);
-  auto child = std::make_unique<Child>();
-  const int rc = posix_spawn(&child->pid, SHM_PEER_HELPER, &fa, nullptr,
-                             argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(fds[1]);
-  child->out = fds[0];
-  EXPECT_EQ(rc, 0);
-  return child;
+  return testing::spawnHelper(SHM_PEER_HELPER, std::move(args));
 }
 
 TEST(ShmTransport, PeerKilledMidMessageFailsPendingOperationsPromptly) {
