@@ -24,6 +24,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "bench_util.h"
 #include <trellis/store/tcp_store.h>
 
 namespace {
@@ -34,38 +35,8 @@ using trellis::store::TCPStoreOptions;
 using trellis::store::TCPStoreServer;
 using Clock = std::chrono::steady_clock;
 
-struct Result {
-  std::string metric;
-  double value;
-  std::string unit;
-  std::optional<std::string> baseline;
-  std::optional<double> ratio;
-};
-
-std::vector<Result> results;
-
-void report(std::string metric, double value, std::string unit,
-            std::optional<std::string> baseline = std::nullopt) {
-  std::optional<double> ratio;
-  if (baseline) {
-    for (const auto& r : results) {
-      if (r.metric == *baseline && r.value != 0) {
-        ratio = value / r.value;
-      }
-    }
-  }
-  results.push_back(
-      {std::move(metric), value, std::move(unit), std::move(baseline), ratio});
-}
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) {
-    return 0;
-  }
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * v.size()));
-  return v[i];
-}
+trellis::bench::Report report("store");
+using trellis::bench::percentile;
 
 double usSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -73,55 +44,28 @@ double usSince(Clock::time_point t0) {
 
 // --- Raw TCP ping-pong on loopback: the baseline. ---------------------------
 
-void readFull(int fd, char* p, size_t n) {
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, 0);
-    if (r <= 0) {
-      std::perror("recv");
-      std::exit(1);
-    }
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-}
-
 void measureRawRtt(int iterations) {
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  ::listen(lfd, 1);
-  socklen_t len = sizeof(addr);
-  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const auto [fd, server] = trellis::bench::loopbackTcpPair();
   constexpr size_t kMsg = 32;  // about the size of a small store request
   // Round trips after 1 ms of idleness, like the wake-up measurement below:
   // both ends sleep in between, so this prices the cold wake-ups.
   constexpr int kIdleIterations = 500;
-  std::thread echo([&] {
-    const int c = ::accept(lfd, nullptr, nullptr);
-    const int one = 1;
-    ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  std::thread echo([&, c = server] {
     char buf[kMsg];
     for (int i = 0; i < iterations + kIdleIterations; ++i) {
-      readFull(c, buf, kMsg);
-      ::send(c, buf, kMsg, MSG_NOSIGNAL);
+      trellis::bench::recvAll(c, buf, kMsg);
+      trellis::bench::sendAll(c, buf, kMsg);
     }
     ::close(c);
   });
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   char buf[kMsg] = {};
   std::vector<double> rtts;
   rtts.reserve(iterations);
   const auto start = Clock::now();
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = Clock::now();
-    ::send(fd, buf, kMsg, MSG_NOSIGNAL);
-    readFull(fd, buf, kMsg);
+    trellis::bench::sendAll(fd, buf, kMsg);
+    trellis::bench::recvAll(fd, buf, kMsg);
     rtts.push_back(usSince(t0));
   }
   const double totalUs = usSince(start);
@@ -129,18 +73,18 @@ void measureRawRtt(int iterations) {
   for (int i = 0; i < kIdleIterations; ++i) {
     std::this_thread::sleep_for(1ms);
     const auto t0 = Clock::now();
-    ::send(fd, buf, kMsg, MSG_NOSIGNAL);
-    readFull(fd, buf, kMsg);
+    trellis::bench::sendAll(fd, buf, kMsg);
+    trellis::bench::recvAll(fd, buf, kMsg);
     idle.push_back(usSince(t0));
   }
   echo.join();
   ::close(fd);
-  ::close(lfd);
-  report("raw_tcp_rtt_median", percentile(rtts, 0.5), "us");
-  report("raw_tcp_rtt_p99", percentile(rtts, 0.99), "us");
-  report("raw_tcp_round_trips_per_s", iterations / (totalUs / 1e6), "ops/s");
-  report("raw_tcp_rtt_after_idle_median", percentile(idle, 0.5), "us");
-  report("raw_tcp_rtt_after_idle_p99", percentile(idle, 0.99), "us");
+  report.add("raw_tcp_rtt_median", percentile(rtts, 0.5), "us");
+  report.add("raw_tcp_rtt_p99", percentile(rtts, 0.99), "us");
+  report.add("raw_tcp_round_trips_per_s", iterations / (totalUs / 1e6),
+             "ops/s");
+  report.add("raw_tcp_rtt_after_idle_median", percentile(idle, 0.5), "us");
+  report.add("raw_tcp_rtt_after_idle_p99", percentile(idle, 0.99), "us");
 }
 
 // --- Store operations.
@@ -183,8 +127,8 @@ void measureLatency(uint16_t port, Op op, int iterations) {
     lat.push_back(usSince(t0));
   }
   const std::string m = std::string(name(op)) + "_latency";
-  report(m + "_median", percentile(lat, 0.5), "us", "raw_tcp_rtt_median");
-  report(m + "_p99", percentile(lat, 0.99), "us", "raw_tcp_rtt_p99");
+  report.add(m + "_median", percentile(lat, 0.5), "us", "raw_tcp_rtt_median");
+  report.add(m + "_p99", percentile(lat, 0.99), "us", "raw_tcp_rtt_p99");
 }
 
 void measureThroughput(uint16_t port, Op op, int clients,
@@ -219,9 +163,9 @@ void measureThroughput(uint16_t port, Op op, int clients,
     t.join();
   }
   const double secs = usSince(t0) / 1e6;
-  report(std::string(name(op)) + "_ops_per_s_c" + std::to_string(clients),
-         static_cast<double>(total.load()) / secs, "ops/s",
-         "raw_tcp_round_trips_per_s");
+  report.add(std::string(name(op)) + "_ops_per_s_c" + std::to_string(clients),
+             static_cast<double>(total.load()) / secs, "ops/s",
+             "raw_tcp_round_trips_per_s");
 }
 
 // set -> wait wake-up: a client blocked in wait() on the server, another
@@ -243,10 +187,10 @@ void measureWakeup(uint16_t port, int iterations) {
     t.join();
     lat.push_back(static_cast<double>(woke - setAtNs.load()) / 1e3);
   }
-  report("set_wait_wakeup_median", percentile(lat, 0.5), "us",
-         "raw_tcp_rtt_after_idle_median");
-  report("set_wait_wakeup_p99", percentile(lat, 0.99), "us",
-         "raw_tcp_rtt_after_idle_p99");
+  report.add("set_wait_wakeup_median", percentile(lat, 0.5), "us",
+             "raw_tcp_rtt_after_idle_median");
+  report.add("set_wait_wakeup_p99", percentile(lat, 0.99), "us",
+             "raw_tcp_rtt_after_idle_p99");
 }
 
 }  // namespace
@@ -286,23 +230,6 @@ int main(int argc, char** argv) {
   }
   measureWakeup(server.port(), 500);
 
-  if (json) {
-    for (const auto& r : results) {
-      std::printf(
-          "{\"bench\": \"store\", \"metric\": \"%s\", \"value\": %.6g, "
-          "\"unit\": \"%s\", \"baseline\": %s, \"ratio\": %s}\n",
-          r.metric.c_str(), r.value, r.unit.c_str(),
-          r.baseline ? ("\"" + *r.baseline + "\"").c_str() : "null",
-          r.ratio ? std::to_string(*r.ratio).c_str() : "null");
-    }
-  } else {
-    std::printf("%-32s %14s %-6s %-28s %8s\n", "metric", "value", "unit",
-                "baseline", "ratio");
-    for (const auto& r : results) {
-      std::printf("%-32s %14.2f %-6s %-28s %8s\n", r.metric.c_str(), r.value,
-                  r.unit.c_str(), r.baseline ? r.baseline->c_str() : "-",
-                  r.ratio ? std::to_string(*r.ratio).c_str() : "-");
-    }
-  }
+  report.print(json);
   return 0;
 }

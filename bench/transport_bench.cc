@@ -24,6 +24,7 @@
 #include <tensorpipe/tensorpipe.h>
 #endif
 
+#include "bench_util.h"
 #include <trellis/core/future.h>
 #include <trellis/transport/basic_channel.h>
 #include <trellis/transport/cma/factory.h>
@@ -42,22 +43,7 @@ constexpr size_t kMiB = size_t{1} << 20;
 const std::vector<size_t> kSizes = {1 * kMiB, 16 * kMiB, 64 * kMiB};
 constexpr size_t kBytesPerSize = size_t{2} << 30;  // per throughput run
 
-struct Result {
-  std::string metric;
-  double value;
-  std::string unit;
-  std::string baseline;  // empty = none
-};
-std::vector<Result> results;
-
-double valueOf(const std::string& metric) {
-  for (const auto& r : results) {
-    if (r.metric == metric) {
-      return r.value;
-    }
-  }
-  return 0;
-}
+bench::Report report("transport");
 
 std::vector<uint8_t> prefaulted(size_t n) {
   std::vector<uint8_t> v(n);
@@ -72,64 +58,17 @@ void addLatency(const std::string& prefix, std::vector<double>& us,
   std::sort(us.begin(), us.end());
   const double median = us[us.size() / 2];
   const double p99 = us[us.size() * 99 / 100];
-  results.push_back(
-      {prefix + "_rtt_8B_median", median, "us",
-       baselinePrefix.empty() ? "" : baselinePrefix + "_rtt_8B_median"});
-  results.push_back(
-      {prefix + "_rtt_8B_p99", p99, "us",
-       baselinePrefix.empty() ? "" : baselinePrefix + "_rtt_8B_p99"});
+  report.add({prefix + "_rtt_8B_median", median, "us",
+              baselinePrefix.empty() ? "" : baselinePrefix + "_rtt_8B_median"});
+  report.add({prefix + "_rtt_8B_p99", p99, "us",
+              baselinePrefix.empty() ? "" : baselinePrefix + "_rtt_8B_p99"});
 }
 
 // ---- raw socket baselines ----------------------------------------------
 
-void sendAll(int fd, const uint8_t* p, size_t n) {
-  while (n > 0) {
-    const ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (r <= 0) {
-      std::perror("send");
-      std::exit(1);
-    }
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-}
-
-void recvAll(int fd, uint8_t* p, size_t n) {
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, 0);
-    if (r <= 0) {
-      std::perror("recv");
-      std::exit(1);
-    }
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-}
-
-std::pair<int, int> tcpPair() {
-  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::listen(l, 1) != 0 ||
-      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    std::perror("tcp listen");
-    std::exit(1);
-  }
-  const int c = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    std::perror("tcp connect");
-    std::exit(1);
-  }
-  const int s = ::accept(l, nullptr, nullptr);
-  ::close(l);
-  int one = 1;
-  ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  return {c, s};
-}
+using bench::loopbackTcpPair;
+using bench::recvAll;
+using bench::sendAll;
 
 std::vector<double> socketPingPong(int c, int s) {
   std::thread echo([s] {
@@ -177,12 +116,12 @@ double socketThroughput(int c, int s, size_t size) {
 }
 
 void rawBaselines() {
-  auto [c, s] = tcpPair();
+  auto [c, s] = loopbackTcpPair();
   auto us = socketPingPong(c, s);
   addLatency("tcp", us, "");
   for (size_t size : kSizes) {
-    results.push_back({"tcp_throughput_" + std::to_string(size / kMiB) + "MiB",
-                       socketThroughput(c, s, size), "GB/s", ""});
+    report.add({"tcp_throughput_" + std::to_string(size / kMiB) + "MiB",
+                socketThroughput(c, s, size), "GB/s", ""});
   }
   ::close(c);
   ::close(s);
@@ -208,7 +147,7 @@ void memcpyBaseline() {
     a[i] = b[n - 1 - i];  // keep the copies observable
   }
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  results.push_back({"memcpy_64MiB", reps * n / secs / 1e9, "GB/s", ""});
+  report.add({"memcpy_64MiB", reps * n / secs / 1e9, "GB/s", ""});
 }
 
 // ---- Trellis pipes -------------------------------------------------------
@@ -374,8 +313,8 @@ void trellisUv() {
   addLatency("uv", us, "tcp");
   for (size_t size : kSizes) {
     const std::string n = std::to_string(size / kMiB) + "MiB";
-    results.push_back({"uv_throughput_" + n, pipeThroughput(b, size), "GB/s",
-                       "tcp_throughput_" + n});
+    report.add({"uv_throughput_" + n, pipeThroughput(b, size), "GB/s",
+                "tcp_throughput_" + n});
   }
 }
 
@@ -388,8 +327,8 @@ void trellisShm() {
     addLatency("shm", us, "tcp");
     for (size_t size : kSizes) {
       const std::string n = std::to_string(size / kMiB) + "MiB";
-      results.push_back({"shm_throughput_" + n, pipeThroughput(b, size), "GB/s",
-                         "tcp_throughput_" + n});
+      report.add({"shm_throughput_" + n, pipeThroughput(b, size), "GB/s",
+                  "tcp_throughput_" + n});
     }
   }
   PipeBench b("shm://", [](Context& c) {
@@ -421,18 +360,16 @@ void trellisCma() {
   PipeBench basicPipe("shm://", only("basic"));
   for (size_t size : {size_t{64} << 10, size_t{256} << 10, size_t{1} << 20}) {
     const std::string n = std::to_string(size >> 10) + "KiB";
-    results.push_back({"shm_basic_tensor_" + n,
-                       pipeThroughput(basicPipe, size, true, 256 * kMiB),
-                       "GB/s", ""});
-    results.push_back({"cma_tensor_" + n,
-                       pipeThroughput(cmaPipe, size, true, 256 * kMiB), "GB/s",
-                       "shm_basic_tensor_" + n});
+    report.add({"shm_basic_tensor_" + n,
+                pipeThroughput(basicPipe, size, true, 256 * kMiB), "GB/s", ""});
+    report.add({"cma_tensor_" + n,
+                pipeThroughput(cmaPipe, size, true, 256 * kMiB), "GB/s",
+                "shm_basic_tensor_" + n});
   }
   for (size_t size : kSizes) {
     const std::string n = std::to_string(size / kMiB) + "MiB";
-    results.push_back({"cma_throughput_" + n,
-                       pipeThroughput(cmaPipe, size, true), "GB/s",
-                       "memcpy_64MiB"});
+    report.add({"cma_throughput_" + n, pipeThroughput(cmaPipe, size, true),
+                "GB/s", "memcpy_64MiB"});
   }
 }
 
@@ -565,9 +502,9 @@ void tensorpipeUv() {
     const double secs =
         std::chrono::duration<double>(Clock::now() - start).count();
     const std::string n = std::to_string(size / kMiB) + "MiB";
-    results.push_back({"tensorpipe_uv_throughput_" + n,
-                       static_cast<double>(count * size) / secs / 1e9, "GB/s",
-                       "tcp_throughput_" + n});
+    report.add({"tensorpipe_uv_throughput_" + n,
+                static_cast<double>(count * size) / secs / 1e9, "GB/s",
+                "tcp_throughput_" + n});
   }
   c->close();
   s->close();
@@ -598,25 +535,6 @@ int main(int argc, char** argv) {
 #ifdef TRELLIS_BENCH_TENSORPIPE
   tensorpipeUv();
 #endif
-  if (!json) {
-    std::printf("%-28s %12s %-6s %-28s %8s\n", "metric", "value", "unit",
-                "baseline", "ratio");
-  }
-  for (const auto& r : results) {
-    const double base = r.baseline.empty() ? 0 : valueOf(r.baseline);
-    const double ratio = base > 0 ? r.value / base : 0;
-    if (json) {
-      std::printf(
-          "{\"bench\": \"transport\", \"metric\": \"%s\", \"value\": %.4f, "
-          "\"unit\": \"%s\", \"baseline\": %s, \"ratio\": %s}\n",
-          r.metric.c_str(), r.value, r.unit.c_str(),
-          r.baseline.empty() ? "null" : ("\"" + r.baseline + "\"").c_str(),
-          base > 0 ? std::to_string(ratio).c_str() : "null");
-    } else {
-      std::printf("%-28s %12.3f %-6s %-28s %8s\n", r.metric.c_str(), r.value,
-                  r.unit.c_str(), r.baseline.empty() ? "-" : r.baseline.c_str(),
-                  base > 0 ? std::to_string(ratio).substr(0, 5).c_str() : "-");
-    }
-  }
+  report.print(json);
   return 0;
 }

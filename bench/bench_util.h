@@ -1,0 +1,140 @@
+#pragma once
+
+// What every benchmark program in bench/ shares: the result table and the
+// JSON-lines format of DESIGN.md ("Benchmarks"), percentiles, and the raw
+// loopback-socket plumbing its baselines are measured with. Failures exit
+// the program: a benchmark with a broken baseline has nothing to report.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <string>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+namespace trellis::bench {
+
+struct Result {
+  std::string metric;
+  double value;
+  std::string unit;
+  std::string baseline;  // metric measured in the same run; empty = none
+};
+
+class Report {
+ public:
+  explicit Report(std::string bench) : bench_(std::move(bench)) {}
+
+  void add(Result r) { results_.push_back(std::move(r)); }
+  void add(std::string metric, double value, std::string unit,
+           std::string baseline = {}) {
+    add(Result{std::move(metric), value, std::move(unit), std::move(baseline)});
+  }
+
+  // The value of `metric` in this run; 0 when it was not measured.
+  double valueOf(const std::string& metric) const {
+    for (const auto& r : results_) {
+      if (r.metric == metric) {
+        return r.value;
+      }
+    }
+    return 0;
+  }
+
+  // A table, or one JSON object per line; ratio = value / baseline's value.
+  void print(bool json) const {
+    if (!json) {
+      std::printf("%-34s %14s %-6s %-30s %8s\n", "metric", "value", "unit",
+                  "baseline", "ratio");
+    }
+    for (const auto& r : results_) {
+      const double base = r.baseline.empty() ? 0 : valueOf(r.baseline);
+      const std::string ratio = base > 0 ? std::to_string(r.value / base) : "";
+      if (json) {
+        const std::string baseline =
+            r.baseline.empty() ? "null" : "\"" + r.baseline + "\"";
+        std::printf(
+            "{\"bench\": \"%s\", \"metric\": \"%s\", \"value\": %.6g, "
+            "\"unit\": \"%s\", \"baseline\": %s, \"ratio\": %s}\n",
+            bench_.c_str(), r.metric.c_str(), r.value, r.unit.c_str(),
+            baseline.c_str(), ratio.empty() ? "null" : ratio.c_str());
+      } else {
+        std::printf("%-34s %14.3f %-6s %-30s %8s\n", r.metric.c_str(), r.value,
+                    r.unit.c_str(),
+                    r.baseline.empty() ? "-" : r.baseline.c_str(),
+                    ratio.empty() ? "-" : ratio.substr(0, 5).c_str());
+      }
+    }
+  }
+
+ private:
+  std::string bench_;
+  std::vector<Result> results_;
+};
+
+// The p-th quantile (0..1) of `v`; 0 for an empty sample.
+inline double percentile(std::vector<double> v, double p) {
+  if (v.empty()) {
+    return 0;
+  }
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+inline void sendAll(int fd, const void* data, size_t n) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (r <= 0) {
+      std::perror("send");
+      std::exit(1);
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+inline void recvAll(int fd, void* data, size_t n) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, 0);
+    if (r <= 0) {
+      std::perror("recv");
+      std::exit(1);
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+// A connected {client, server} TCP pair on 127.0.0.1, both TCP_NODELAY.
+inline std::pair<int, int> loopbackTcpPair() {
+  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::listen(l, 1) != 0 ||
+      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    std::perror("tcp listen");
+    std::exit(1);
+  }
+  const int c = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    std::perror("tcp connect");
+    std::exit(1);
+  }
+  const int s = ::accept(l, nullptr, nullptr);
+  ::close(l);
+  const int one = 1;
+  ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return {c, s};
+}
+
+}  // namespace trellis::bench
