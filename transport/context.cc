@@ -13,6 +13,9 @@
 #include <trellis/transport/context_impl.h>
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/uv/factory.h>
+#ifdef TRELLIS_HAVE_CUDA
+#include <trellis/transport/cuda_ipc/factory.h>
+#endif
 
 namespace trellis::transport {
 
@@ -27,7 +30,7 @@ const std::vector<std::string> kKnownChannels = {"basic", "cma", "cuda_ipc"};
 constexpr auto kListenTimeout = std::chrono::seconds(30);
 constexpr auto kDestructorJoin = std::chrono::seconds(60);
 
-std::string trim(std::string s) {
+std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t");
   const auto e = s.find_last_not_of(" \t");
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
@@ -126,6 +129,20 @@ std::optional<std::vector<std::string>> parseNameList(
   return out;
 }
 
+void logDestructorException(const std::string& who,
+                            std::exception_ptr e) noexcept {
+  try {
+    try {
+      std::rethrow_exception(std::move(e));
+    } catch (const std::exception& ex) {
+      TRELLIS_LOG_ERROR("{}: destructor: {}", who, ex.what());
+    } catch (...) {
+      TRELLIS_LOG_ERROR("{}: destructor: unknown exception", who);
+    }
+  } catch (...) {  // NOLINT(bugprone-empty-catch): logging failed too
+  }
+}
+
 std::string localHostId() {
   std::string id;
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
@@ -173,19 +190,31 @@ Error negotiate(const std::vector<Offer>& localTransports,
                      "(peer offers: " +
                      join(remote.transports) + ")");
   }
+  const Offer* cpu = nullptr;
+  const Offer* cuda = nullptr;
   for (const auto& c : localChannels) {
-    if (c.inlineChannel && usable(c, remote.channels)) {
-      *out = Negotiated{transport->name, c.name};
-      return Error();
+    if (!usable(c, remote.channels)) {
+      continue;
     }
+    if (cpu == nullptr && c.inlineChannel && c.cpu) {
+      cpu = &c;
+    }
+    if (cuda == nullptr && c.cuda && c.outOfBand) {
+      cuda = &c;
+    }
+  }
+  if (cpu != nullptr) {
+    *out = Negotiated{transport->name, cpu->name,
+                      cuda != nullptr ? cuda->name : std::string()};
+    return Error();
   }
   std::vector<std::string> mine;
   for (const auto& c : localChannels) {
     mine.push_back(c.name);
   }
   return Error(Code::kFailedPrecondition,
-               "no channel usable by both sides (this side: " + join(mine) +
-                   "; peer: " + join(remote.channels) +
+               "no channel for CPU tensors usable by both sides (this side: " +
+                   join(mine) + "; peer: " + join(remote.channels) +
                    (sameHost ? "; same host" : "; different hosts") + ")");
 }
 
@@ -314,9 +343,12 @@ std::vector<Offer> ContextImpl::channelOffers() const {
   for (const auto& e : channels_) {
     if ((!allowedChannels_ || allowedChannels_->count(e.name)) &&
         e.channel->viable().ok()) {
-      out.push_back(Offer{e.name, e.channel->sameHostOnly(),
-                          e.channel->inlineThroughConnection() ||
-                              e.channel->drivesOutOfBand()});
+      out.push_back(Offer{
+          e.name, e.channel->sameHostOnly(),
+          e.channel->inlineThroughConnection() || e.channel->drivesOutOfBand(),
+          e.channel->supportsDevice(Device::cpu()),
+          e.channel->supportsDevice(Device::cuda(0)),
+          e.channel->drivesOutOfBand()});
     }
   }
   return out;
@@ -722,7 +754,9 @@ void ListenerImpl::failFromLoop(const Error& error) {
 
 Listener::Listener(std::shared_ptr<ListenerImpl> impl)
     : impl_(std::move(impl)) {}
-Listener::~Listener() { impl_->close(); }
+Listener::~Listener() {
+  destructorNoThrow(impl_->id(), [this] { impl_->close(); });
+}
 void Listener::accept(AcceptCallback cb) { impl_->accept(std::move(cb)); }
 void Listener::close() { impl_->close(); }
 const std::map<std::string, std::string>& Listener::addresses() const {
@@ -743,6 +777,10 @@ std::shared_ptr<Context> Context::create(ContextOptions options) {
   impl->registerTransport(200, shm::create());
   impl->registerChannel(100, basic::create());
   impl->registerChannel(150, cma::create());
+#ifdef TRELLIS_HAVE_CUDA
+  // CUDA tensors only: negotiated beside the CPU channel, not instead of it.
+  impl->registerChannel(200, cuda_ipc::create());
+#endif
   try {
     impl->applyFilters();
   } catch (...) {
@@ -756,12 +794,15 @@ std::shared_ptr<Context> Context::create(ContextOptions options) {
 Context::Context(std::shared_ptr<ContextImpl> impl) : impl_(std::move(impl)) {}
 
 Context::~Context() {
-  impl_->close();
-  if (!impl_->loop().inLoop() &&
-      !impl_->join(Deadline::after(kDestructorJoin))) {
-    TRELLIS_LOG_ERROR("{}: loop thread still running {} after close",
-                      impl_->ids().parentId(), formatDuration(kDestructorJoin));
-  }
+  destructorNoThrow(impl_->ids().parentId(), [this] {
+    impl_->close();
+    if (!impl_->loop().inLoop() &&
+        !impl_->join(Deadline::after(kDestructorJoin))) {
+      TRELLIS_LOG_ERROR("{}: loop thread still running {} after close",
+                        impl_->ids().parentId(),
+                        formatDuration(kDestructorJoin));
+    }
+  });
 }
 
 void Context::registerTransport(int priority,

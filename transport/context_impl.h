@@ -3,6 +3,7 @@
 // Internal: the objects behind Context, Listener and Pipe. Not installed.
 
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,23 +25,48 @@ namespace trellis::transport {
 class PipeImpl;
 class ListenerImpl;
 
+// Logs what escaped a destructor's body; never throws.
+void logDestructorException(const std::string& who,
+                            std::exception_ptr e) noexcept;
+
+// Runs `fn` for a destructor: an exception (bad_alloc deep in close())
+// is logged and swallowed, since destructors must not throw.
+template <typename Fn>
+void destructorNoThrow(const std::string& who, Fn&& fn) noexcept {
+  try {
+    fn();
+  } catch (...) {
+    logDestructorException(who, std::current_exception());
+  }
+}
+
 // "boot_id/ipc-namespace": equal only for processes that can share memory.
 std::string localHostId();
 
 struct Negotiated {
   std::string transport;
-  std::string channel;
+  std::string channel;      // CPU tensors
+  std::string cudaChannel;  // CUDA tensors; empty: none
 };
 
-// Picks the highest-priority transport and drivable channel in `local` (in
-// priority order) that the peer also offers; same-host-only ones only when
-// `sameHost`. The transport must be `bootstrap` (the one the handshake runs
-// on): switching transports after the handshake comes with shm.
+// Picks the highest-priority transport and channels in `local` (in priority
+// order) that the peer also offers; same-host-only ones only when
+// `sameHost`. One channel per device type: for CPU tensors a channel the
+// pipe can drive (required); for CUDA tensors an out-of-band channel that
+// carries them (optional: none leaves CUDA writes failing with
+// InvalidArgument). The transport must be `bootstrap` (the one the
+// handshake runs on): switching transports after the handshake comes with
+// shm.
 struct Offer {
   std::string name;
   bool sameHostOnly = false;
   // Channels only: the pipe can drive it (inline, or out of band like cma).
   bool inlineChannel = true;
+  // Channels only: the device types it carries (supportsDevice) and whether
+  // it carries them out of band.
+  bool cpu = true;
+  bool cuda = false;
+  bool outOfBand = false;
 };
 Error negotiate(const std::vector<Offer>& localTransports,
                 const std::vector<Offer>& localChannels,
@@ -53,6 +79,8 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   ~ContextImpl();
 
   Loop& loop() { return *loop_; }
+  // For callbacks from other threads (channel copies) that must hop back.
+  std::shared_ptr<Loop> sharedLoop() const { return loop_; }
   const ContextOptions& options() const { return options_; }
   const Limits& limits() const { return options_.limits; }
   const std::optional<auth::JobToken>& token() const { return token_; }
@@ -187,6 +215,7 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   std::string peerAddress() const;
   std::string transportName() const;
   std::string channelName() const;
+  std::string channelName(DeviceType type) const;
 
  private:
   enum class State {
@@ -207,6 +236,7 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
     kDescriptorReady,
     kAwaitRead,
     kBody,
+    kOutOfBand,  // inline bytes done; the channels' copies are running
   };
 
   struct WriteOp {
@@ -227,10 +257,9 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   };
   struct OutOfBandRead {
     size_t tensor;
-    uint8_t* data;
-    size_t length;
-    uint64_t pid;
-    uint64_t address;
+    Allocation::Buffer dst;
+    Device device;
+    std::string record;
   };
 
   // ReadSink.
@@ -258,7 +287,23 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void completeWrite(const std::shared_ptr<WriteOp>& op, const Error& error);
   void finishWrite(const std::shared_ptr<WriteOp>& op, const Error& error);
   void onCompletion(const wire_format::FrameLayout& completion);
-  Error readOutOfBand();
+  Channel* channelFor(const Device& device) const;
+  Error describeTensors(const Message& m,
+                        std::vector<wire_format::OutOfBand>* records) const;
+  void startOutOfBand();
+  void onOutOfBandDone(size_t tensor, const Error& error);
+  void finishRead(const Error& error);
+  void sendCompletion(const Error& error);
+  // The peer closed (EOF): fails every write now and later with `error`
+  // and closes the connection; what was already received stays readable.
+  void peerClosedFromLoop(const Error& error);
+  // The connection refused a write because the peer is gone: fails every
+  // write not held by the connection, and every later one, with `error`;
+  // reading goes on until the end of the stream.
+  void stopWritesFromLoop(const Error& error);
+  // After the end of the stream: fails the pipe once the next step needs
+  // bytes that will never come.
+  void checkEndOfStream();
   void serveDescriptor();
   bool fillSegments();
   void finishBody();
@@ -297,7 +342,13 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   std::string descriptor_;
   size_t descriptorFilled_ = 0;
   std::vector<Segment> segments_;
-  std::vector<OutOfBandRead> outOfBand_;  // the current read's cma tensors
+  std::vector<OutOfBandRead> outOfBand_;  // the current read's records
+  size_t outOfBandPending_ = 0;           // copies not yet called back
+  Error outOfBandError_;                  // the first copy error
+  // End of the stream seen (readEnd_) / writes impossible (writeError_).
+  bool readEnd_ = false;
+  Error readEndError_;
+  Error writeError_;
   size_t segIndex_ = 0;
   size_t segOffset_ = 0;
 
@@ -306,7 +357,8 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   // Submitted writes with out-of-band tensors, in order, until the reader's
   // completion frame for each arrives.
   std::deque<std::shared_ptr<WriteOp>> awaitingPeer_;
-  std::shared_ptr<Channel> channel_;  // the negotiated one
+  std::shared_ptr<Channel> channel_;      // negotiated for CPU tensors
+  std::shared_ptr<Channel> cudaChannel_;  // for CUDA tensors; may be null
 
   // Same-host upgrade.
   std::string upgradeAddress_;  // acceptor: listener's shm://

@@ -23,7 +23,9 @@ constexpr size_t kNoHeader = static_cast<size_t>(-1);
 // ---- public handle ---------------------------------------------------------
 
 Pipe::Pipe(std::shared_ptr<PipeImpl> impl) : impl_(std::move(impl)) {}
-Pipe::~Pipe() { impl_->close(); }
+Pipe::~Pipe() {
+  destructorNoThrow(impl_->id(), [this] { impl_->close(); });
+}
 void Pipe::write(Message message, WriteCallback cb) {
   impl_->write(std::move(message), std::move(cb));
 }
@@ -38,6 +40,9 @@ const std::string& Pipe::id() const { return impl_->id(); }
 std::string Pipe::peerAddress() const { return impl_->peerAddress(); }
 std::string Pipe::transportName() const { return impl_->transportName(); }
 std::string Pipe::channelName() const { return impl_->channelName(); }
+std::string Pipe::channelName(DeviceType type) const {
+  return impl_->channelName(type);
+}
 
 // ---- PipeImpl --------------------------------------------------------------
 
@@ -58,6 +63,11 @@ std::string PipeImpl::transportName() const {
 std::string PipeImpl::channelName() const {
   std::lock_guard<std::mutex> lock(infoMu_);
   return negotiated_.channel;
+}
+std::string PipeImpl::channelName(DeviceType type) const {
+  std::lock_guard<std::mutex> lock(infoMu_);
+  return type == DeviceType::kCuda ? negotiated_.cudaChannel
+                                   : negotiated_.channel;
 }
 
 void PipeImpl::connectFromLoop(const std::string& address) {
@@ -150,7 +160,7 @@ void PipeImpl::attach(std::shared_ptr<Connection> conn,
 }
 
 void PipeImpl::updateReading() {
-  if (conn_ == nullptr || state_ == State::kFailed) {
+  if (conn_ == nullptr || state_ == State::kFailed || readEnd_) {
     return;
   }
   const bool full = stageBegin_ == 0 && stageEnd_ == stage_.size();
@@ -211,6 +221,16 @@ void PipeImpl::onRead(size_t n) {
 void PipeImpl::onReadError(const Error& error) {
   auto self = shared_from_this();
   reading_ = false;
+  if (state_ == State::kEstablished && error.code() == Code::kUnavailable) {
+    // The end of the stream: every byte the peer sent is in the stage or
+    // already in the reader's buffers, and stays readable (a peer that
+    // writes and then closes must be heard out); process() fails the pipe
+    // once nothing more can be served from it.
+    peerClosedFromLoop(
+        error.withContext(id_ + ": connection to " + peerAddress() + " lost"));
+    process();
+    return;
+  }
   std::string where;
   if (state_ != State::kEstablished) {
     where = " during the handshake";
@@ -253,7 +273,67 @@ void PipeImpl::process() {
     }
   } while (again_ && state_ != State::kFailed);
   processing_ = false;
+  checkEndOfStream();
   updateReading();
+}
+
+void PipeImpl::checkEndOfStream() {
+  if (!readEnd_ || state_ != State::kEstablished) {
+    return;
+  }
+  // Waiting for the user (a descriptor not yet asked for, a read not yet
+  // posted) or for a channel's copy: what is here can still be served.
+  if (rx_ == Rx::kDescriptorReady || rx_ == Rx::kAwaitRead ||
+      rx_ == Rx::kOutOfBand) {
+    return;
+  }
+  if (rx_ != Rx::kHeader || buffered() > 0) {
+    failFromLoop(
+        Error(readEndError_.code(),
+              readEndError_.message() + " in the middle of a message"));
+    return;
+  }
+  failFromLoop(readEndError_);
+}
+
+void PipeImpl::peerClosedFromLoop(const Error& error) {
+  if (readEnd_) {
+    return;
+  }
+  readEnd_ = true;
+  readEndError_ = error;
+  conn_->close();
+  reading_ = false;
+  stopWritesFromLoop(error);
+  // close() fails the writes the connection still held.
+  std::vector<std::shared_ptr<WriteOp>> ops(inflightWrites_.begin(),
+                                            inflightWrites_.end());
+  for (auto& op : ops) {
+    finishWrite(op, error);
+  }
+  awaitingPeer_.clear();
+}
+
+void PipeImpl::stopWritesFromLoop(const Error& error) {
+  if (writeError_.ok()) {
+    writeError_ = error;
+  }
+  // Writes the connection is done with but whose completion frame will not
+  // come, and writes not yet handed to it.
+  std::vector<std::shared_ptr<WriteOp>> ops(awaitingPeer_.begin(),
+                                            awaitingPeer_.end());
+  awaitingPeer_.clear();
+  for (auto& op : ops) {
+    if (op->wireDone) {
+      finishWrite(op, error);
+    }
+  }
+  auto queued = std::move(queuedWrites_);
+  queuedWrites_.clear();
+  for (auto& op : queued) {
+    inflightWrites_.push_back(op);
+    finishWrite(op, error);
+  }
 }
 
 bool PipeImpl::step() {
@@ -406,6 +486,7 @@ bool PipeImpl::stepHandshake() {
       }
       acc.transport = n.transport;
       acc.channel = n.channel;
+      acc.cudaChannel = n.cudaChannel;
       bool peerHasShm = false;
       for (const auto& t : remoteHello_.transports) {
         peerHasShm = peerHasShm || t == "shm";
@@ -470,7 +551,8 @@ bool PipeImpl::stepHandshake() {
         std::lock_guard<std::mutex> lock(infoMu_);
         peer_ = conn_->peerAddress();
       }
-      established(Negotiated{"shm", pendingNegotiated_.channel});
+      pendingNegotiated_.transport = "shm";
+      established(pendingNegotiated_);
       return true;
     }
     default: {  // kAwaitAccept
@@ -505,25 +587,28 @@ bool PipeImpl::stepHandshake() {
         return false;
       }
       bool channelOk = false;
+      bool cudaOk = acc.cudaChannel.empty();
       for (const auto& c : ctx_->channelOffers()) {
-        channelOk = channelOk || (c.name == acc.channel && c.inlineChannel);
+        channelOk =
+            channelOk || (c.name == acc.channel && c.inlineChannel && c.cpu);
+        cudaOk = cudaOk || (c.name == acc.cudaChannel && c.cuda && c.outOfBand);
       }
-      if (acc.transport != bootstrap_ || !channelOk) {
-        failFromLoop(Error::protocol(who + ": peer chose transport '" +
-                                     acc.transport + "' and channel '" +
-                                     acc.channel +
-                                     "', which this side did "
-                                     "not offer for this connection"));
+      if (acc.transport != bootstrap_ || !channelOk || !cudaOk) {
+        failFromLoop(Error::protocol(
+            who + ": peer chose transport '" + acc.transport + "', channel '" +
+            acc.channel + "' and cuda channel '" + acc.cudaChannel +
+            "', which this side did not offer for this connection"));
         return false;
       }
+      const Negotiated chosen{acc.transport, acc.channel, acc.cudaChannel};
       if (!acc.upgradeAddress.empty()) {
-        pendingNegotiated_ = Negotiated{acc.transport, acc.channel};
+        pendingNegotiated_ = chosen;
         upgradeToken_ = acc.upgradeToken;
         state_ = State::kAwaitDecision;
         tryUpgrade(acc);
         return state_ != State::kFailed;
       }
-      established(Negotiated{acc.transport, acc.channel});
+      established(chosen);
       return true;
     }
   }
@@ -612,7 +697,8 @@ void PipeImpl::bindUpgrade(std::shared_ptr<Connection> conn,
     std::lock_guard<std::mutex> lock(infoMu_);
     peer_ = conn_->peerAddress();
   }
-  established(Negotiated{"shm", pendingNegotiated_.channel});
+  pendingNegotiated_.transport = "shm";
+  established(pendingNegotiated_);
   process();
 }
 
@@ -634,7 +720,7 @@ void PipeImpl::tryUpgrade(const wf::AcceptMessage& acc) {
   }
   std::weak_ptr<PipeImpl> weak = shared_from_this();
   shm->connect(ctx_->loop(), acc.upgradeAddress,
-               [weak](const Error& e, std::shared_ptr<Connection> conn) {
+               [weak](const Error& e, const std::shared_ptr<Connection>& conn) {
                  auto self = weak.lock();
                  if (self == nullptr || self->state_ != State::kAwaitDecision) {
                    if (conn) {
@@ -677,8 +763,10 @@ void PipeImpl::established(const Negotiated& n) {
     negotiated_ = n;
   }
   channel_ = ctx_->channel(n.channel);
-  TRELLIS_LOG_DEBUG("{}: established with {} over {}+{}", id_, peerAddress(),
-                    n.transport, n.channel);
+  cudaChannel_ = n.cudaChannel.empty() ? nullptr : ctx_->channel(n.cudaChannel);
+  TRELLIS_LOG_DEBUG("{}: established with {} over {}+{} (cuda: {})", id_,
+                    peerAddress(), n.transport, n.channel,
+                    n.cudaChannel.empty() ? "none" : n.cudaChannel);
   rx_ = Rx::kHeader;
   auto queued = std::move(queuedWrites_);
   queuedWrites_.clear();
@@ -732,29 +820,33 @@ bool PipeImpl::stepFrame() {
         onCompletion(layout_);
         return state_ != State::kFailed;
       }
-      if (e.ok() && layout_.type == wf::kFrameMessageOutOfBand) {
-        if (channel_ == nullptr || !channel_->drivesOutOfBand()) {
-          e = Error::protocol("out-of-band tensor records over channel " +
-                              channelName() + ", which has none");
+      for (size_t i = 0; e.ok() && i < layout_.outOfBand.size(); ++i) {
+        if (!layout_.outOfBand[i].present) {
+          continue;
         }
-        for (size_t i = 0; e.ok() && i < layout_.outOfBand.size(); ++i) {
-          const auto& o = layout_.outOfBand[i];
-          if (o.present && o.pid != remoteHello_.pid) {
-            e = Error::protocol(
-                "tensor " + std::to_string(i) + ": cma record names pid " +
-                std::to_string(o.pid) + " but the peer's hello said " +
-                std::to_string(remoteHello_.pid));
-          }
+        const Device& d = layout_.tensors[i].device;
+        Channel* ch = channelFor(d);
+        if (ch == nullptr || !ch->drivesOutOfBand()) {
+          e = Error::protocol(
+              "tensor " + std::to_string(i) + ": out-of-band record for a " +
+              d.toString() + " tensor, but " +
+              (ch == nullptr ? std::string("no channel for that device type")
+                             : "channel " + ch->name()) +
+              " was negotiated, which carries none");
         }
       }
-      if (e.ok()) {
-        for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-          if (layout_.tensors[i].device.type != DeviceType::kCpu) {
+      for (size_t i = 0; e.ok() && i < layout_.tensors.size(); ++i) {
+        const bool oob =
+            i < layout_.outOfBand.size() && layout_.outOfBand[i].present;
+        const Device& d = layout_.tensors[i].device;
+        if (!oob && d.type != DeviceType::kCpu) {
+          // Only empty ones (the decoder refuses the rest): still, the
+          // device must be one this pipe carries.
+          if (cudaChannel_ == nullptr) {
             e = Error::protocol("tensor " + std::to_string(i) + " on " +
-                                layout_.tensors[i].device.toString() +
-                                " sent inline over channel " + channelName() +
-                                ", which carries CPU only");
-            break;
+                                d.toString() +
+                                ", but no channel for CUDA tensors was "
+                                "negotiated");
           }
         }
       }
@@ -791,6 +883,7 @@ bool PipeImpl::stepFrame() {
       return true;
     }
     case Rx::kAwaitRead:
+    case Rx::kOutOfBand:
       return false;
     case Rx::kBody: {
       bool progress = false;
@@ -836,41 +929,111 @@ void PipeImpl::serveDescriptor() {
 }
 
 void PipeImpl::finishBody() {
-  rx_ = Rx::kHeader;
   segments_.clear();
   segIndex_ = segOffset_ = 0;
-  Error error;
-  if (!outOfBand_.empty()) {
-    error = readOutOfBand();
-    outOfBand_.clear();
-    // The writer's callback waits for this, whatever the outcome; the
-    // stream stays in step either way, so only this read fails.
-    auto frame = std::make_shared<std::vector<uint8_t>>(
-        wf::encodeCompletion(error.code(), error.message()));
-    const IoBuf b{frame->data(), frame->size()};
-    std::weak_ptr<PipeImpl> weak = shared_from_this();
-    conn_->write(&b, 1, [weak, frame](const Error& e) {
-      auto self = weak.lock();
-      if (self && !e.ok()) {
-        self->failFromLoop(e.withContext(self->id_ + ": completion write"));
-      }
-    });
+  if (outOfBand_.empty()) {
+    finishRead(Error());
+    return;
   }
+  rx_ = Rx::kOutOfBand;
+  startOutOfBand();
+}
+
+Channel* PipeImpl::channelFor(const Device& device) const {
+  return device.type == DeviceType::kCuda ? cudaChannel_.get() : channel_.get();
+}
+
+void PipeImpl::startOutOfBand() {
+  const std::string who = "peer " + peerAddress();
+  // Records are checked before any copy starts: a lying one fails this read
+  // only, and the stream stays in step.
+  for (const auto& r : outOfBand_) {
+    Error e =
+        channelFor(r.device)->checkOutOfBandRecord(r.record, remoteHello_.pid);
+    if (!e.ok()) {
+      outOfBandError_ =
+          e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor) +
+                        " (" + who + ")");
+      outOfBandPending_ = 1;
+      onOutOfBandDone(r.tensor, Error());
+      return;
+    }
+  }
+  outOfBandPending_ = outOfBand_.size();
+  auto loop = ctx_->sharedLoop();
+  for (const auto& r : outOfBand_) {
+    // The callback may come on any thread, even inline: it only hops back.
+    // It owns the pipe until then, so the read's callback (which must wait
+    // for the copy, since the copy writes into the caller's buffer) always
+    // fires; the reference moves into the task so that it is dropped on
+    // the loop, never on a channel's thread.
+    auto self = shared_from_this();
+    const size_t tensor = r.tensor;
+    channelFor(r.device)->readOutOfBand(
+        r.record, r.dst, r.device, who,
+        [loop, self = std::move(self), tensor](const Error& e) mutable {
+          loop->defer([self = std::move(self), tensor, e] {
+            self->onOutOfBandDone(tensor, e);
+          });
+        });
+  }
+}
+
+void PipeImpl::onOutOfBandDone(size_t tensor, const Error& error) {
+  if (!error.ok() && outOfBandError_.ok()) {
+    outOfBandError_ =
+        error.withContext(id_ + ": read: tensor " + std::to_string(tensor));
+  }
+  if (outOfBandPending_ == 0 || --outOfBandPending_ > 0) {
+    return;
+  }
+  const Error e = outOfBandError_;
+  outOfBandError_ = Error();
+  outOfBand_.clear();
+  if (state_ == State::kFailed) {
+    // failFromLoop kept the read's callback for this moment.
+    auto cb = std::move(readCb_);
+    readCb_ = nullptr;
+    if (cb) {
+      ctx_->loop().deliver([cb = std::move(cb), err = error_] { cb(err); });
+    }
+    return;
+  }
+  // The writer's callback waits for this, whatever the outcome; the stream
+  // stays in step either way, so only this read fails.
+  sendCompletion(e);
+  finishRead(e);
+  process();
+}
+
+void PipeImpl::sendCompletion(const Error& error) {
+  if (!writeError_.ok() || readEnd_) {
+    return;  // the peer is gone and waits for nothing
+  }
+  auto frame = std::make_shared<std::vector<uint8_t>>(
+      wf::encodeCompletion(error.code(), error.message()));
+  const IoBuf b{frame->data(), frame->size()};
+  std::weak_ptr<PipeImpl> weak = shared_from_this();
+  conn_->write(&b, 1, [weak, frame](const Error& e) {
+    auto self = weak.lock();
+    if (self == nullptr || e.ok()) {
+      return;
+    }
+    const Error err = e.withContext(self->id_ + ": completion write");
+    if (self->state_ == State::kEstablished && e.code() == Code::kUnavailable) {
+      self->stopWritesFromLoop(err);
+    } else {
+      self->failFromLoop(err);
+    }
+  });
+}
+
+void PipeImpl::finishRead(const Error& error) {
+  rx_ = Rx::kHeader;
   auto cb = std::move(readCb_);
   readCb_ = nullptr;
   --pendingOps_;
   ctx_->loop().deliver([cb = std::move(cb), error] { cb(error); });
-}
-
-Error PipeImpl::readOutOfBand() {
-  const std::string who = "peer " + peerAddress();
-  for (const auto& r : outOfBand_) {
-    Error e = channel_->readOutOfBand(r.pid, r.address, r.data, r.length, who);
-    if (!e.ok()) {
-      return e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor));
-    }
-  }
-  return Error();
 }
 
 void PipeImpl::onCompletion(const wf::FrameLayout& completion) {
@@ -894,20 +1057,72 @@ void PipeImpl::onCompletion(const wf::FrameLayout& completion) {
   }
 }
 
+Error PipeImpl::describeTensors(const Message& m,
+                                std::vector<wf::OutOfBand>* records) const {
+  size_t total = 0;
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& t = m.tensors[i];
+    Channel* ch = channelFor(t.device);
+    const std::string what =
+        "tensor " + std::to_string(i) + " on " + t.device.toString();
+    if (ch == nullptr) {
+      return Error::invalidArgument(
+          what + ": no channel for " + t.device.toString() +
+          " tensors was negotiated with this peer (cpu channel: " +
+          channel_->name() + ")");
+    }
+    wf::OutOfBand o;
+    if (ch->drivesOutOfBand() && ch->sendsOutOfBand(t)) {
+      Error e = ch->describeOutOfBand(t, &o.record);
+      if (!e.ok()) {
+        return e.withContext(what);
+      }
+      if (o.record.size() > wf::kMaxOutOfBandRecordBytes) {
+        return Error::invalidArgument(
+            what + ": channel " + ch->name() + " described it in " +
+            std::to_string(o.record.size()) + " bytes, over the limit of " +
+            std::to_string(wf::kMaxOutOfBandRecordBytes));
+      }
+      total += o.record.size();
+      o.present = true;
+    } else if (t.device.type != DeviceType::kCpu && t.length > 0) {
+      return Error::invalidArgument(what + ": channel " + ch->name() +
+                                    " does not carry it");
+    }
+    records->push_back(std::move(o));
+  }
+  if (total > wf::kMaxOutOfBandBytesPerFrame) {
+    return Error::invalidArgument(
+        "out-of-band records of one message add up to " +
+        std::to_string(total) + " bytes, over the limit of " +
+        std::to_string(wf::kMaxOutOfBandBytesPerFrame));
+  }
+  return Error();
+}
+
 void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
   const Message& m = op->message;
   op->head.clear();
-  std::vector<bool> outOfBand;
-  if (channel_ != nullptr && channel_->drivesOutOfBand()) {
-    for (const auto& t : m.tensors) {
-      const bool oob = channel_->sendsOutOfBand(t);
-      op->awaitsPeer = op->awaitsPeer || oob;
-      outOfBand.push_back(oob);
+  std::vector<wf::OutOfBand> outOfBand;
+  outOfBand.reserve(m.tensors.size());
+  Error e = writeError_;
+  if (e.ok()) {
+    e = describeTensors(m, &outOfBand);
+    if (!e.ok()) {
+      e = e.withContext(id_ + ": write");
     }
   }
+  if (!e.ok()) {
+    // This write only.
+    inflightWrites_.push_back(op);
+    finishWrite(op, e);
+    return;
+  }
+  for (const auto& o : outOfBand) {
+    op->awaitsPeer = op->awaitsPeer || o.present;
+  }
   if (op->awaitsPeer) {
-    wf::encodeFrameHead(m, &op->head, &outOfBand,
-                        static_cast<uint64_t>(::getpid()));
+    wf::encodeFrameHead(m, &op->head, &outOfBand);
     awaitingPeer_.push_back(op);
   } else {
     wf::encodeFrameHead(m, &op->head);
@@ -925,7 +1140,7 @@ void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
   }
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     const auto& t = m.tensors[i];
-    if (t.length > 0 && !(op->awaitsPeer && outOfBand[i])) {
+    if (t.length > 0 && !(op->awaitsPeer && outOfBand[i].present)) {
       iov.push_back(IoBuf{t.data, t.length});
     }
   }
@@ -948,12 +1163,22 @@ void PipeImpl::completeWrite(const std::shared_ptr<WriteOp>& op,
     return;
   }
   if (!error.ok()) {
-    failFromLoop(error.withContext(id_ + ": write to " + peerAddress()));
+    const Error e = error.withContext(id_ + ": write to " + peerAddress());
+    if (state_ == State::kEstablished && error.code() == Code::kUnavailable) {
+      // The peer is gone, but what it wrote before may still be on its way
+      // in: the read side goes on until the end of the stream.
+      stopWritesFromLoop(e);
+      finishWrite(op, e);
+      return;
+    }
+    failFromLoop(e);
     return;
   }
   op->wireDone = true;
   if (!op->awaitsPeer || op->peerDone) {
     finishWrite(op, op->peerError);
+  } else if (!writeError_.ok()) {
+    finishWrite(op, writeError_);  // no completion frame will come
   }
 }
 
@@ -1018,11 +1243,16 @@ void PipeImpl::failFromLoop(const Error& error) {
     q->clear();
   }
   awaitingPeer_.clear();
-  outOfBand_.clear();
   auto descs = std::move(descriptorCbs_);
   descriptorCbs_.clear();
-  auto readCb = std::move(readCb_);
-  readCb_ = nullptr;
+  Pipe::ReadCallback readCb;
+  if (outOfBandPending_ == 0) {
+    // Else a channel is still copying into the read's buffers: its
+    // callback waits (onOutOfBandDone) so the caller frees nothing early.
+    readCb = std::move(readCb_);
+    readCb_ = nullptr;
+    outOfBand_.clear();
+  }
   pendingOps_ = 0;
   segments_.clear();
   descriptor_.clear();
@@ -1052,15 +1282,13 @@ void PipeImpl::write(Message message, Pipe::WriteCallback cb) {
       loop.deliver([cb = std::move(cb), e = self->error_] { cb(e); });
       return;
     }
-    Error e = wf::checkOutgoing(message, self->ctx_->limits());
-    for (size_t i = 0; e.ok() && i < message.tensors.size(); ++i) {
-      if (message.tensors[i].device.type != DeviceType::kCpu) {
-        e = Error::invalidArgument(
-            "tensor " + std::to_string(i) + " is on " +
-            message.tensors[i].device.toString() +
-            "; the available channels carry CPU tensors only");
-      }
+    if (!self->writeError_.ok()) {
+      loop.deliver([cb = std::move(cb), e = self->writeError_] { cb(e); });
+      return;
     }
+    // Which tensors each channel carries is known once the handshake is
+    // done (submitWrite checks again then).
+    Error e = wf::checkOutgoing(message, self->ctx_->limits());
     if (e.ok() &&
         self->pendingOps_ >= self->ctx_->limits().maxPendingOperations) {
       e = Error(Code::kResourceExhausted,
@@ -1117,7 +1345,7 @@ void PipeImpl::read(Allocation allocation, Pipe::ReadCallback cb) {
       loop.deliver([cb = std::move(cb), e = self->error_] { cb(e); });
       return;
     }
-    auto reject = [&](std::string why) {
+    auto reject = [&](const std::string& why) {
       loop.deliver([cb = std::move(cb),
                     e = Error::invalidArgument(self->id_ + ": read: " + why)] {
         cb(e);
@@ -1173,12 +1401,12 @@ void PipeImpl::read(Allocation allocation, Pipe::ReadCallback cb) {
       }
       if (i < lay.outOfBand.size() && lay.outOfBand[i].present &&
           segs.size() > before) {
-        // Its bytes are not in the stream: copied from the writer at the end.
+        // Its bytes are not in the stream: its channel copies them once the
+        // inline bytes are in.
         segs.pop_back();
-        oob.push_back(
-            OutOfBandRead{i, static_cast<uint8_t*>(allocation.tensors[i].data),
-                          lay.tensors[i].length, lay.outOfBand[i].pid,
-                          lay.outOfBand[i].address});
+        oob.push_back(OutOfBandRead{i, allocation.tensors[i],
+                                    lay.tensors[i].device,
+                                    lay.outOfBand[i].record});
       }
     }
     self->segments_ = std::move(segs);

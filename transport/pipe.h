@@ -29,7 +29,10 @@
 //  - Errors are sticky: the first connection, protocol (DATA_LOSS), auth
 //    (UNAUTHENTICATED) or timeout error fails every pending and later
 //    operation with the same Error. A peer that closes or dies fails them
-//    with UNAVAILABLE (ConnectionError). close() fails them with CANCELLED.
+//    with UNAVAILABLE (ConnectionError): writes at once, reads only once
+//    every message received before the end of the stream has been read
+//    (readDescriptor/read keep serving those in order). close() fails them
+//    with CANCELLED.
 //    A message exceeding this context's limits fails that write() with
 //    InvalidArgument and nothing else.
 //  - A pipe is usable as soon as it is returned: operations queue until the
@@ -72,8 +75,12 @@ class Pipe {
   // The peer's address as the transport reports it ("uv://127.0.0.1:4242").
   std::string peerAddress() const;
   // Negotiated transport / channel names; empty until the handshake is done.
+  // channelName() is the channel for CPU tensors; channelName(kCuda) the one
+  // for CUDA tensors, empty when none was negotiated (a write with a CUDA
+  // tensor then fails with InvalidArgument).
   std::string transportName() const;
   std::string channelName() const;
+  std::string channelName(DeviceType type) const;
 
  private:
   std::shared_ptr<PipeImpl> impl_;

@@ -187,6 +187,7 @@ std::vector<uint8_t> encodeAccept(const AcceptMessage& m) {
   putProof(w, m.proof);
   w.putString(m.transport);
   w.putString(m.channel);
+  w.putString(m.cudaChannel);
   w.putString(m.upgradeAddress);
   if (m.upgradeToken) {
     w.putBytes(std::span<const uint8_t>(*m.upgradeToken));
@@ -272,6 +273,7 @@ Error decodeAccept(std::span<const uint8_t> body, AcceptMessage* out) {
   out->proof = readProof(r);
   out->transport = std::string(r.string(kMaxNameBytes, "transport"));
   out->channel = std::string(r.string(kMaxNameBytes, "channel"));
+  out->cudaChannel = std::string(r.string(kMaxNameBytes, "cuda channel"));
   out->upgradeAddress =
       std::string(r.string(kMaxUpgradeAddressBytes, "upgrade address"));
   auto token = r.bytes(auth::kNonceBytes, "upgrade token");
@@ -293,17 +295,21 @@ Error decodeAccept(std::span<const uint8_t> body, AcceptMessage* out) {
 
 size_t maxLayoutBytes(const Limits& limits) {
   // u8 type + 3 varints + per payload a varint + per tensor varint+u8+varint.
-  // A type-2 tensor adds a placement byte, two fixed64 and a varint. A
-  // completion frame is bounded by its reason.
+  // A type-2 tensor adds a placement byte and a record length; the records
+  // together are bounded per frame. A completion frame is bounded by its
+  // reason.
   const size_t v = wire::kMaxVarintBytes;
+  const size_t records =
+      std::min(limits.maxTensorsPerMessage * kMaxOutOfBandRecordBytes,
+               kMaxOutOfBandBytesPerFrame);
   const size_t message = 1 + 3 * v + limits.maxPayloadsPerMessage * v +
-                         limits.maxTensorsPerMessage * (3 * v + 2 + 16);
+                         limits.maxTensorsPerMessage * (3 * v + 2) + records;
   const size_t completion = 2 + v + kMaxReasonBytes;
   return std::max(message, completion);
 }
 
 Error checkOutgoing(const Message& m, const Limits& limits) {
-  auto tooBig = [](std::string what, size_t got, size_t max) {
+  auto tooBig = [](const std::string& what, size_t got, size_t max) {
     return Error::invalidArgument(what + " (" + std::to_string(got) +
                                   ") exceeds the context limit of " +
                                   std::to_string(max));
@@ -354,7 +360,7 @@ Error checkOutgoing(const Message& m, const Limits& limits) {
 }
 
 void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
-                     const std::vector<bool>* outOfBand, uint64_t pid) {
+                     const std::vector<OutOfBand>* outOfBand) {
   // Built by hand rather than with WireWriter: this runs once per message on
   // the latency path and must not allocate beyond `out`.
   const size_t start = out->size();
@@ -366,11 +372,6 @@ void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
     }
     out->push_back(static_cast<uint8_t>(v));
   };
-  auto putFixed64 = [out](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      out->push_back(static_cast<uint8_t>(v >> (8 * i)));
-    }
-  };
   out->push_back(outOfBand != nullptr ? kFrameMessageOutOfBand : kFrameMessage);
   putVarint(m.descriptor.size());
   putVarint(m.payloads.size());
@@ -378,17 +379,17 @@ void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
     putVarint(p.length);
   }
   putVarint(m.tensors.size());
-  for (const auto& t : m.tensors) {
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& t = m.tensors[i];
     putVarint(t.length);
     out->push_back(static_cast<uint8_t>(t.device.type));
     putVarint(static_cast<uint64_t>(t.device.index));
     if (outOfBand != nullptr) {
-      const size_t i = static_cast<size_t>(&t - m.tensors.data());
-      if ((*outOfBand)[i]) {
-        out->push_back(kPlacementCma);
-        putFixed64(pid);
-        putFixed64(reinterpret_cast<uintptr_t>(t.data));
-        putVarint(t.length);
+      const OutOfBand& o = (*outOfBand)[i];
+      if (o.present) {
+        out->push_back(kPlacementOutOfBand);
+        putVarint(o.record.size());
+        out->insert(out->end(), o.record.begin(), o.record.end());
       } else {
         out->push_back(kPlacementInline);
       }
@@ -468,6 +469,7 @@ Error decodeLayout(std::span<const uint8_t> layout, const Limits& limits,
   }
   const uint64_t nt = r.varint(limits.maxTensorsPerMessage, "tensor count");
   out->tensors.clear();
+  size_t recordBytes = 0;
   for (uint64_t i = 0; i < nt && r.ok(); ++i) {
     Descriptor::TensorInfo t;
     t.length = r.varint(limits.maxTensorBytes, "tensor length");
@@ -478,31 +480,37 @@ Error decodeLayout(std::span<const uint8_t> layout, const Limits& limits,
     t.device.type = static_cast<DeviceType>(dt);
     t.device.index =
         static_cast<int32_t>(r.varint(kMaxDeviceIndex, "device index"));
+    bool outOfBand = false;
     if (type == kFrameMessageOutOfBand) {
       OutOfBand o;
       const uint8_t placement = r.u8("placement");
-      if (r.ok() && placement > kPlacementCma) {
+      if (r.ok() && placement > kPlacementOutOfBand) {
         r.fail("placement", "unknown placement " + std::to_string(placement));
       }
-      if (r.ok() && placement == kPlacementCma) {
-        o.present = true;
-        o.pid = r.fixed64("cma pid");
-        o.address = r.fixed64("cma address");
-        const uint64_t len = r.varint(limits.maxTensorBytes, "cma length");
-        if (r.ok() && len != t.length) {
-          r.fail("cma length", "cma length " + std::to_string(len) +
-                                   " differs from the tensor length " +
-                                   std::to_string(t.length));
+      if (r.ok() && placement == kPlacementOutOfBand) {
+        // bytes() checks the length against the bound before anything is
+        // copied; the frame total is checked as the records add up.
+        auto rec = r.bytes(kMaxOutOfBandRecordBytes, "out-of-band record");
+        recordBytes += rec.size();
+        if (r.ok() && recordBytes > kMaxOutOfBandBytesPerFrame) {
+          r.fail("out-of-band record",
+                 "records add up to more than " +
+                     std::to_string(kMaxOutOfBandBytesPerFrame) +
+                     " bytes in one frame");
         }
-        if (r.ok() && (o.pid == 0 || o.pid > 0x7fffffff)) {
-          r.fail("cma pid", "invalid pid " + std::to_string(o.pid));
-        }
-        if (r.ok() && t.device.type != DeviceType::kCpu) {
-          r.fail("placement", "cma record for a " + t.device.toString() +
-                                  " tensor (cma carries CPU memory only)");
+        if (r.ok()) {
+          o.present = true;
+          outOfBand = true;
+          o.record.assign(rec.begin(), rec.end());
         }
       }
-      out->outOfBand.push_back(o);
+      out->outOfBand.push_back(std::move(o));
+    }
+    if (r.ok() && t.device.type == DeviceType::kCuda && t.length > 0 &&
+        !outOfBand) {
+      r.fail("placement", "a non-empty " + t.device.toString() +
+                              " tensor sent inline (CUDA tensors only "
+                              "travel out of band)");
     }
     out->tensors.push_back(t);
   }

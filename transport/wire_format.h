@@ -25,7 +25,9 @@ namespace trellis::transport::wire_format {
 // ---- Handshake -------------------------------------------------------------
 // Every handshake message: "TRLS" | u8 type | fixed32 body length | body.
 constexpr std::array<uint8_t, 4> kMagic = {'T', 'R', 'L', 'S'};
-constexpr uint32_t kProtocolVersion = 1;
+// 1: the first release. 2: per-device-type channels in the accept message
+// and opaque out-of-band records in the frame layout (docs/transport.md).
+constexpr uint32_t kProtocolVersion = 2;
 constexpr size_t kHandshakeHeaderBytes = 9;
 constexpr size_t kMaxHandshakeBodyBytes = 4096;
 constexpr size_t kMaxNameBytes = 64;
@@ -75,7 +77,8 @@ struct AcceptMessage {
   std::string reason;
   std::optional<auth::Mac> proof;
   std::string transport;
-  std::string channel;
+  std::string channel;      // for CPU tensors; never empty when kOk
+  std::string cudaChannel;  // for CUDA tensors; empty: none negotiated
   // Same-host upgrade offer: where to connect (shm://NAME) and the secret
   // binding that connection to this pipe; both empty when none.
   std::string upgradeAddress;
@@ -115,7 +118,9 @@ Error checkUpgradeAddress(const std::string& address);
 // layout = u8 frame type | varint descriptor length | varint #payloads |
 //          varint length... | varint #tensors | (varint length, u8 device
 //          type, varint device index [, type 2 only: u8 placement (0 inline,
-//          1 cma) [, 1 only: fixed64 pid, fixed64 address, varint length]])...
+//          1 out-of-band) [, 1 only: varint record length, record]])...
+// A record is opaque here: the channel negotiated for the tensor's device
+// type wrote it and reads it. A non-empty CUDA tensor is always out of band.
 // A completion frame (type 3) is u8 type | u8 status (the reader's error
 // code, core's Code: 0 ok, <= 16) | string reason, and carries nothing after
 // its layout.
@@ -124,14 +129,17 @@ constexpr uint8_t kFrameMessage = 1;
 constexpr uint8_t kFrameMessageOutOfBand = 2;
 constexpr uint8_t kFrameCompletion = 3;
 constexpr uint8_t kPlacementInline = 0;
-constexpr uint8_t kPlacementCma = 1;
+constexpr uint8_t kPlacementOutOfBand = 1;
 constexpr uint32_t kMaxDeviceIndex = 1024;
+// All records of one frame together; each is also at most
+// Channel::kMaxOutOfBandRecordBytes.
+constexpr size_t kMaxOutOfBandRecordBytes = 1024;
+constexpr size_t kMaxOutOfBandBytesPerFrame = size_t{1} << 20;
 
-// Where an out-of-band tensor's bytes are in the writer's address space.
+// One tensor's out-of-band record (type 2 frames).
 struct OutOfBand {
   bool present = false;
-  uint64_t pid = 0;
-  uint64_t address = 0;
+  std::string record;
 };
 
 struct FrameLayout {
@@ -152,11 +160,10 @@ size_t maxLayoutBytes(const Limits& limits);
 Error checkOutgoing(const Message& m, const Limits& limits);
 
 // Appends the frame header and layout of `m` to `out`. With `outOfBand`
-// (one flag per tensor, some set), a type-2 layout naming `pid` and each
-// flagged tensor's address and length.
+// (one entry per tensor, some present), a type-2 layout carrying each
+// present entry's record in place of the tensor's bytes.
 void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
-                     const std::vector<bool>* outOfBand = nullptr,
-                     uint64_t pid = 0);
+                     const std::vector<OutOfBand>* outOfBand = nullptr);
 // A completion frame (header + layout); `reason` is cut to kMaxReasonBytes.
 std::vector<uint8_t> encodeCompletion(Code code, const std::string& reason);
 

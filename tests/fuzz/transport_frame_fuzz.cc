@@ -1,9 +1,9 @@
 // Fuzz target for the transport's wire decoders (transport/wire_format.h):
 // handshake header, hello / hello reply, auth, accept, the upgrade's bind /
 // upgrade failed / decision, frame header and frame layout (message,
-// out-of-band records, completion). Arbitrary bytes must never crash, read out
-// of bounds or make a decoder accept a length beyond its limit; whatever
-// decodes must re-encode and decode to the same values.
+// opaque out-of-band records, completion). Arbitrary bytes must never crash,
+// read out of bounds or make a decoder accept a length beyond its limit;
+// whatever decodes must re-encode and decode to the same values.
 //
 // Input: byte 0 selects the decoder, byte 1 tightens the limits, the rest
 // is the message.
@@ -120,6 +120,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                     .ok());
         require(back.status == m.status && back.reason == m.reason &&
                 back.transport == m.transport && back.channel == m.channel &&
+                back.cudaChannel == m.cudaChannel &&
                 back.upgradeAddress == m.upgradeAddress &&
                 back.upgradeToken == m.upgradeToken);
         require(m.upgradeAddress.size() <= wf::kMaxUpgradeAddressBytes);
@@ -163,17 +164,55 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (const auto& t : lay.tensors) {
         require(t.length <= limits.maxTensorBytes);
       }
+      size_t recordBytes = 0;
       if (lay.type == wf::kFrameMessageOutOfBand) {
         require(lay.outOfBand.size() == lay.tensors.size());
-        for (size_t i = 0; i < lay.outOfBand.size(); ++i) {
-          if (lay.outOfBand[i].present) {
-            require(lay.outOfBand[i].pid > 0);
-            require(lay.tensors[i].device.type ==
-                    trellis::transport::DeviceType::kCpu);
-          }
+        for (const auto& o : lay.outOfBand) {
+          require(o.present || o.record.empty());
+          require(o.record.size() <= wf::kMaxOutOfBandRecordBytes);
+          recordBytes += o.record.size();
         }
       } else {
         require(lay.outOfBand.empty());
+      }
+      require(recordBytes <= wf::kMaxOutOfBandBytesPerFrame);
+      for (size_t i = 0; i < lay.tensors.size(); ++i) {
+        // A non-empty CUDA tensor never travels inline.
+        if (lay.tensors[i].device.type ==
+                trellis::transport::DeviceType::kCuda &&
+            lay.tensors[i].length > 0) {
+          require(i < lay.outOfBand.size() && lay.outOfBand[i].present);
+        }
+      }
+      // Message layouts re-encode to the same bytes (small descriptors only:
+      // the round trip allocates one).
+      if (lay.type != wf::kFrameCompletion && lay.descriptorLength <= 4096) {
+        trellis::transport::Message m;
+        m.descriptor.assign(lay.descriptorLength, 'd');
+        for (size_t n : lay.payloadLengths) {
+          m.payloads.push_back({nullptr, n});
+        }
+        for (const auto& t : lay.tensors) {
+          m.tensors.push_back({nullptr, t.length, t.device});
+        }
+        std::vector<uint8_t> bytes;
+        wf::encodeFrameHead(
+            m, &bytes,
+            lay.type == wf::kFrameMessageOutOfBand ? &lay.outOfBand : nullptr);
+        wf::FrameLayout back;
+        require(wf::decodeLayout(std::span<const uint8_t>(bytes).subspan(
+                                     wf::kFrameHeaderBytes),
+                                 limits, &back)
+                    .ok());
+        require(back.type == lay.type &&
+                back.descriptorLength == lay.descriptorLength &&
+                back.payloadLengths == lay.payloadLengths &&
+                back.tensors.size() == lay.tensors.size() &&
+                back.outOfBand.size() == lay.outOfBand.size());
+        for (size_t i = 0; i < back.outOfBand.size(); ++i) {
+          require(back.outOfBand[i].present == lay.outOfBand[i].present &&
+                  back.outOfBand[i].record == lay.outOfBand[i].record);
+        }
       }
       if (lay.type == wf::kFrameCompletion) {
         require(lay.completionReason.size() <= wf::kMaxReasonBytes);

@@ -19,6 +19,7 @@
 
 #include "peer_process.h"
 #include "transport_test_util.h"
+#include <trellis/core/wire.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/connection.h>
 #include <trellis/transport/wire_format.h>
@@ -81,6 +82,26 @@ ReadResult readAll(const std::shared_ptr<Pipe>& pipe) {
   return r;
 }
 
+// A cma record as the writer's channel builds it (docs/transport.md).
+std::string cmaRecord(uint64_t pid, uintptr_t address, size_t length) {
+  wire::WireWriter w;
+  w.putFixed64(pid);
+  w.putFixed64(address);
+  w.putVarint(length);
+  return std::string(w.bytes().begin(), w.bytes().end());
+}
+
+// readOutOfBand made synchronous, with a bound.
+Error readRecord(const Channel& ch, const std::string& record, void* dst,
+                 size_t length, const std::string& who) {
+  Promise<void> p;
+  ch.readOutOfBand(
+      record, Allocation::Buffer{dst, length}, Device{}, who,
+      [p](const Error& e) mutable { e.ok() ? p.setValue() : p.setError(e); });
+  auto f = p.getFuture();
+  return f.waitFor(kWait) ? f.error() : Error::timeout("no copy callback");
+}
+
 // ---- the channel itself
 // ------------------------------------------------------
 
@@ -89,17 +110,28 @@ TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
   ASSERT_TRUE(cma->viable().ok()) << cma->viable().what();
   EXPECT_TRUE(cma->sameHostOnly());
   EXPECT_TRUE(cma->drivesOutOfBand());
-  std::vector<uint8_t> src(100000);
-  fillPattern(src.data(), src.size(), 3);
-  std::vector<uint8_t> dst(src.size());
-  ASSERT_TRUE(cma->readOutOfBand(static_cast<uint64_t>(::getpid()),
-                                 reinterpret_cast<uintptr_t>(src.data()),
-                                 dst.data(), dst.size(), "self")
-                  .ok());
-  EXPECT_EQ(src, dst);
+  // Small, and large enough to be split across the copy threads.
+  for (size_t size : {size_t{100000}, (size_t{9} << 20) + 123}) {
+    std::vector<uint8_t> src(size);
+    fillPattern(src.data(), src.size(), 3);
+    std::vector<uint8_t> dst(src.size());
+    std::string record;
+    ASSERT_TRUE(
+        cma->describeOutOfBand({src.data(), src.size(), Device{}}, &record)
+            .ok());
+    EXPECT_LE(record.size(), Channel::kMaxOutOfBandRecordBytes);
+    EXPECT_TRUE(
+        cma->checkOutOfBandRecord(record, static_cast<uint64_t>(::getpid()))
+            .ok());
+    EXPECT_EQ(cma->checkOutOfBandRecord(record, 1).code(), Code::kDataLoss);
+    ASSERT_TRUE(readRecord(*cma, record, dst.data(), dst.size(), "self").ok());
+    EXPECT_EQ(src, dst);
+  }
   // Unmapped memory: a clear error naming the pid and the peer.
-  const Error e = cma->readOutOfBand(static_cast<uint64_t>(::getpid()), 16,
-                                     dst.data(), 64, "peer x");
+  std::vector<uint8_t> dst(64);
+  const Error e =
+      readRecord(*cma, cmaRecord(static_cast<uint64_t>(::getpid()), 16, 64),
+                 dst.data(), 64, "peer x");
   EXPECT_EQ(e.code(), Code::kDataLoss) << e.what();
   EXPECT_NE(e.message().find("pid " + std::to_string(::getpid())),
             std::string::npos)
@@ -221,9 +253,9 @@ std::vector<uint8_t> cmaFrame(uint64_t pid, uintptr_t address, size_t length) {
   Message m;
   m.descriptor = "lie";
   m.tensors.push_back({reinterpret_cast<const void*>(address), length, {}});
-  std::vector<bool> oob{true};
+  std::vector<wf::OutOfBand> oob{{true, cmaRecord(pid, address, length)}};
   std::vector<uint8_t> out;
-  wf::encodeFrameHead(m, &out, &oob, pid);
+  wf::encodeFrameHead(m, &out, &oob);
   out.insert(out.end(), m.descriptor.begin(), m.descriptor.end());
   return out;
 }
@@ -284,37 +316,74 @@ TEST(CmaHostilePeer, LyingRecordsFailThatReadOnlyAndThePeerIsTold) {
   ::munmap(mem, 2 * page);
 }
 
-TEST(CmaHostilePeer, RecordForAnotherPidOrLengthFailsThePipeOnly) {
-  {
-    auto peer = rawCmaPeer();
-    uint8_t b[16] = {};
-    rawSend(peer->fd, cmaFrame(1, reinterpret_cast<uintptr_t>(b), sizeof(b)));
-    auto r = readAll(peer->pipe);
-    EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
-    EXPECT_NE(r.error.message().find("names pid 1"), std::string::npos)
-        << r.error.what();
-    EXPECT_TRUE(rawPeerClosed(peer->fd, std::chrono::seconds(10)));
-    // The listener still serves.
-    auto client = Context::create(defaults("client"));
-    auto c = client->connect(peer->listener->address("uv"));
-    auto s = acceptOne(*peer->listener);
-    writeAsync(*c, Message()).wait(kWait);
-    readAsync(s).wait(kWait);
-  }
-  {
-    // A record whose length differs from the tensor's.
-    auto peer = rawCmaPeer();
-    auto frame = cmaFrame(static_cast<uint64_t>(::getpid()), 4096, 100);
-    // Layout: ... varint length (100) at the end, before "lie": make it 101.
-    const size_t at = frame.size() - 3 - 1;
-    ASSERT_EQ(frame[at], 100);
-    frame[at] = 101;
-    rawSend(peer->fd, frame);
-    auto r = readAll(peer->pipe);
-    EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
-    EXPECT_NE(r.error.message().find("cma length"), std::string::npos)
-        << r.error.what();
-  }
+// Records are opaque to the pipe: the cma channel checks them, and a lie
+// fails that read only (and the peer hears of it), the pipe goes on.
+TEST(CmaHostilePeer, RecordForAnotherPidOrLengthFailsThatReadOnly) {
+  auto peer = rawCmaPeer();
+  uint8_t b[16] = {};
+  // Pid 1: a third process (this one's pid would be the peer's own).
+  rawSend(peer->fd, cmaFrame(1, reinterpret_cast<uintptr_t>(b), sizeof(b)));
+  auto r = readAll(peer->pipe);
+  EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+  EXPECT_NE(r.error.message().find("names pid 1"), std::string::npos)
+      << r.error.what();
+  EXPECT_EQ(rawReadFrame(peer->fd).completionCode, Code::kDataLoss);
+  // A record whose length differs from the tensor's.
+  auto frame = cmaFrame(static_cast<uint64_t>(::getpid()),
+                        reinterpret_cast<uintptr_t>(b), 10);
+  // Layout: ... record ending in its varint length (10), before "lie".
+  const size_t at = frame.size() - 3 - 1;
+  ASSERT_EQ(frame[at], 10);
+  frame[at] = 11;
+  rawSend(peer->fd, frame);
+  r = readAll(peer->pipe);
+  EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+  EXPECT_NE(r.error.message().find("cma length"), std::string::npos)
+      << r.error.what();
+  EXPECT_EQ(rawReadFrame(peer->fd).completionCode, Code::kDataLoss);
+  // A record that is not one (truncated).
+  Message m;
+  m.descriptor = "lie";
+  m.tensors.push_back({b, sizeof(b), {}});
+  std::vector<wf::OutOfBand> oob{{true, "short"}};
+  std::vector<uint8_t> out;
+  wf::encodeFrameHead(m, &out, &oob);
+  out.insert(out.end(), m.descriptor.begin(), m.descriptor.end());
+  rawSend(peer->fd, out);
+  r = readAll(peer->pipe);
+  EXPECT_EQ(r.error.code(), Code::kDataLoss) << r.error.what();
+  EXPECT_EQ(rawReadFrame(peer->fd).completionCode, Code::kDataLoss);
+  // The pipe goes on.
+  auto head = rawFrameHead(2, {});
+  head.insert(head.end(), {'o', 'k'});
+  rawSend(peer->fd, head);
+  r = readAll(peer->pipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  EXPECT_EQ(r.descriptor.descriptor, "ok");
+}
+
+// A frame whose record exceeds the bound fails the pipe before anything is
+// sized from it.
+TEST(CmaHostilePeer, OversizedRecordIsAProtocolError) {
+  auto peer = rawCmaPeer();
+  Message m;
+  uint8_t b[16] = {};
+  m.tensors.push_back({b, sizeof(b), {}});
+  std::vector<wf::OutOfBand> oob{
+      {true, std::string(Channel::kMaxOutOfBandRecordBytes + 1, 'x')}};
+  std::vector<uint8_t> out;
+  wf::encodeFrameHead(m, &out, &oob);
+  rawSend(peer->fd, out);
+  Promise<Descriptor> dp;
+  peer->pipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  auto f = dp.getFuture();
+  ASSERT_TRUE(f.waitFor(kWait));
+  EXPECT_EQ(f.error().code(), Code::kDataLoss) << f.error().what();
+  EXPECT_NE(f.error().message().find("out-of-band record"), std::string::npos)
+      << f.error().what();
+  EXPECT_TRUE(rawPeerClosed(peer->fd, std::chrono::seconds(10)));
 }
 
 // ---- other processes

@@ -1,7 +1,12 @@
 // Context options, environment filters, negotiation and the wire format.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "transport_test_util.h"
 #include <trellis/transport/basic_channel.h>
@@ -238,8 +243,18 @@ TEST(WireFormatTest, FrameLayoutRoundTripsAndIsBounded) {
   m.descriptor = "desc";
   m.payloads = {{b, 8}, {b, 0}};
   m.tensors = {{b, 3, Device::cpu()}, {b, 5, Device::cuda(2)}};
+  // A non-empty CUDA tensor never travels inline: as an inline frame the
+  // layout is refused; with a record for it, it decodes.
   std::vector<uint8_t> head;
   wf::encodeFrameHead(m, &head);
+  wf::FrameLayout inlined;
+  EXPECT_EQ(wf::decodeLayout(std::span<const uint8_t>(head).subspan(4),
+                             Limits(), &inlined)
+                .code(),
+            Code::kDataLoss);
+  std::vector<wf::OutOfBand> oob = {{}, {true, "opaque record"}};
+  head.clear();
+  wf::encodeFrameHead(m, &head, &oob);
   Limits limits;
   size_t layoutLen = 0;
   ASSERT_TRUE(wf::decodeFrameHeader(std::span<const uint8_t>(head.data(), 4),
@@ -253,6 +268,10 @@ TEST(WireFormatTest, FrameLayoutRoundTripsAndIsBounded) {
   EXPECT_EQ(lay.payloadLengths, (std::vector<size_t>{8, 0}));
   ASSERT_EQ(lay.tensors.size(), 2u);
   EXPECT_EQ(lay.tensors[1].device, Device::cuda(2));
+  ASSERT_EQ(lay.outOfBand.size(), 2u);
+  EXPECT_FALSE(lay.outOfBand[0].present);
+  EXPECT_TRUE(lay.outOfBand[1].present);
+  EXPECT_EQ(lay.outOfBand[1].record, "opaque record");
   EXPECT_EQ(Device::cuda(2).toString(), "cuda:2");
   // Tighter limits reject the same layout.
   Limits tight;
@@ -269,6 +288,176 @@ TEST(WireFormatTest, FrameLayoutRoundTripsAndIsBounded) {
   // Outgoing checks mirror them.
   EXPECT_EQ(wf::checkOutgoing(m, tight).code(), Code::kInvalidArgument);
   EXPECT_TRUE(wf::checkOutgoing(m, Limits()).ok());
+}
+
+// ---- one channel per device type ------------------------------------------
+
+// A stand-in for cuda_ipc: carries tensors labelled cuda:N (host memory of
+// this process) out of band, copying on a thread of its own, so that the
+// per-device-type negotiation and routing run without a GPU.
+class FakeCudaChannel : public Channel {
+ public:
+  ~FakeCudaChannel() override {
+    std::vector<std::thread> threads;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      threads.swap(threads_);
+    }
+    for (auto& t : threads) {
+      if (t.get_id() == std::this_thread::get_id()) {
+        t.detach();
+      } else {
+        t.join();
+      }
+    }
+  }
+  std::string name() const override { return "fakecuda"; }
+  Error viable() const override { return Error(); }
+  bool sameHostOnly() const override { return true; }
+  bool supportsDevice(const Device& d) const override {
+    return d.type == DeviceType::kCuda;
+  }
+  bool inlineThroughConnection() const override { return false; }
+  bool drivesOutOfBand() const override { return true; }
+  bool sendsOutOfBand(const Message::Tensor& t) const override {
+    return t.device.type == DeviceType::kCuda && t.length > 0;
+  }
+  Error describeOutOfBand(const Message::Tensor& t,
+                          std::string* record) const override {
+    const auto address = reinterpret_cast<uintptr_t>(t.data);
+    const uint64_t length = t.length;
+    record->assign(reinterpret_cast<const char*>(&address), sizeof(address));
+    record->append(reinterpret_cast<const char*>(&length), sizeof(length));
+    return Error();
+  }
+  void readOutOfBand(const std::string& record, const Allocation::Buffer& dst,
+                     const Device& device, const std::string& /*who*/,
+                     OutOfBandCallback done) const override {
+    uintptr_t address = 0;
+    uint64_t length = 0;
+    if (record.size() != sizeof(address) + sizeof(length) ||
+        device.type != DeviceType::kCuda) {
+      done(Error::protocol("fakecuda: bad record"));
+      return;
+    }
+    std::memcpy(&address, record.data(), sizeof(address));
+    std::memcpy(&length, record.data() + sizeof(address), sizeof(length));
+    if (length != dst.length) {
+      done(Error::protocol("fakecuda: length differs"));
+      return;
+    }
+    reads_.fetch_add(1);
+    std::lock_guard<std::mutex> lock(mu_);
+    threads_.emplace_back([address, dst, done = std::move(done)] {
+      std::memcpy(dst.data, reinterpret_cast<const void*>(address), dst.length);
+      done(Error());
+    });
+  }
+  int reads() const { return reads_.load(); }
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::vector<std::thread> threads_;
+  mutable std::atomic<int> reads_{0};
+};
+
+ContextOptions uvOnly(std::string name) {
+  ContextOptions o;
+  o.name = std::move(name);
+  o.tokenFromEnvironment = false;
+  o.transports = {"uv"};
+  return o;
+}
+
+TEST(NegotiationTest, OneChannelPerDeviceType) {
+  std::vector<Offer> transports = {{"uv", false, true}};
+  // name, same host only, drivable, cpu, cuda, out of band
+  std::vector<Offer> channels = {{"gpu", true, true, false, true, true},
+                                 {"cma", true, true, true, false, true},
+                                 {"basic", false, true, true, false, false}};
+  wf::Hello remote;
+  remote.transports = {"uv"};
+  remote.channels = {"basic", "cma", "gpu"};
+  Negotiated n;
+  ASSERT_TRUE(negotiate(transports, channels, remote, true, "uv", &n).ok());
+  EXPECT_EQ(n.channel, "cma");
+  EXPECT_EQ(n.cudaChannel, "gpu");
+  // Another host: neither same-host channel.
+  ASSERT_TRUE(negotiate(transports, channels, remote, false, "uv", &n).ok());
+  EXPECT_EQ(n.channel, "basic");
+  EXPECT_EQ(n.cudaChannel, "");
+  // The peer lacks it: no CUDA channel, the CPU one as before.
+  remote.channels = {"basic", "cma"};
+  ASSERT_TRUE(negotiate(transports, channels, remote, true, "uv", &n).ok());
+  EXPECT_EQ(n.channel, "cma");
+  EXPECT_EQ(n.cudaChannel, "");
+  // A CUDA-only channel never serves CPU tensors.
+  remote.channels = {"gpu"};
+  EXPECT_EQ(negotiate(transports, channels, remote, true, "uv", &n).code(),
+            Code::kFailedPrecondition);
+}
+
+TEST(PerDeviceChannels, CudaTensorsGoByTheCudaChannelCpuOnesByTheCpuOne) {
+  auto serverGpu = std::make_shared<FakeCudaChannel>();
+  auto clientGpu = std::make_shared<FakeCudaChannel>();
+  auto server = Context::create(uvOnly("server"));
+  auto client = Context::create(uvOnly("client"));
+  server->registerChannel(50, serverGpu);
+  client->registerChannel(50, clientGpu);
+  auto l = server->listen({"uv://127.0.0.1:0"});
+  auto c = client->connect(l->address("uv"));
+  auto s = acceptOne(*l);
+  auto m = patterned("mixed", {100}, {300000, 5000, 70000}, 4);
+  Message view = m.view();
+  view.tensors[1].device = Device::cuda(1);
+  auto w = writeAsync(*c, view);
+  auto r = readAsync(s).wait(kWait);
+  w.wait(kWait);
+  EXPECT_EQ(c->channelName(), "cma");
+  EXPECT_EQ(s->channelName(DeviceType::kCpu), "cma");
+  EXPECT_EQ(c->channelName(DeviceType::kCuda), "fakecuda");
+  EXPECT_EQ(s->channelName(DeviceType::kCuda), "fakecuda");
+  EXPECT_EQ(r.payloads.at(0), m.payloads.at(0));
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(r.tensors.at(i), m.tensors.at(i)) << "tensor " << i;
+  }
+  EXPECT_EQ(serverGpu->reads(), 1);
+  EXPECT_EQ(clientGpu->reads(), 0);
+  // And back the other way.
+  auto w2 = writeAsync(*s, view);
+  auto r2 = readAsync(c).wait(kWait);
+  w2.wait(kWait);
+  EXPECT_EQ(r2.tensors.at(1), m.tensors.at(1));
+  EXPECT_EQ(clientGpu->reads(), 1);
+}
+
+TEST(PerDeviceChannels, WithoutACudaChannelCudaWritesFailAndNothingElse) {
+  auto server = Context::create(uvOnly("server"));
+  auto client = Context::create(uvOnly("client"));
+  server->registerChannel(50, std::make_shared<FakeCudaChannel>());
+  auto l = server->listen({"uv://127.0.0.1:0"});
+  auto c = client->connect(l->address("uv"));
+  auto s = acceptOne(*l);
+  // Queued before the handshake is done and failed once it is.
+  auto m = patterned("gpu", {}, {64}, 5);
+  Message view = m.view();
+  view.tensors[0].device = Device::cuda(3);
+  auto w = writeAsync(*c, view);
+  EXPECT_THROW(w.wait(kWait), InvalidArgumentError);
+  EXPECT_NE(w.error().message().find("cuda:3"), std::string::npos)
+      << w.error().what();
+  EXPECT_EQ(c->channelName(DeviceType::kCuda), "");
+  EXPECT_EQ(s->channelName(DeviceType::kCuda), "");
+  EXPECT_EQ(c->channelName(), "cma");
+  // Same, once established; the pipe goes on in both directions.
+  auto w2 = writeAsync(*s, view);
+  EXPECT_THROW(w2.wait(kWait), InvalidArgumentError);
+  auto cpu = patterned("cpu", {7}, {300000}, 6);
+  auto w3 = writeAsync(*c, cpu.view());
+  auto r = readAsync(s).wait(kWait);
+  w3.wait(kWait);
+  EXPECT_EQ(r.descriptor, "cpu");
+  EXPECT_EQ(r.tensors.at(0), cpu.tensors.at(0));
 }
 
 }  // namespace

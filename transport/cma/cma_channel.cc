@@ -1,14 +1,22 @@
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <sys/prctl.h>
 #include <sys/uio.h>
+#include <thread>
 #include <unistd.h>
+#include <vector>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/wire.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/connection.h>
 
@@ -58,9 +66,176 @@ Error probe() {
   return Error();
 }
 
+// Worker threads for the copies. Started on first use, so contexts that
+// never read by cma cost no threads. Tasks run to the end: the destructor
+// drains the queue, so every posted copy calls back.
+class CopyPool {
+ public:
+  explicit CopyPool(size_t threads) : threads_(std::max<size_t>(threads, 1)) {}
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  ~CopyPool() {
+    std::vector<std::thread> workers;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->stop = true;
+      workers.swap(workers_);
+    }
+    state_->cv.notify_all();
+    for (auto& t : workers) {
+      // The last reference to the channel may be dropped by a copy's
+      // callback: that worker cannot join itself, and owns the state too.
+      if (t.get_id() == std::this_thread::get_id()) {
+        t.detach();
+      } else {
+        t.join();
+      }
+    }
+  }
+
+  size_t threads() const { return threads_; }
+
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->tasks.push_back(std::move(task));
+      if (workers_.size() < threads_ &&
+          workers_.size() < state_->tasks.size() + state_->busy) {
+        workers_.emplace_back([state = state_] { work(*state); });
+      }
+    }
+    state_->cv.notify_one();
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> tasks;  // guarded by mu
+    size_t busy = 0;                          // guarded by mu
+    bool stop = false;                        // guarded by mu
+  };
+
+  static void work(State& s) {
+    std::unique_lock<std::mutex> lock(s.mu);
+    while (true) {
+      // Bounded only by the owner: stop is set in the destructor.
+      s.cv.wait(lock, [&s] { return s.stop || !s.tasks.empty(); });
+      if (s.tasks.empty()) {
+        return;
+      }
+      auto task = std::move(s.tasks.front());
+      s.tasks.pop_front();
+      ++s.busy;
+      lock.unlock();
+      task();
+      task = nullptr;
+      lock.lock();
+      --s.busy;
+    }
+  }
+
+  const size_t threads_;
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+  std::vector<std::thread> workers_;  // guarded by state_->mu
+};
+
+struct Record {
+  uint64_t pid = 0;
+  uint64_t address = 0;
+  uint64_t length = 0;
+};
+
+// fixed64 pid | fixed64 address | varint length (docs/transport.md).
+Error decodeRecord(const std::string& bytes, Record* out) {
+  wire::WireReader r(bytes, "cma record");
+  out->pid = r.fixed64("cma pid");
+  out->address = r.fixed64("cma address");
+  out->length = r.varint("cma length");
+  r.expectEnd();
+  if (r.ok() && (out->pid == 0 || out->pid > 0x7fffffff)) {
+    return Error::protocol("cma record: invalid pid " +
+                           std::to_string(out->pid));
+  }
+  return r.error();
+}
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// Copies [offset, offset + length) of the record's range into dst + offset.
+Error copyRange(const Record& rec, uint8_t* dst, size_t offset, size_t length,
+                const std::string& who) {
+  size_t done = 0;
+  while (done < length) {
+    const size_t at = offset + done;
+    iovec local{dst + at, length - done};
+    iovec remote{
+        reinterpret_cast<void*>(static_cast<uintptr_t>(rec.address) + at),
+        length - done};
+    const ssize_t n =
+        process_vm_readv(static_cast<pid_t>(rec.pid), &local, 1, &remote, 1, 0);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EFAULT;
+      std::string what = "cma: process_vm_readv of " +
+                         std::to_string(rec.length) + " bytes at 0x" +
+                         hex(rec.address) + " of pid " +
+                         std::to_string(rec.pid) + " (" + who +
+                         ") failed after " + std::to_string(at) + " bytes";
+      // ESRCH: the peer is gone; that is a lost connection, not a bug.
+      if (err == ESRCH) {
+        return Error(Code::kUnavailable, what + ": no such process");
+      }
+      if (err == EFAULT) {
+        return Error(Code::kDataLoss,
+                     what +
+                         ": the peer's record names memory it does not "
+                         "have (" +
+                         std::string(std::strerror(err)) + ")");
+      }
+      return Error::fromErrno(err, what);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Error();
+}
+
+// One readOutOfBand split into pieces: the first error wins, `done` fires
+// after the last piece.
+struct Job {
+  Job(size_t pieces, Channel::OutOfBandCallback cb)
+      : left(pieces), done(std::move(cb)) {}
+  void finish(const Error& e) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!e.ok() && first.ok()) {
+        first = e;
+      }
+    }
+    if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // No other piece touches the job any more.
+      auto cb = std::move(done);
+      done = nullptr;
+      cb(first);
+    }
+  }
+  std::atomic<size_t> left;
+  std::mutex mu;
+  Error first;  // guarded by mu until left reaches 0
+  Channel::OutOfBandCallback done;
+};
+
 class CmaChannel : public Channel {
  public:
-  explicit CmaChannel(Options options) : options_(options) {}
+  explicit CmaChannel(Options options)
+      : options_(options), pool_(options.copyThreads) {}
 
   std::string name() const override { return "cma"; }
   Error viable() const override {
@@ -83,51 +258,79 @@ class CmaChannel : public Channel {
            t.length >= options_.thresholdBytes;
   }
 
-  Error readOutOfBand(uint64_t pid, uint64_t address, void* dst, size_t length,
-                      const std::string& who) const override {
-    size_t done = 0;
-    while (done < length) {
-      iovec local{static_cast<char*>(dst) + done, length - done};
-      iovec remote{
-          reinterpret_cast<void*>(static_cast<uintptr_t>(address) + done),
-          length - done};
-      const ssize_t n =
-          process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
-      if (n < 0 && errno == EINTR) {
-        continue;
-      }
-      if (n <= 0) {
-        const int err = n < 0 ? errno : EFAULT;
-        std::string what =
-            "cma: process_vm_readv of " + std::to_string(length) +
-            " bytes at 0x" + hex(address) + " of pid " + std::to_string(pid) +
-            " (" + who + ") failed after " + std::to_string(done) + " bytes";
-        // ESRCH: the peer is gone; that is a lost connection, not a bug.
-        if (err == ESRCH) {
-          return Error(Code::kUnavailable, what + ": no such process");
-        }
-        if (err == EFAULT) {
-          return Error(Code::kDataLoss,
-                       what +
-                           ": the peer's record names memory it does not "
-                           "have (" +
-                           std::string(std::strerror(err)) + ")");
-        }
-        return Error::fromErrno(err, what);
-      }
-      done += static_cast<size_t>(n);
+  Error describeOutOfBand(const Message::Tensor& t,
+                          std::string* record) const override {
+    if (t.device.type != DeviceType::kCpu) {
+      return Error::invalidArgument("cma carries CPU tensors only, not " +
+                                    t.device.toString());
     }
+    wire::WireWriter w;
+    w.putFixed64(static_cast<uint64_t>(::getpid()));
+    w.putFixed64(reinterpret_cast<uintptr_t>(t.data));
+    w.putVarint(t.length);
+    record->assign(w.bytes().begin(), w.bytes().end());
     return Error();
   }
 
- private:
-  static std::string hex(uint64_t v) {
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));
-    return buf;
+  Error checkOutOfBandRecord(const std::string& record,
+                             uint64_t peerPid) const override {
+    Record rec;
+    Error e = decodeRecord(record, &rec);
+    if (e.ok() && rec.pid != peerPid) {
+      e = Error::protocol("cma record names pid " + std::to_string(rec.pid) +
+                          " but the peer's hello said " +
+                          std::to_string(peerPid));
+    }
+    return e;
   }
 
+  void readOutOfBand(const std::string& record, const Allocation::Buffer& dst,
+                     const Device& device, const std::string& who,
+                     OutOfBandCallback done) const override {
+    Record rec;
+    Error e = decodeRecord(record, &rec);
+    if (e.ok() && device.type != DeviceType::kCpu) {
+      e = Error::protocol("cma record for a " + device.toString() +
+                          " tensor (cma carries CPU memory only)");
+    }
+    if (e.ok() && rec.length != dst.length) {
+      e = Error::protocol("cma length " + std::to_string(rec.length) +
+                          " differs from the tensor length " +
+                          std::to_string(dst.length));
+    }
+    if (!e.ok() || rec.length == 0) {
+      done(e.ok() ? e : e.withContext(who));
+      return;
+    }
+    if (dst.length <= options_.inlineCopyBytes) {
+      done(copyRange(rec, static_cast<uint8_t*>(dst.data), 0, dst.length, who));
+      return;
+    }
+    // Off the loop thread; a large copy in page-aligned pieces, one per
+    // worker, since one process_vm_readv runs on one core at well under
+    // memcpy speed (docs/benchmarks.md, "cma channel").
+    const size_t length = dst.length;
+    size_t pieces = 1;
+    if (options_.splitBytes > 0 && length >= options_.splitBytes) {
+      pieces = pool_.threads();
+    }
+    const size_t page = 4096;
+    size_t step = (length + pieces - 1) / pieces;
+    step = (step + page - 1) / page * page;
+    pieces = (length + step - 1) / step;
+    auto job = std::make_shared<Job>(pieces, std::move(done));
+    auto* out = static_cast<uint8_t*>(dst.data);
+    for (size_t off = 0; off < length; off += step) {
+      const size_t n = std::min(step, length - off);
+      pool_.post([job, rec, out, off, n, who] {
+        job->finish(copyRange(rec, out, off, n, who));
+      });
+    }
+  }
+
+ private:
   const Options options_;
+  mutable CopyPool pool_;
   mutable std::once_flag once_;
   mutable Error viable_;
 };

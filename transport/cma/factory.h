@@ -2,9 +2,10 @@
 
 // The cma channel: CPU tensors of at least `thresholdBytes` between two
 // processes on one host travel by cross-memory attach (docs/transport.md,
-// "cma channel"). The writer puts {pid, address, length} in the frame
-// instead of the bytes; the reader copies them with process_vm_readv(2)
-// straight into its allocation and answers with a completion frame; the
+// "cma channel"). The writer puts a record {pid, address, length} in the
+// frame instead of the bytes; the reader copies them with
+// process_vm_readv(2) straight into its allocation, on threads of the
+// channel, and answers with a completion frame; the
 // writer's callback fires only then, so its buffer must stay valid until
 // the callback (as for every write). Smaller tensors and all payloads travel
 // inline through the pipe's connection, as with the basic channel.
@@ -32,6 +33,16 @@ struct Options {
   // Tensors of at least this many bytes go by cma; 0 = every non-empty CPU
   // tensor (docs/benchmarks.md, "cma channel", for the measured default).
   size_t thresholdBytes = size_t{256} << 10;
+  // The reader copies on threads of the channel, started on first use, not
+  // on the context's loop; a tensor of at least `splitBytes` is split into
+  // one page-aligned piece per thread, copied in parallel (0: never split).
+  size_t copyThreads = 2;
+  size_t splitBytes = size_t{4} << 20;
+  // Copies of at most this many bytes run on the loop thread instead: for
+  // them a hop to a copy thread and back costs more than the copy (256 KiB:
+  // half the throughput, docs/benchmarks.md), and they hold up the loop for
+  // at most some 100 us.
+  size_t inlineCopyBytes = size_t{1} << 20;
 };
 
 std::shared_ptr<Channel> create(Options options = {});
