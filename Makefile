@@ -20,14 +20,14 @@ test-dev: build
 # AddressSanitizer + UBSan pass over the components' tests and fuzz replays.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper
-	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport'
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay
+	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc' -E 'rpc_process'
 
 # ThreadSanitizer pass over the components with threads and loops.
 test-tsan: deps
 	cmake --preset tsan
-	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper
-	ctest --preset tsan -j $(JOBS) -L 'core|store|transport'
+	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test
+	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc' -E 'rpc_process|rpc_codec'
 
 # libFuzzer targets, a bounded number of iterations each.
 test-fuzz: deps
@@ -44,13 +44,21 @@ test-fuzz: deps
 	mkdir -p build/fuzz/corpus/transport_frame
 	build/fuzz/tests/fuzz/transport_frame_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
 	    build/fuzz/corpus/transport_frame tests/fuzz/corpus/transport_frame
+	cmake --build --preset fuzz -j $(JOBS) --target rpc_envelope_fuzz
+	mkdir -p build/fuzz/corpus/rpc_envelope
+	build/fuzz/tests/fuzz/rpc_envelope_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
+	    build/fuzz/corpus/rpc_envelope tests/fuzz/corpus/rpc_envelope
+	cmake --build --preset fuzz -j $(JOBS) --target rpc_codec_fuzz
+	mkdir -p build/fuzz/corpus/rpc_codec
+	build/fuzz/tests/fuzz/rpc_codec_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
+	    build/fuzz/corpus/rpc_codec tests/fuzz/corpus/rpc_codec
 
 test: build test-asan test-tsan test-fuzz
 	ctest --preset dev -j $(JOBS)
 
+# The parameter-server job (docs/examples.md): one server, two trainers.
 run: build
-	@echo "The main job (a parameter-server training run) arrives with the RPC layer (issue 5)." >&2
-	@exit 2
+	build/dev/examples/trellis-launch --nproc 3 -- build/dev/examples/parameter_server
 
 clean:
 	rm -rf build

@@ -1,0 +1,224 @@
+#pragma once
+
+// Agent: one worker's end of the RPC layer (docs/rpc.md).
+//
+// An Agent owns a transport Context with a listener, a thread pool for user
+// functions, a small pool for completing callers' futures, and a timer for
+// per-call deadlines. Workers find each other through a Store (rendezvous
+// at start()); pipes to peers are opened lazily, on the first call.
+//
+// Contract
+//  - start() returns once every worker of the group has published its
+//    address (or throws TimeoutError naming the ranks still missing).
+//  - Every method is thread-safe. User functions run on the agent's worker
+//    threads, never on the transport loop; callers' futures complete on the
+//    completion threads (do not block inside then() callbacks).
+//  - A call fails locally with TimeoutError naming callee and function once
+//    its timeout passes; a late reply is dropped. A dead or unreachable peer
+//    fails the calls to it with ConnectionError naming it; calls to other
+//    workers go on. Malformed messages are a ProtocolError that closes that
+//    pipe only.
+//  - shutdown(graceful=true) waits, together with every other worker, until
+//    no call or RRef message is in flight anywhere, then closes; a clean
+//    shutdown logs nothing above info. shutdown(false) closes at once and
+//    fails what is pending with CANCELLED. Both are idempotent; the
+//    destructor does shutdown(false).
+//  - Agent::current() is the agent of the calling thread: the one whose
+//    user function or completion it is running, else the process agent set
+//    by rpc::init(). Several agents may live in one process (tests).
+
+#include <ATen/core/Tensor.h>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <trellis/core/auth.h>
+#include <trellis/core/deadline.h>
+#include <trellis/core/error.h>
+#include <trellis/core/future.h>
+#include <trellis/rpc/codec.h>
+#include <trellis/rpc/registry.h>
+
+namespace trellis::store {
+class Store;
+}
+
+namespace trellis::rpc {
+
+struct WorkerInfo {
+  std::string name;
+  int32_t rank = -1;
+  std::string address;  // transport address ("uv://10.0.0.3:41234")
+};
+
+struct RpcOptions {
+  // Threads that run user functions. Async user functions hold none while
+  // they wait.
+  size_t numWorkerThreads = 4;
+  // Threads that complete callers' futures (decode replies, run then()).
+  size_t numCompletionThreads = 2;
+  // Default per-call timeout; 0 = none.
+  Duration defaultTimeout = std::chrono::seconds(60);
+  // Rendezvous: how long start() waits for the other workers.
+  Duration initTimeout = std::chrono::seconds(120);
+  // graceful shutdown(): how long to wait for the group to go idle once
+  // every worker has entered shutdown (default bound when the caller passes
+  // none).
+  Duration shutdownTimeout = std::chrono::seconds(60);
+  // graceful shutdown(): how long to wait for the other workers to enter
+  // shutdown at all. 0 = no limit, like torch: a server typically calls
+  // shutdown() right after init() and waits for its trainers to finish.
+  // A dead worker is the launcher's business (trellis-launch, elastic-run
+  // end the group when one fails).
+  Duration shutdownArrivalTimeout = Duration::zero();
+  // Rendezvous store. When null, MASTER_ADDR / MASTER_PORT are read (like
+  // torch's env://): rank 0 serves a TCPStore there, every rank connects.
+  std::shared_ptr<store::Store> store;
+  // Address to listen on and advertise (an IP literal). Empty: see
+  // core/net.h (TRELLIS_LOCAL_ADDR, TRELLIS_IFNAME, route to MASTER_ADDR).
+  std::string localAddress;
+  // Restrict transports / channels (names as in transport/context.h).
+  std::vector<std::string> transports;
+  std::vector<std::string> channels;
+  // Job token for pipes and the store; unset = TRELLIS_JOB_TOKEN if set.
+  std::optional<auth::JobToken> token;
+  // Bytes of one argument or result encoding a peer may make us allocate.
+  size_t maxMessageBytes = size_t{4} << 30;
+};
+
+// What a request carries besides its arguments (internal to rpc/ and rref/;
+// users call the templates in rpc.h).
+struct CallSpec {
+  std::string_view function;
+  uint64_t signature = 0;
+  // Negative: the agent's default timeout. Zero: none.
+  Duration timeout = Duration(-1);
+  struct RRefId {
+    uint32_t worker = 0;
+    uint64_t local = 0;
+  };
+  // remote(): the callee keeps the result as owner of `rref`; `fork` is
+  // the caller's user reference.
+  bool storeResultInRRef = false;
+  RRefId rref;
+  RRefId fork;
+  // RRef method call: the target object is the owner value of `target`.
+  bool methodOnRRef = false;
+  RRefId target;
+  uint64_t autogradContextId = 0;
+  uint64_t autogradMessageId = 0;
+  // The caller blocks on the reply future and attaches no callback to it
+  // (rpcSync): the future is completed on the transport loop thread, which
+  // saves a thread hop. Never set it for a future users can chain on.
+  bool completeOnLoop = false;
+};
+
+// A reply's encoded result, decoded by the caller's template.
+struct Reply {
+  std::vector<uint8_t> bytes;
+  std::vector<at::Tensor> tensors;
+  int32_t from = -1;
+};
+
+// Hooks the rref/ layer installs (one set per agent); see rref/rref.h.
+class RRefHooks {
+ public:
+  virtual ~RRefHooks() = default;
+  // Callee of remote(): keeps the result (or its error) as owner value.
+  virtual void storeOwnerValue(const CallSpec::RRefId& rref,
+                               const CallSpec::RRefId& fork, int32_t caller,
+                               const Future<AnyValue>& value) = 0;
+  // Callee of a method call: the owner value, once it exists, and its type.
+  virtual Future<std::pair<std::shared_ptr<void>, const char*>> ownerValue(
+      const CallSpec::RRefId& rref) = 0;
+  // Per-message context for encoding/decoding RRefs to/from `peer`.
+  virtual std::unique_ptr<CodecContext> makeContext(int32_t peer) = 0;
+  // Graceful shutdown, before the quiescence check: release this worker's
+  // user references. Returns when the messages are sent (not acknowledged).
+  virtual void releaseUsers() = 0;
+  // After quiescence: the owner values still held, for the leak report.
+  virtual std::vector<std::string> leaks() = 0;
+};
+
+class Agent : public std::enable_shared_from_this<Agent> {
+ public:
+  // Throws InvalidArgumentError for a bad name/rank/worldSize/option,
+  // TimeoutError when the other workers do not appear within initTimeout,
+  // AlreadyExistsError when another rank uses the same name.
+  static std::shared_ptr<Agent> start(const std::string& name, int32_t rank,
+                                      int32_t worldSize,
+                                      RpcOptions options = {});
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // The calling thread's agent (see above); throws FailedPreconditionError
+  // when there is none.
+  static Agent& current();
+  static std::shared_ptr<Agent> currentShared();
+  // rpc::init() sets the process agent; null to clear.
+  static void setProcessAgent(std::shared_ptr<Agent> agent);
+
+  const WorkerInfo& self() const;
+  int32_t worldSize() const;
+  // Throws NotFoundError naming the worker.
+  const WorkerInfo& workerInfo(const std::string& name) const;
+  const WorkerInfo& workerInfo(int32_t rank) const;
+  std::vector<WorkerInfo> workerInfos() const;
+  const RpcOptions& options() const;
+
+  // Sends one request; the future carries the reply or the call's error.
+  // `context` (from codecContext(to), used to encode `args`) lives until
+  // the request is written.
+  Future<Reply> call(int32_t to, const CallSpec& spec, Encoder&& args,
+                     std::unique_ptr<CodecContext> context = nullptr);
+  // Per-peer context for encoding arguments (RRef forks need it).
+  std::unique_ptr<CodecContext> codecContext(int32_t peer);
+
+  void shutdown(bool graceful = true, Duration timeout = Duration(-1));
+  bool isShutDown() const;
+
+  void setRRefHooks(std::shared_ptr<RRefHooks> hooks);
+  // rref/ installs a factory at static-init time; start() applies it, so
+  // every agent of a program that links rref/ can own RRefs.
+  using RRefHooksFactory = std::shared_ptr<RRefHooks> (*)(Agent& agent);
+  static void setRRefHooksFactory(RRefHooksFactory factory);
+  RRefHooks* rrefHooks() const;
+
+  // Counters (tests, monitoring).
+  struct Stats {
+    uint64_t messagesSent = 0;
+    uint64_t messagesReceived = 0;
+    uint64_t pendingCalls = 0;
+    uint64_t runningHandlers = 0;
+    uint64_t lateReplies = 0;
+    uint64_t openPipes = 0;
+  };
+  Stats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit Agent(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs `fn` with `agent` as the calling thread's current agent.
+class CurrentAgentScope {
+ public:
+  explicit CurrentAgentScope(Agent* agent);
+  ~CurrentAgentScope();
+  CurrentAgentScope(const CurrentAgentScope&) = delete;
+  CurrentAgentScope& operator=(const CurrentAgentScope&) = delete;
+
+ private:
+  Agent* previous_;
+};
+
+}  // namespace trellis::rpc

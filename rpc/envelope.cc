@@ -1,0 +1,65 @@
+#include "envelope.h"
+
+#include <string>
+
+namespace trellis::rpc {
+
+Error parseEnvelope(std::string_view bytes, int32_t worldSize,
+                    bool expectRequest, wire::Envelope* out) {
+  if (!out->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return Error::protocol("envelope: not a valid protobuf message");
+  }
+  if (out->version() != kEnvelopeVersion) {
+    return Error::protocol(
+        "envelope: version " + std::to_string(out->version()) +
+        ", this worker speaks " + std::to_string(kEnvelopeVersion));
+  }
+  const auto want =
+      expectRequest ? wire::Envelope::REQUEST : wire::Envelope::RESPONSE;
+  if (out->kind() != want) {
+    return Error::protocol(std::string("envelope: kind ") +
+                           std::to_string(out->kind()) +
+                           (expectRequest ? " on a pipe that carries requests"
+                                          : " on a pipe that carries replies"));
+  }
+  if (worldSize <= 0 ||
+      out->from_worker() >= static_cast<uint32_t>(worldSize)) {
+    return Error::protocol("envelope: from_worker " +
+                           std::to_string(out->from_worker()) +
+                           " is not a rank of this group");
+  }
+  if (out->function().size() > kMaxFunctionNameBytes) {
+    return Error::protocol("envelope: function name longer than " +
+                           std::to_string(kMaxFunctionNameBytes) + " bytes");
+  }
+  if (expectRequest && out->function().empty()) {
+    return Error::protocol("envelope: request without a function name");
+  }
+  if (out->has_error()) {
+    const auto& e = out->error();
+    if (e.code() == 0 || e.code() > 16) {
+      return Error::protocol("envelope: error code " +
+                             std::to_string(e.code()) + " out of range");
+    }
+    if (e.message().size() > kMaxErrorMessageBytes ||
+        e.worker().size() > kMaxFunctionNameBytes ||
+        e.function().size() > kMaxFunctionNameBytes ||
+        e.exception_type().size() > kMaxFunctionNameBytes) {
+      return Error::protocol("envelope: error fields too long");
+    }
+  }
+  if (out->events_size() > kMaxProfileEvents) {
+    return Error::protocol("envelope: more than " +
+                           std::to_string(kMaxProfileEvents) +
+                           " profile events");
+  }
+  for (const auto& ev : out->events()) {
+    if (ev.name().size() > kMaxFunctionNameBytes ||
+        ev.worker().size() > kMaxFunctionNameBytes || ev.duration_us() < 0) {
+      return Error::protocol("envelope: malformed profile event");
+    }
+  }
+  return Error();
+}
+
+}  // namespace trellis::rpc

@@ -1,0 +1,88 @@
+#include <cstdlib>
+#include <cxxabi.h>
+#include <memory>
+#include <mutex>
+#include <typeinfo>
+#include <unordered_map>
+
+#include <trellis/rpc/registry.h>
+
+namespace trellis::rpc {
+
+struct Registry::Impl {
+  mutable std::mutex mu;
+  std::unordered_map<std::string, FunctionEntry> entries;
+  std::string duplicates;
+};
+
+Registry& Registry::global() {
+  static Registry registry;
+  return registry;
+}
+
+Registry::Impl& Registry::impl() const {
+  // Function-local so that registrations from any translation unit's static
+  // initialisers find it constructed.
+  static Impl instance;
+  return instance;
+}
+
+bool Registry::add(FunctionEntry entry) {
+  Impl& d = impl();
+  std::lock_guard<std::mutex> lock(d.mu);
+  std::string name = entry.name;
+  if (!d.entries.emplace(name, std::move(entry)).second) {
+    d.duplicates += (d.duplicates.empty() ? "'" : ", '") + name + "'";
+    return false;
+  }
+  return true;
+}
+
+const FunctionEntry* Registry::find(std::string_view name) const {
+  Impl& d = impl();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.entries.find(std::string(name));
+  return it == d.entries.end() ? nullptr : &it->second;
+}
+
+Error Registry::status() const {
+  Impl& d = impl();
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (d.duplicates.empty()) {
+    return Error();
+  }
+  return Error(Code::kFailedPrecondition,
+               "remote functions registered twice: " + d.duplicates);
+}
+
+size_t Registry::size() const {
+  Impl& d = impl();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.entries.size();
+}
+
+namespace detail {
+
+Error currentExceptionError() {
+  std::string type = "unknown exception";
+  if (const std::type_info* t = abi::__cxa_current_exception_type()) {
+    int status = 0;
+    std::unique_ptr<char, void (*)(void*)> name(
+        abi::__cxa_demangle(t->name(), nullptr, nullptr, &status), std::free);
+    type = status == 0 && name ? name.get() : t->name();
+  }
+  Error e = errorFromCurrentException();
+  if (e.remoteOrigin() != nullptr) {
+    return e;  // raised by another worker further down: keep its origin
+  }
+  // A trellis::Exception keeps its own message; others get "type: what()"
+  // from errorFromCurrentException; strip the type, it travels apart.
+  std::string message = e.message();
+  if (message.rfind(type + ": ", 0) == 0) {
+    message = message.substr(type.size() + 2);
+  }
+  return Error::remote(RemoteOrigin{"", "", type}, message);
+}
+
+}  // namespace detail
+}  // namespace trellis::rpc

@@ -1,0 +1,155 @@
+#pragma once
+
+// The RPC API users call (docs/rpc.md).
+//
+//   trellis::rpc::init("trainer1", rank, worldSize);
+//   torch::Tensor y = trellis::rpc::rpcSync<addOne>("ps", x);
+//   auto f = trellis::rpc::rpcAsync<addOne>({"ps", std::chrono::seconds(5)},
+//   x); trellis::rpc::shutdown();
+//
+// Calls name the function as a template argument, so arguments are checked
+// against its registered signature when the caller compiles. Errors:
+// TimeoutError (the call's timeout passed; names callee and function),
+// ConnectionError (the callee died or cannot be reached; names it),
+// RemoteError (the callee raised: worker, function, exception type and
+// message; also an unknown function or a signature mismatch),
+// ProtocolError (a malformed reply). rpcSync throws them; rpcAsync's future
+// carries them.
+
+#include <string>
+#include <utility>
+
+#include <trellis/rpc/agent.h>
+#include <trellis/rpc/codec.h>
+#include <trellis/rpc/registry.h>
+
+namespace trellis::rpc {
+
+// Where a call goes, and optionally its timeout:
+//   "ps", 0 (a rank), workerInfo, {"ps", 5s}.
+struct Callee {
+  Callee(const char* name)
+      : name(name) {}  // NOLINT(google-explicit-constructor)
+  Callee(std::string name) : name(std::move(name)) {}  // NOLINT
+  Callee(int32_t rank) : rank(rank) {}                 // NOLINT
+  Callee(const WorkerInfo& info) : rank(info.rank) {}  // NOLINT
+  template <typename Rep, typename Period>
+  Callee(std::string name, std::chrono::duration<Rep, Period> timeout)
+      : name(std::move(name)),
+        timeout(std::chrono::duration_cast<Duration>(timeout)) {}
+  template <typename Rep, typename Period>
+  Callee(int32_t rank, std::chrono::duration<Rep, Period> timeout)
+      : rank(rank), timeout(std::chrono::duration_cast<Duration>(timeout)) {}
+
+  std::string name;
+  int32_t rank = -1;
+  Duration timeout = Duration(-1);  // negative: the agent's default
+  // The rank on `agent`; throws NotFoundError for an unknown worker.
+  int32_t resolve(const Agent& agent) const;
+};
+
+// Starts this process's agent (see Agent::start) and makes it the process
+// agent. Throws FailedPreconditionError if one is already running.
+void init(const std::string& name, int32_t rank, int32_t worldSize,
+          RpcOptions options = {});
+// Shuts the process agent down (see Agent::shutdown) and clears it.
+void shutdown(bool graceful = true, Duration timeout = Duration(-1));
+
+WorkerInfo getWorkerInfo();
+WorkerInfo getWorkerInfo(const std::string& name);
+WorkerInfo getWorkerInfo(int32_t rank);
+std::vector<WorkerInfo> getWorkerInfos();
+
+namespace detail {
+
+template <typename Tuple, typename... A>
+struct ArgsEncoder;
+template <typename... P, typename... A>
+struct ArgsEncoder<std::tuple<P...>, A...> {
+  static void encode(Encoder& e, A&&... args) {
+    // Converts each argument to the declared parameter type first (so an
+    // int literal for an int64_t parameter encodes as int64_t).
+    (encodeOne<P>(e, std::forward<A>(args)), ...);
+  }
+  template <typename Param, typename Arg>
+  static void encodeOne(Encoder& e, Arg&& arg) {
+    if constexpr (std::is_same_v<Param, std::decay_t<Arg>>) {
+      encodeValue<Param>(e, arg);
+    } else {
+      encodeValue<Param>(e, Param(std::forward<Arg>(arg)));
+    }
+  }
+};
+
+template <auto Fn, typename... A>
+Future<Reply> sendCall(Agent& agent, int32_t to, const CallSpec& spec,
+                       A&&... args) {
+  using Args = typename Traits<Fn>::Args;
+  static_assert(std::tuple_size_v<Args> == sizeof...(A),
+                "wrong number of arguments for this remote function");
+  auto context = agent.codecContext(to);
+  Encoder e(context.get());
+  ArgsEncoder<Args, A...>::encode(e, std::forward<A>(args)...);
+  return agent.call(to, spec, std::move(e), std::move(context));
+}
+
+template <typename R>
+R decodeReplyHere(const Reply& r, Agent& agent) {
+  auto context = agent.codecContext(r.from);
+  Decoder d(r.bytes, r.tensors, context.get());
+  auto value = decodeValue<WireType<R>>(d);
+  throwIfError(d.finish());
+  if constexpr (!std::is_void_v<R>) {
+    return value;
+  }
+}
+
+template <typename R>
+Future<R> decodeReply(Future<Reply> reply, std::shared_ptr<Agent> agent) {
+  return reply.then([agent = std::move(agent)](const Reply& r) -> R {
+    auto context = agent->codecContext(r.from);
+    Decoder d(r.bytes, r.tensors, context.get());
+    auto value = decodeValue<WireType<R>>(d);
+    throwIfError(d.finish());
+    if constexpr (!std::is_void_v<R>) {
+      return value;
+    }
+  });
+}
+
+}  // namespace detail
+
+template <auto Fn, typename... A>
+Future<detail::ResultOf<Fn>> rpcAsync(const Callee& to, A&&... args) {
+  static_assert(std::is_void_v<typename detail::Traits<Fn>::Class>,
+                "methods are called through an RRef: rref.rpcAsync<&C::m>()");
+  using R = detail::ResultOf<Fn>;
+  auto agent = Agent::currentShared();
+  const int32_t rank = to.resolve(*agent);
+  CallSpec spec;
+  spec.function = RemoteName<Fn>::value;
+  spec.signature = detail::fingerprintOf<Fn>();
+  spec.timeout = to.timeout;
+  auto reply =
+      detail::sendCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);
+  return detail::decodeReply<R>(std::move(reply), std::move(agent));
+}
+
+template <auto Fn, typename... A>
+detail::ResultOf<Fn> rpcSync(const Callee& to, A&&... args) {
+  static_assert(std::is_void_v<typename detail::Traits<Fn>::Class>,
+                "methods are called through an RRef: rref.rpcSync<&C::m>()");
+  using R = detail::ResultOf<Fn>;
+  auto agent = Agent::currentShared();
+  const int32_t rank = to.resolve(*agent);
+  CallSpec spec;
+  spec.function = RemoteName<Fn>::value;
+  spec.signature = detail::fingerprintOf<Fn>();
+  spec.timeout = to.timeout;
+  spec.completeOnLoop = true;  // this thread decodes the reply itself
+  auto reply =
+      detail::sendCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);
+  return detail::decodeReplyHere<R>(reply.wait(), *agent);
+}
+
+}  // namespace trellis::rpc

@@ -1,0 +1,589 @@
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include <trellis/core/logging.h>
+#include <trellis/rref/rref.h>
+
+namespace trellis::rpc {
+namespace detail {
+namespace {
+
+using Key = std::pair<uint32_t, uint64_t>;
+Key keyOf(const RRefId& id) { return {id.worker, id.local}; }
+std::string str(const RRefId& id) {
+  return "(" + std::to_string(id.worker) + "," + std::to_string(id.local) + ")";
+}
+
+constexpr size_t kMaxTypeIdBytes = 512;
+
+// Names of the protocol's messages; they travel as ordinary requests.
+constexpr std::string_view kForkFn = "trellis.rref.fork";
+constexpr std::string_view kDeleteFn = "trellis.rref.delete";
+constexpr std::string_view kAcceptFn = "trellis.rref.accept";
+constexpr std::string_view kFetchFn = "trellis.rref.fetch";
+
+// The value an owner holds for one RRef, and the forks it knows.
+struct OwnerEntry {
+  Promise<AnyValue> promise;
+  Future<AnyValue> value = promise.getFuture();
+  bool created = false;  // the remote() request (or a local owner) arrived
+  std::set<Key> forks;
+  std::string origin;  // for leak reports
+};
+
+class RRefContext;
+
+// What an Encoder/Decoder of a message to/from `peer` carries.
+class RRefCodecContext : public CodecContext {
+ public:
+  RRefCodecContext(std::shared_ptr<RRefContext> ctx, int32_t peer)
+      : ctx(std::move(ctx)), peer(peer) {}
+  std::shared_ptr<RRefContext> ctx;
+  int32_t peer;
+};
+
+class RRefContext : public RRefHooks,
+                    public std::enable_shared_from_this<RRefContext> {
+ public:
+  explicit RRefContext(Agent& agent) : agent_(&agent) {}
+
+  Agent& agent() const { return *agent_; }
+  int32_t rank() const { return agent_->self().rank; }
+
+  RRefId newId() {
+    return RRefId{static_cast<uint32_t>(rank()), next_.fetch_add(1)};
+  }
+
+  // ---- owner side --------------------------------------------------------
+
+  void storeOwnerValue(const RRefId& rref, const RRefId& fork, int32_t caller,
+                       const Future<AnyValue>& value) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      OwnerEntry& e = owners_[keyOf(rref)];
+      e.created = true;
+      e.origin = "created by remote() from " + agent_->workerInfo(caller).name;
+      addForkLocked(e, keyOf(fork));
+    }
+    std::weak_ptr<RRefContext> weak = shared_from_this();
+    const Key k = keyOf(rref);
+    value.addDoneCallback([weak, k](const Future<AnyValue>& f) {
+      auto self = weak.lock();
+      if (self == nullptr) {
+        return;
+      }
+      Promise<AnyValue> p;
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        auto it = self->owners_.find(k);
+        if (it == self->owners_.end()) {
+          return;  // every reference went away before the value was made
+        }
+        p = it->second.promise;
+      }
+      if (f.hasError()) {
+        p.setError(f.error());
+      } else {
+        p.setValue(f.value());
+      }
+    });
+    maybeFree(keyOf(rref));
+  }
+
+  Future<std::pair<std::shared_ptr<void>, const char*>> ownerValue(
+      const RRefId& rref) override {
+    Future<AnyValue> f;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      f = owners_[keyOf(rref)].value;
+    }
+    return f.then(
+        [](const AnyValue& v) { return std::make_pair(v.value, v.typeId); });
+  }
+
+  Future<AnyValue> ownerAny(const RRefId& rref) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return owners_[keyOf(rref)].value;
+  }
+
+  void createLocal(const RRefId& rref, AnyValue value) {
+    Promise<AnyValue> p;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      OwnerEntry& e = owners_[keyOf(rref)];
+      e.created = true;
+      e.origin = "created by makeRRef() on " + agent_->self().name;
+      addForkLocked(e, keyOf(rref));
+      p = e.promise;
+    }
+    p.setValue(std::move(value));
+  }
+
+  void addFork(const RRefId& rref, const RRefId& fork) {
+    std::lock_guard<std::mutex> lock(mu_);
+    addForkLocked(owners_[keyOf(rref)], keyOf(fork));
+  }
+
+  // Idempotent; deleting a fork the owner has not seen yet (its fork request
+  // is still on a handler thread) leaves a tombstone that cancels it.
+  void removeFork(const RRefId& rref, const RRefId& fork) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = owners_.find(keyOf(rref));
+      if (it == owners_.end() || it->second.forks.erase(keyOf(fork)) == 0) {
+        tombstones_.insert({keyOf(rref), keyOf(fork)});
+      }
+    }
+    maybeFree(keyOf(rref));
+  }
+
+  // ---- user side ---------------------------------------------------------
+
+  void registerUser(const std::shared_ptr<RRefState>& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    users_[keyOf(s->fork())] = s;
+  }
+  void forgetUser(const RRefId& fork) {
+    std::lock_guard<std::mutex> lock(mu_);
+    users_.erase(keyOf(fork));
+  }
+  void holdParent(const RRefId& child, std::shared_ptr<RRefState> parent) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pendingChildren_[keyOf(child)] = std::move(parent);
+  }
+  void childAccepted(const RRefId& child) {
+    std::shared_ptr<RRefState> parent;  // released after the lock
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pendingChildren_.find(keyOf(child));
+      if (it == pendingChildren_.end()) {
+        return;
+      }
+      parent = std::move(it->second);
+      pendingChildren_.erase(it);
+    }
+  }
+
+  // Sends one protocol message; its reply (an ack) is only logged.
+  Future<Reply> send(int32_t to, std::string_view fn, const RRefId& a,
+                     const RRefId& b) {
+    Encoder e;
+    encodeArgs(e, a.worker, a.local, b.worker, b.local);
+    CallSpec spec;
+    spec.function = fn;
+    spec.signature = protocolSignature(fn);
+    return agent_->call(to, spec, std::move(e));
+  }
+
+  static uint64_t protocolSignature(std::string_view fn) {
+    return signatureFingerprint<std::monostate, uint32_t, uint64_t, uint32_t,
+                                uint64_t>(fn);
+  }
+
+  void dropFork(const RRefId& id, const RRefId& fork, int32_t owner) {
+    forgetUser(fork);
+    if (owner == rank()) {
+      removeFork(id, fork);
+      return;
+    }
+    if (agent_->isShutDown()) {
+      return;
+    }
+    auto f = send(owner, kDeleteFn, id, fork);
+    f.addDoneCallback([id, fork](const Future<Reply>& r) {
+      if (r.hasError()) {
+        TRELLIS_LOG_DEBUG("RRef {} fork {}: deletion not acknowledged: {}",
+                          str(id), str(fork), r.error().what());
+      }
+    });
+  }
+
+  // ---- hooks -------------------------------------------------------------
+
+  std::unique_ptr<CodecContext> makeContext(int32_t peer) override {
+    return std::make_unique<RRefCodecContext>(shared_from_this(), peer);
+  }
+
+  void releaseUsers() override {
+    std::map<Key, std::shared_ptr<RRefState>> children;
+    std::vector<std::shared_ptr<RRefState>> live;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      children.swap(pendingChildren_);
+      for (auto& [k, w] : users_) {
+        if (auto s = w.lock()) {
+          live.push_back(std::move(s));
+        }
+      }
+    }
+    for (auto& s : live) {
+      s->release();
+    }
+    children.clear();
+    live.clear();
+  }
+
+  std::vector<std::string> leaks() override {
+    std::vector<std::string> out;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [k, e] : owners_) {
+      out.push_back("RRef " + str(RRefId{k.first, k.second}) + " with " +
+                    std::to_string(e.forks.size()) + " fork(s), " +
+                    (e.origin.empty() ? "never created" : e.origin));
+    }
+    return out;
+  }
+
+  size_t ownedCount() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return owners_.size();
+  }
+  size_t userCount() {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (const auto& [k, w] : users_) {
+      n += w.expired() ? 0 : 1;
+    }
+    return n;
+  }
+
+ private:
+  void addForkLocked(OwnerEntry& e, const Key& fork) {
+    // The owner entry's key is not at hand here; tombstones are keyed by
+    // fork alone in practice (fork ids are unique in the group).
+    for (auto it = tombstones_.begin(); it != tombstones_.end(); ++it) {
+      if (it->second == fork) {
+        tombstones_.erase(it);
+        return;
+      }
+    }
+    e.forks.insert(fork);
+  }
+
+  void maybeFree(const Key& k) {
+    OwnerEntry dead;  // the value dies outside the lock
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = owners_.find(k);
+      if (it == owners_.end() || !it->second.created ||
+          !it->second.forks.empty()) {
+        return;
+      }
+      dead = std::move(it->second);
+      owners_.erase(it);
+    }
+    TRELLIS_LOG_DEBUG("RRef {}: last reference gone, value freed",
+                      str(RRefId{k.first, k.second}));
+  }
+
+  Agent* agent_;
+  std::atomic<uint64_t> next_{1};
+  std::mutex mu_;
+  std::map<Key, OwnerEntry> owners_;
+  std::set<std::pair<Key, Key>> tombstones_;
+  std::map<Key, std::weak_ptr<RRefState>> users_;
+  std::map<Key, std::shared_ptr<RRefState>> pendingChildren_;
+};
+
+RRefContext& contextOf(Agent& agent) {
+  auto* hooks = dynamic_cast<RRefContext*>(agent.rrefHooks());
+  if (hooks == nullptr) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "agent '" + agent.self().name +
+                         "' has no RRef support (link trellis::rref)"));
+  }
+  return *hooks;
+}
+
+// ---- protocol handlers (run on the owner / parent's worker threads) --------
+
+template <typename... A>
+bool decodeProtocolArgs(Decoder& d, std::tuple<A...>* out) {
+  *out = decodeArgs<A...>(d);
+  return d.finish().ok();
+}
+
+Future<AnyValue> handleFork(Decoder& d, void*) {
+  std::tuple<uint32_t, uint64_t, uint32_t, uint64_t> a;
+  if (!decodeProtocolArgs(d, &a)) {
+    return makeErrorFuture<AnyValue>(d.error());
+  }
+  auto [rw, rl, fw, fl] = a;
+  contextOf(Agent::current()).addFork({rw, rl}, {fw, fl});
+  return makeReadyFuture(AnyValue{});
+}
+
+Future<AnyValue> handleDelete(Decoder& d, void*) {
+  std::tuple<uint32_t, uint64_t, uint32_t, uint64_t> a;
+  if (!decodeProtocolArgs(d, &a)) {
+    return makeErrorFuture<AnyValue>(d.error());
+  }
+  auto [rw, rl, fw, fl] = a;
+  contextOf(Agent::current()).removeFork({rw, rl}, {fw, fl});
+  return makeReadyFuture(AnyValue{});
+}
+
+Future<AnyValue> handleAccept(Decoder& d, void*) {
+  std::tuple<uint32_t, uint64_t, uint32_t, uint64_t> a;
+  if (!decodeProtocolArgs(d, &a)) {
+    return makeErrorFuture<AnyValue>(d.error());
+  }
+  auto [cw, cl, unused1, unused2] = a;
+  contextOf(Agent::current()).childAccepted({cw, cl});
+  return makeReadyFuture(AnyValue{});
+}
+
+Future<AnyValue> handleFetch(Decoder& d, void*) {
+  auto [rw, rl, type] = decodeArgs<uint32_t, uint64_t, std::string>(d);
+  Error e = d.finish();
+  if (!e.ok()) {
+    return makeErrorFuture<AnyValue>(e);
+  }
+  return contextOf(Agent::current())
+      .ownerAny({rw, rl})
+      .then([type](const AnyValue& v) {
+        if (v.typeId == nullptr || type != v.typeId) {
+          throwError(Error::invalidArgument(
+              "toHere(): the RRef's value has another type than the "
+              "caller's RRef<T>"));
+        }
+        return v;
+      });
+}
+
+uint64_t fetchSignature() {
+  return signatureFingerprint<std::monostate, uint32_t, uint64_t, std::string>(
+      kFetchFn);
+}
+
+std::shared_ptr<RRefHooks> makeHooks(Agent& agent) {
+  return std::make_shared<RRefContext>(agent);
+}
+
+bool registerProtocol() {
+  auto add = [](std::string_view name, uint64_t sig,
+                Future<AnyValue> (*fn)(Decoder&, void*)) {
+    FunctionEntry e;
+    e.name = std::string(name);
+    e.signature = sig;
+    e.invoke = fn;
+    Registry::global().add(std::move(e));
+  };
+  add(kForkFn, RRefContext::protocolSignature(kForkFn), &handleFork);
+  add(kDeleteFn, RRefContext::protocolSignature(kDeleteFn), &handleDelete);
+  add(kAcceptFn, RRefContext::protocolSignature(kAcceptFn), &handleAccept);
+  add(kFetchFn, fetchSignature(), &handleFetch);
+  Agent::setRRefHooksFactory(&makeHooks);
+  return true;
+}
+
+[[maybe_unused]] const bool kRegistered = registerProtocol();
+
+}  // namespace
+
+// ---- RRefState
+// ---------------------------------------------------------------
+
+RRefState::RRefState(std::weak_ptr<Agent> agent, RRefId id, RRefId fork,
+                     int32_t owner, const char* typeId)
+    : agent_(std::move(agent)),
+      id_(id),
+      fork_(fork),
+      owner_(owner),
+      typeId_(typeId) {}
+
+RRefState::~RRefState() {
+  if (released_.exchange(true)) {
+    return;
+  }
+  try {
+    if (auto a = agent_.lock()) {
+      contextOf(*a).dropFork(id_, fork_, owner_);
+    }
+  } catch (...) {
+    TRELLIS_LOG_DEBUG("RRef {}: release at destruction failed: {}", str(id_),
+                      errorFromCurrentException().what());
+  }
+}
+
+bool RRefState::isOwner() const {
+  auto a = agent_.lock();
+  return a != nullptr && a->self().rank == owner_;
+}
+
+std::shared_ptr<Agent> RRefState::agent() const {
+  auto a = agent_.lock();
+  if (a == nullptr) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "RRef " + str(id_) + ": its RPC agent is gone"));
+  }
+  return a;
+}
+
+void RRefState::confirm(const Error& error) {
+  if (error.ok()) {
+    confirmed_.setValue();
+  } else {
+    confirmed_.setError(error);
+  }
+}
+
+void RRefState::release() {
+  if (released_.exchange(true)) {
+    return;
+  }
+  if (auto a = agent_.lock()) {
+    contextOf(*a).dropFork(id_, fork_, owner_);
+  }
+}
+
+std::shared_ptr<RRefState> makeCreatorState(Agent& agent, int32_t owner,
+                                            const char* typeId) {
+  RRefContext& ctx = contextOf(agent);
+  const RRefId id = ctx.newId();
+  auto state = std::make_shared<RRefState>(agent.weak_from_this(), id, id,
+                                           owner, typeId);
+  ctx.registerUser(state);
+  return state;
+}
+
+std::shared_ptr<RRefState> makeLocalOwnerState(Agent& agent, AnyValue value) {
+  RRefContext& ctx = contextOf(agent);
+  const RRefId id = ctx.newId();
+  auto state = std::make_shared<RRefState>(agent.weak_from_this(), id, id,
+                                           agent.self().rank, value.typeId);
+  ctx.createLocal(id, std::move(value));
+  ctx.registerUser(state);
+  state->confirm(Error());
+  return state;
+}
+
+std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout) {
+  auto agent = state.agent();
+  if (agent->self().rank != state.owner()) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "localValue() of RRef " + str(state.id()) + " on '" +
+                         agent->self().name + "', but its owner is '" +
+                         agent->workerInfo(state.owner()).name +
+                         "': use toHere()"));
+  }
+  const AnyValue& v = contextOf(*agent)
+                          .ownerAny(state.id())
+                          .wait(Deadline::fromTimeout(timeout));
+  if (v.typeId == nullptr || std::strcmp(v.typeId, state.typeId()) != 0) {
+    throwError(Error::invalidArgument("localValue(): RRef " + str(state.id()) +
+                                      " holds another type"));
+  }
+  return v.value;
+}
+
+Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
+                         Duration timeout) {
+  auto agent = state->agent();
+  Encoder e;
+  encodeArgs(e, state->id().worker, state->id().local,
+             std::string(state->typeId()));
+  CallSpec spec;
+  spec.function = kFetchFn;
+  spec.signature = fetchSignature();
+  spec.timeout = timeout;
+  // Keeps this fork alive until the value has arrived.
+  return agent->call(state->owner(), spec, std::move(e))
+      .then([state](const Reply& r) { return r; });
+}
+
+void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state) {
+  auto* c = dynamic_cast<RRefCodecContext*>(e.context());
+  if (c == nullptr || state == nullptr) {
+    throwError(Error::invalidArgument(
+        state == nullptr ? "cannot send an empty RRef"
+                         : "an RRef can only travel as an RPC argument or "
+                           "result"));
+  }
+  RRefContext& ctx = *c->ctx;
+  const RRefId child = ctx.newId();
+  auto& w = e.wire();
+  w.putVarint(state->id().worker);
+  w.putVarint(state->id().local);
+  w.putVarint(static_cast<uint64_t>(state->owner()));
+  w.putVarint(child.worker);
+  w.putVarint(child.local);
+  w.putString(state->typeId());
+  if (state->owner() == ctx.rank()) {
+    ctx.addFork(state->id(), child);
+  } else {
+    ctx.holdParent(child, state);
+  }
+}
+
+std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId) {
+  auto* c = dynamic_cast<RRefCodecContext*>(d.context());
+  if (c == nullptr) {
+    d.fail("RRef", "an RRef can only be decoded by the RPC agent");
+    return nullptr;
+  }
+  RRefContext& ctx = *c->ctx;
+  auto& r = d.wire();
+  const int32_t world = ctx.agent().worldSize();
+  RRefId id;
+  id.worker = static_cast<uint32_t>(r.varint(world - 1, "rref.worker"));
+  id.local = r.varint("rref.local");
+  const auto owner = static_cast<int32_t>(r.varint(world - 1, "rref.owner"));
+  RRefId child;
+  child.worker = static_cast<uint32_t>(r.varint(world - 1, "rref.fork.worker"));
+  child.local = r.varint("rref.fork.local");
+  const std::string_view type = r.string(kMaxTypeIdBytes, "rref.type");
+  if (!d.ok()) {
+    return nullptr;
+  }
+  if (type != typeId) {
+    d.fail("rref.type",
+           "the RRef holds another type than the receiver's "
+           "RRef<T>");
+    return nullptr;
+  }
+  const int32_t parent = c->peer;
+  const int32_t me = ctx.rank();
+  auto state = std::make_shared<RRefState>(ctx.agent().weak_from_this(), id,
+                                           child, owner, typeId);
+  ctx.registerUser(state);
+  if (me == owner) {
+    ctx.addFork(id, child);
+    state->confirm(Error());
+    if (parent != owner) {
+      (void)ctx.send(parent, kAcceptFn, child, child);
+    }
+  } else if (parent == owner) {
+    state->confirm(Error());  // the owner added this fork when it sent it
+  } else {
+    std::weak_ptr<RRefState> weak = state;
+    std::weak_ptr<RRefContext> wctx = ctx.shared_from_this();
+    ctx.send(owner, kForkFn, id, child)
+        .addDoneCallback([weak, wctx, parent, child](const Future<Reply>& f) {
+          if (auto s = weak.lock()) {
+            s->confirm(f.error());
+          }
+          if (auto cx = wctx.lock();
+              cx != nullptr && !cx->agent().isShutDown()) {
+            (void)cx->send(parent, kAcceptFn, child, child);
+          }
+        });
+  }
+  return state;
+}
+
+void ensureRRefSupport(Agent& agent) { (void)contextOf(agent); }
+
+}  // namespace detail
+
+size_t ownedRRefCount(Agent& agent) {
+  return detail::contextOf(agent).ownedCount();
+}
+size_t userRRefCount(Agent& agent) {
+  return detail::contextOf(agent).userCount();
+}
+
+}  // namespace trellis::rpc

@@ -1,0 +1,281 @@
+#pragma once
+
+// RRef<T>: a reference to a value that lives on one worker, its owner
+// (docs/rref.md has the protocol as a state machine, message by message).
+//
+//   auto server = rpc::remote<makeServer>("ps", 100000, 64);   // RRef<Server>
+//   auto rows = server.rpcSync<&Server::lookup>(ids, offsets);
+//   auto copy = rpc::remote<makeTensor>("ps").toHere();
+//
+// Contract
+//  - The owner keeps the value while any reference to it exists on any
+//    worker. Every worker's reference is a "fork" the owner knows by id.
+//    Sending an RRef to another worker makes a child fork; the sender keeps
+//    its own fork alive until the owner has confirmed the child, so the
+//    value cannot be freed while a reference is in flight. When the last
+//    RRef<T> handle for a fork goes away, a deletion message goes to the
+//    owner (acknowledged, idempotent); when the owner has no fork left, it
+//    frees the value, exactly then.
+//  - remote() returns at once; the RRef is confirmedByOwner() once the owner
+//    has accepted it. If the function fails, toHere() and method calls fail
+//    with that error.
+//  - toHere(timeout) copies the value here (T must be serializable);
+//    localValue() is the value itself, on the owner only (a
+//    FailedPreconditionError elsewhere).
+//  - A std::shared_ptr<T> result makes an RRef<T> (so objects that cannot
+//    be copied, such as modules, can live in an RRef); any other result R
+//    makes an RRef<R>.
+//  - Graceful rpc::shutdown() releases this worker's references; values an
+//    owner still holds after the whole group is idle are reported as leaks
+//    (count, ids, type, the function that created them).
+//  - Thread safety: RRef<T> handles are values; copy them freely between
+//    threads.
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <typeinfo>
+#include <utility>
+
+#include <trellis/core/deadline.h>
+#include <trellis/core/future.h>
+#include <trellis/rpc/agent.h>
+#include <trellis/rpc/codec.h>
+#include <trellis/rpc/registry.h>
+#include <trellis/rpc/rpc.h>
+
+namespace trellis::rpc {
+
+using RRefId = CallSpec::RRefId;
+
+namespace detail {
+
+// The state behind every RRef<T> handle of one fork on one worker.
+class RRefState {
+ public:
+  RRefState(std::weak_ptr<Agent> agent, RRefId id, RRefId fork, int32_t owner,
+            const char* typeId);
+  ~RRefState();
+  RRefState(const RRefState&) = delete;
+  RRefState& operator=(const RRefState&) = delete;
+
+  const RRefId& id() const { return id_; }
+  const RRefId& fork() const { return fork_; }
+  int32_t owner() const { return owner_; }
+  bool isOwner() const;
+  const char* typeId() const { return typeId_; }
+  std::shared_ptr<Agent> agent() const;
+
+  // Completes once the owner knows this fork (or with the creation error).
+  Future<void> confirmed() const { return confirmed_.getFuture(); }
+  void confirm(const Error& error);
+
+  // Graceful shutdown: sends the deletion now; the destructor then sends
+  // nothing. Idempotent.
+  void release();
+
+ private:
+  std::weak_ptr<Agent> agent_;
+  RRefId id_;
+  RRefId fork_;
+  int32_t owner_;
+  const char* typeId_;
+  Promise<void> confirmed_;
+  std::atomic<bool> released_{false};
+};
+
+std::shared_ptr<RRefState> makeCreatorState(Agent& agent, int32_t owner,
+                                            const char* typeId);
+// An owner reference to a value this worker already has.
+std::shared_ptr<RRefState> makeLocalOwnerState(Agent& agent, AnyValue value);
+// Owner value of `state` (owner only) as the erased pointer; throws.
+std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout);
+// Fetches the owner's value encoded; decode as T.
+Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
+                         Duration timeout);
+void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state);
+std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId);
+// Installs the RRef hooks on `agent` if it has none yet.
+void ensureRRefSupport(Agent& agent);
+
+}  // namespace detail
+
+template <typename T>
+class RRef {
+ public:
+  RRef() = default;
+  explicit RRef(std::shared_ptr<detail::RRefState> state,
+                Duration timeout = Duration(-1))
+      : state_(std::move(state)), timeout_(timeout) {}
+
+  bool valid() const { return state_ != nullptr; }
+  int32_t owner() const { return state_->owner(); }
+  std::string ownerName() const {
+    return state_->agent()->workerInfo(state_->owner()).name;
+  }
+  bool isOwner() const { return state_->isOwner(); }
+  bool confirmedByOwner() const {
+    auto f = state_->confirmed();
+    return f.completed() && !f.hasError();
+  }
+  // Waits until the owner confirmed this reference; throws the creation
+  // error (e.g. the RemoteError of a failed remote()).
+  void waitConfirmed(Duration timeout = Duration::zero()) const {
+    state_->confirmed().wait(Deadline::fromTimeout(timeout));
+  }
+  // (creator worker, counter): unique in the group.
+  RRefId id() const { return state_->id(); }
+
+  // A handle whose proxy calls and toHere() use `timeout` by default.
+  template <typename Rep, typename Period>
+  RRef withTimeout(std::chrono::duration<Rep, Period> timeout) const {
+    return RRef(state_, std::chrono::duration_cast<Duration>(timeout));
+  }
+
+  T toHere(Duration timeout = Duration(-1)) const {
+    static_assert(kIsSerializable<T>,
+                  "toHere() copies the value: its type needs a Codec");
+    const Duration t = timeout < Duration::zero() ? timeout_ : timeout;
+    if (isOwner()) {
+      return *localValue(t);
+    }
+    auto reply = detail::fetchValue(state_, t).wait();
+    auto context = state_->agent()->codecContext(reply.from);
+    Decoder d(reply.bytes, reply.tensors, context.get());
+    T value = decodeValue<T>(d);
+    throwIfError(d.finish());
+    return value;
+  }
+
+  // The value itself; owner only.
+  std::shared_ptr<T> localValue(Duration timeout = Duration::zero()) const {
+    return std::static_pointer_cast<T>(detail::localValueOf(
+        *state_, timeout < Duration::zero() ? Duration::zero() : timeout));
+  }
+
+  template <auto M, typename... A>
+  Future<detail::ResultOf<M>> rpcAsync(A&&... args) const {
+    return detail::decodeReply<detail::ResultOf<M>>(
+        sendMethod<M>(methodSpec<M>(), std::forward<A>(args)...),
+        state_->agent());
+  }
+
+  template <auto M, typename... A>
+  detail::ResultOf<M> rpcSync(A&&... args) const {
+    CallSpec spec = methodSpec<M>();
+    spec.completeOnLoop = true;  // this thread decodes the reply itself
+    auto reply = sendMethod<M>(spec, std::forward<A>(args)...);
+    return detail::decodeReplyHere<detail::ResultOf<M>>(reply.wait(),
+                                                        *state_->agent());
+  }
+
+  // Runs the method on the owner and keeps its result there.
+  template <auto M, typename... A>
+  auto remote(A&&... args) const;
+
+  const std::shared_ptr<detail::RRefState>& state() const { return state_; }
+
+ private:
+  template <auto M>
+  CallSpec methodSpec() const {
+    static_assert(std::is_base_of_v<typename detail::Traits<M>::Class, T>,
+                  "this method belongs to another class than the RRef's");
+    CallSpec spec;
+    spec.function = RemoteName<M>::value;
+    spec.signature = detail::fingerprintOf<M>();
+    spec.timeout = timeout_;
+    spec.methodOnRRef = true;
+    spec.target = state_->id();
+    return spec;
+  }
+
+  template <auto M, typename... A>
+  Future<Reply> sendMethod(const CallSpec& spec, A&&... args) const {
+    auto agent = state_->agent();
+    return detail::sendCall<M>(*agent, state_->owner(), spec,
+                               std::forward<A>(args)...);
+  }
+
+  std::shared_ptr<detail::RRefState> state_;
+  Duration timeout_ = Duration(-1);
+};
+
+namespace detail {
+
+template <typename R>
+using RRefOf = RRef<typename RRefValue<WireType<R>>::type>;
+
+template <auto Fn, typename... A>
+RRefOf<ResultOf<Fn>> remoteCall(Agent& agent, int32_t to, CallSpec spec,
+                                A&&... args) {
+  using V = typename RRefValue<WireType<ResultOf<Fn>>>::type;
+  ensureRRefSupport(agent);
+  auto state = makeCreatorState(agent, to, typeid(V).name());
+  spec.storeResultInRRef = true;
+  spec.rref = state->id();
+  spec.fork = state->fork();
+  auto reply = sendCall<Fn>(agent, to, spec, std::forward<A>(args)...);
+  std::weak_ptr<RRefState> weak = state;
+  reply.addDoneCallback([weak](const Future<Reply>& f) {
+    if (auto s = weak.lock()) {
+      s->confirm(f.error());
+    }
+  });
+  return RRefOf<ResultOf<Fn>>(std::move(state), spec.timeout);
+}
+
+}  // namespace detail
+
+template <typename T>
+template <auto M, typename... A>
+auto RRef<T>::remote(A&&... args) const {
+  CallSpec spec = methodSpec<M>();
+  auto agent = state_->agent();
+  return detail::remoteCall<M>(*agent, state_->owner(), spec,
+                               std::forward<A>(args)...);
+}
+
+// Runs Fn on `to` and keeps the result there, as the owner of the returned
+// RRef. Returns at once.
+template <auto Fn, typename... A>
+auto remote(const Callee& to, A&&... args) {
+  static_assert(std::is_void_v<typename detail::Traits<Fn>::Class>,
+                "methods run on an RRef's owner: rref.remote<&C::m>()");
+  auto agent = Agent::currentShared();
+  const int32_t rank = to.resolve(*agent);
+  CallSpec spec;
+  spec.function = RemoteName<Fn>::value;
+  spec.signature = detail::fingerprintOf<Fn>();
+  spec.timeout = to.timeout;
+  return detail::remoteCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);
+}
+
+// An RRef owned by this worker, holding `value` (torch's RRef(value)):
+// hand it to other workers as an argument or result.
+template <typename T>
+RRef<T> makeRRef(std::shared_ptr<T> value) {
+  auto& agent = Agent::current();
+  return RRef<T>(
+      detail::makeLocalOwnerState(agent, detail::wrapResult(std::move(value))));
+}
+
+// Number of values this worker owns (tests, leak checks).
+size_t ownedRRefCount(Agent& agent);
+// Number of live user forks on this worker.
+size_t userRRefCount(Agent& agent);
+
+template <typename T>
+struct Codec<RRef<T>> {
+  static void encode(Encoder& e, const RRef<T>& r) {
+    detail::encodeRRef(e, r.state());
+  }
+  static RRef<T> decode(Decoder& d) {
+    auto state = detail::decodeRRef(d, typeid(T).name());
+    return state == nullptr ? RRef<T>() : RRef<T>(std::move(state));
+  }
+  static std::string typeName() {
+    return std::string("RRef<") + typeid(T).name() + ">";
+  }
+};
+
+}  // namespace trellis::rpc

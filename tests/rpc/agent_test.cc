@@ -1,0 +1,446 @@
+// RPC agent and RRef tests with several agents in one process (each with
+// its own transport context and threads), rendezvousing through a shared
+// HashStore. Multi-process and fault tests are in rpc_process_test.cc.
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <trellis/core/error.h>
+#include <trellis/rpc/profiler.h>
+#include <trellis/rpc/rpc.h>
+#include <trellis/rref/rref.h>
+#include <trellis/store/hash_store.h>
+
+using namespace std::chrono_literals;
+using trellis::Duration;
+using trellis::Future;
+using trellis::Promise;
+namespace rpc = trellis::rpc;
+
+// ---- functions the tests call
+// ------------------------------------------------
+
+int64_t addInts(int64_t a, int64_t b) { return a + b; }
+std::string greet(const std::string& who) { return "hello " + who; }
+void doNothing() {}
+std::map<std::string, std::vector<int32_t>> echoMap(
+    std::map<std::string, std::vector<int32_t>> m) {
+  return m;
+}
+std::optional<std::tuple<int32_t, std::string>> maybePair(bool some) {
+  if (!some) {
+    return std::nullopt;
+  }
+  return std::make_tuple(7, std::string("seven"));
+}
+at::Tensor addOneTensor(const at::Tensor& t) { return t.add(1); }
+int64_t throwsOutOfRange(int64_t n) {
+  throw std::out_of_range("index " + std::to_string(n) + " is out of range");
+}
+int64_t sleepMs(int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+std::string whoAmI() { return rpc::getWorkerInfo().name; }
+
+// Async: forwards to `next` without holding a thread while it waits.
+Future<int64_t> asyncForward(std::string next, int64_t n) {
+  return rpc::rpcAsync<addInts>(next, n, int64_t{1});
+}
+
+// Nested sync call (holds its worker thread while waiting).
+int64_t nestedSync(std::string next, int64_t n) {
+  return rpc::rpcSync<addInts>(next, n, int64_t{100});
+}
+
+std::atomic<int> gLiveCounters{0};
+struct Counter {
+  Counter() { ++gLiveCounters; }
+  ~Counter() { --gLiveCounters; }
+  int64_t add(int64_t n) { return value += n; }
+  int64_t get() const { return value; }
+  int64_t value = 0;
+};
+std::shared_ptr<Counter> makeCounter() { return std::make_shared<Counter>(); }
+// Receives an RRef (forked to this worker) and reads through it.
+int64_t readThrough(rpc::RRef<Counter> c) { return c.rpcSync<&Counter::get>(); }
+// Keeps a forked RRef alive on the callee until dropHeld().
+std::vector<rpc::RRef<Counter>> gHeld;
+std::mutex gHeldMu;
+void holdRRef(rpc::RRef<Counter> c) {
+  std::lock_guard<std::mutex> lock(gHeldMu);
+  gHeld.push_back(std::move(c));
+}
+void dropHeld() {
+  std::vector<rpc::RRef<Counter>> drop;
+  std::lock_guard<std::mutex> lock(gHeldMu);
+  drop.swap(gHeld);
+}
+at::Tensor makeTensor(int64_t n) { return at::arange(n).to(at::kFloat); }
+
+TRELLIS_REMOTE_FUNCTION(addInts);
+TRELLIS_REMOTE_FUNCTION(greet);
+TRELLIS_REMOTE_FUNCTION(doNothing);
+TRELLIS_REMOTE_FUNCTION(echoMap);
+TRELLIS_REMOTE_FUNCTION(maybePair);
+TRELLIS_REMOTE_FUNCTION(addOneTensor);
+TRELLIS_REMOTE_FUNCTION(throwsOutOfRange);
+TRELLIS_REMOTE_FUNCTION(sleepMs);
+TRELLIS_REMOTE_FUNCTION(whoAmI);
+TRELLIS_REMOTE_FUNCTION(asyncForward);
+TRELLIS_REMOTE_FUNCTION(nestedSync);
+TRELLIS_REMOTE_FUNCTION(makeCounter);
+TRELLIS_REMOTE_FUNCTION(readThrough);
+TRELLIS_REMOTE_FUNCTION(holdRRef);
+TRELLIS_REMOTE_FUNCTION(dropHeld);
+TRELLIS_REMOTE_FUNCTION(makeTensor);
+TRELLIS_REMOTE_METHODS(Counter, add, get);
+
+namespace {
+
+// N agents in this process; agents_[i] has rank i and name "w<i>".
+class Group {
+ public:
+  explicit Group(int n, rpc::RpcOptions base = {}) {
+    auto store = std::make_shared<trellis::store::HashStore>();
+    std::vector<std::thread> threads;
+    agents_.resize(n);
+    for (int i = 0; i < n; ++i) {
+      threads.emplace_back([&, i] {
+        rpc::RpcOptions o = base;
+        o.store = store;
+        o.localAddress = "127.0.0.1";
+        o.initTimeout = 30s;
+        agents_[i] = rpc::Agent::start("w" + std::to_string(i), i, n, o);
+      });
+    }
+    for (auto& t : threads) {
+      t.join();
+    }
+  }
+  ~Group() { shutdownAll(false); }
+
+  rpc::Agent& operator[](int i) { return *agents_[i]; }
+
+  void shutdownAll(bool graceful) {
+    std::vector<std::thread> threads;
+    for (auto& a : agents_) {
+      if (a != nullptr) {
+        threads.emplace_back([&a, graceful] { a->shutdown(graceful, 30s); });
+      }
+    }
+    for (auto& t : threads) {
+      t.join();
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<rpc::Agent>> agents_;
+};
+
+bool waitUntil(const std::function<bool()>& pred, Duration limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) {
+      return true;
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  return pred();
+}
+
+TEST(RpcAgent, CallsWithEveryKindOfArgument) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 2, 40), 42);
+  EXPECT_EQ(rpc::rpcSync<greet>(1, std::string("trellis")), "hello trellis");
+  rpc::rpcSync<doNothing>("w1");
+  std::map<std::string, std::vector<int32_t>> m{{"a", {1, 2}}, {"b", {}}};
+  EXPECT_EQ(rpc::rpcSync<echoMap>("w1", m), m);
+  auto some = rpc::rpcSync<maybePair>("w1", true);
+  ASSERT_TRUE(some.has_value());
+  EXPECT_EQ(std::get<1>(*some), "seven");
+  EXPECT_FALSE(rpc::rpcSync<maybePair>("w1", false).has_value());
+  at::Tensor t = at::ones({3, 4}).t();  // non-contiguous: strides kept
+  at::Tensor r = rpc::rpcSync<addOneTensor>("w1", t);
+  EXPECT_TRUE(r.equal(t.add(1)));
+  EXPECT_EQ(rpc::rpcSync<whoAmI>("w1"), "w1");
+  EXPECT_EQ(rpc::rpcSync<whoAmI>("w0"), "w0");  // a call to itself
+}
+
+TEST(RpcAgent, WorkerInfos) {
+  Group g(3);
+  EXPECT_EQ(g[0].workerInfo("w2").rank, 2);
+  EXPECT_EQ(g[2].workerInfo(1).name, "w1");
+  EXPECT_EQ(g[1].workerInfos().size(), 3u);
+  EXPECT_THROW(g[0].workerInfo("nobody"), trellis::NotFoundError);
+  EXPECT_THROW(g[0].workerInfo(3), trellis::NotFoundError);
+}
+
+TEST(RpcAgent, RemoteExceptionNamesWorkerFunctionAndType) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  try {
+    rpc::rpcSync<throwsOutOfRange>("w1", 5);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    const auto* o = e.error().remoteOrigin();
+    ASSERT_NE(o, nullptr);
+    EXPECT_EQ(o->worker, "w1");
+    EXPECT_EQ(o->function, "throwsOutOfRange");
+    EXPECT_EQ(o->exceptionType, "std::out_of_range");
+    EXPECT_NE(e.error().message().find("index 5 is out of range"),
+              std::string::npos);
+  }
+  // The agent goes on serving.
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 1, 1), 2);
+}
+
+TEST(RpcAgent, UnknownFunctionAndSignatureMismatchAreRemoteErrors) {
+  Group g(2);
+  rpc::Encoder args;
+  rpc::CallSpec spec;
+  spec.function = "noSuchFunction";
+  auto f = g[0].call(1, spec, std::move(args));
+  try {
+    f.wait(10s);
+    FAIL();
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_NE(e.error().message().find("not registered"), std::string::npos);
+  }
+  rpc::Encoder args2;
+  rpc::encodeArgs(args2, int64_t{1}, int64_t{2});
+  spec.function = "addInts";
+  spec.signature = 12345;  // as if built from another signature
+  auto f2 = g[0].call(1, spec, std::move(args2));
+  try {
+    f2.wait(10s);
+    FAIL();
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_NE(e.error().message().find("signature mismatch"),
+              std::string::npos);
+  }
+}
+
+TEST(RpcAgent, TimeoutNamesCalleeAndFunctionAndDropsLateReply) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    rpc::rpcSync<sleepMs>({"w1", 100ms}, 600);
+    FAIL();
+  } catch (const trellis::TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("sleepMs"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("w1"), std::string::npos);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 550ms);
+  EXPECT_TRUE(waitUntil([&] { return g[0].stats().lateReplies == 1; }));
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 1, 2), 3);
+}
+
+TEST(RpcAgent, AsyncFunctionsHoldNoThread) {
+  // w1 has ONE worker thread; 100 concurrent calls each chain a nested RPC
+  // to w2. With async functions nothing blocks.
+  rpc::RpcOptions o;
+  o.numWorkerThreads = 1;
+  Group g(3, o);
+  rpc::CurrentAgentScope scope(&g[0]);
+  std::vector<Future<int64_t>> fs;
+  for (int64_t i = 0; i < 100; ++i) {
+    fs.push_back(rpc::rpcAsync<asyncForward>("w1", std::string("w2"), i));
+  }
+  for (int64_t i = 0; i < 100; ++i) {
+    EXPECT_EQ(fs[i].wait(30s), i + 1);
+  }
+}
+
+TEST(RpcAgent, NestedSyncCallsAndManyCallerThreads) {
+  Group g(3);
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      rpc::CurrentAgentScope scope(&g[t % 2]);
+      for (int i = 0; i < 50; ++i) {
+        if (rpc::rpcSync<nestedSync>("w2", std::string("w1"), int64_t{i}) ==
+            i + 100) {
+          ++ok;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  EXPECT_EQ(ok.load(), 400);
+}
+
+TEST(RpcAgent, LargeTensorEcho) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  at::Tensor big = at::arange(int64_t{4} << 20).to(at::kFloat);  // 16 MiB
+  at::Tensor r = rpc::rpcSync<addOneTensor>("w1", big);
+  EXPECT_TRUE(r.equal(big.add(1)));
+}
+
+TEST(RRefTest, RemoteToHereAndMethods) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto t = rpc::remote<makeTensor>("w1", int64_t{5});
+  EXPECT_EQ(t.owner(), 1);
+  EXPECT_EQ(t.ownerName(), "w1");
+  EXPECT_FALSE(t.isOwner());
+  EXPECT_TRUE(t.toHere().equal(at::arange(5).to(at::kFloat)));
+  EXPECT_TRUE(t.confirmedByOwner());
+  EXPECT_THROW(t.localValue(), trellis::FailedPreconditionError);
+
+  auto c = rpc::remote<makeCounter>("w1");
+  EXPECT_EQ(c.rpcSync<&Counter::add>(5), 5);
+  EXPECT_EQ(c.rpcAsync<&Counter::add>(2).wait(10s), 7);
+  auto v = c.remote<&Counter::get>();  // RRef<int64_t> owned by w1
+  EXPECT_EQ(v.toHere(), 7);
+}
+
+TEST(RRefTest, FailedRemoteSurfacesAtToHereAndConfirm) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto r = rpc::remote<throwsOutOfRange>("w1", 3);
+  EXPECT_THROW(r.waitConfirmed(10s), trellis::RemoteError);
+  EXPECT_THROW(r.toHere(), trellis::RemoteError);
+}
+
+TEST(RRefTest, ValueFreedExactlyWhenLastUserIsGone) {
+  Group g(3);
+  const int before = gLiveCounters.load();
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    auto c = rpc::remote<makeCounter>("w1");  // owner w1, user w0
+    c.waitConfirmed(10s);
+    EXPECT_EQ(gLiveCounters.load(), before + 1);
+    // Fork to w2, which keeps it.
+    rpc::rpcSync<holdRRef>("w2", c);
+    EXPECT_EQ(rpc::rpcSync<readThrough>("w2", c), 0);
+    c.rpcSync<&Counter::add>(3);
+    EXPECT_EQ(rpc::ownedRRefCount(g[1]), 1u);
+  }
+  // w0's handle is gone; w2 still holds one: the value stays.
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(gLiveCounters.load(), before + 1);
+  EXPECT_EQ(rpc::ownedRRefCount(g[1]), 1u);
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    rpc::rpcSync<dropHeld>("w2");
+  }
+  EXPECT_TRUE(waitUntil([&] { return gLiveCounters.load() == before; }));
+  EXPECT_TRUE(waitUntil([&] { return rpc::ownedRRefCount(g[1]) == 0; }));
+}
+
+TEST(RRefTest, ToHereTimeout) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto slow = rpc::remote<sleepMs>("w1", int64_t{800});
+  EXPECT_THROW(slow.toHere(100ms), trellis::TimeoutError);
+  EXPECT_EQ(slow.toHere(10s), 800);
+}
+
+TEST(RpcAgent, GracefulShutdownDrainsCallsInFlight) {
+  Group g(3);
+  std::vector<Future<int64_t>> fs;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    for (int i = 0; i < 20; ++i) {
+      fs.push_back(rpc::rpcAsync<sleepMs>("w1", int64_t{20}));
+    }
+  }
+  g.shutdownAll(true);
+  for (auto& f : fs) {
+    EXPECT_EQ(f.wait(1s), 20);
+  }
+}
+
+TEST(RpcAgent, ShutdownNowFailsPendingCalls) {
+  Group g(2);
+  Future<int64_t> f;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    f = rpc::rpcAsync<sleepMs>("w1", int64_t{2000});
+  }
+  std::this_thread::sleep_for(50ms);
+  g[0].shutdown(false);
+  EXPECT_THROW(f.wait(5s), trellis::CancelledError);
+  rpc::CurrentAgentScope scope(&g[0]);
+  EXPECT_THROW(rpc::rpcSync<addInts>("w1", 1, 2), trellis::CancelledError);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(RpcProfiler, RecordsBothEndsAndExportsChromeTrace) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  std::vector<rpc::ProfileEvent> events;
+  std::string trace;
+  {
+    rpc::Profiler prof;
+    EXPECT_EQ(rpc::rpcSync<sleepMs>("w1", int64_t{20}), 20);
+    events = prof.events();
+    trace = prof.chromeTrace();
+  }
+  ASSERT_EQ(events.size(), 2u);
+  const auto& caller = events[0];
+  const auto& callee = events[1];
+  EXPECT_EQ(caller.worker, "w0");
+  EXPECT_NE(caller.name.find("sleepMs"), std::string::npos);
+  EXPECT_NE(caller.name.find("w1"), std::string::npos);
+  EXPECT_EQ(callee.worker, "w1");
+  EXPECT_EQ(callee.name, "sleepMs");
+  EXPECT_GE(callee.durationUs, 19000);
+  EXPECT_GE(caller.durationUs, callee.durationUs);
+  // The callee ran inside the caller's span (one host, one steady clock).
+  EXPECT_GE(callee.startUs, caller.startUs);
+  EXPECT_NE(trace.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(trace.find("\"process_name\""), std::string::npos);
+  // Nothing is recorded without a profiler.
+  rpc::rpcSync<doNothing>("w1");
+  rpc::Profiler later;
+  EXPECT_TRUE(later.events().empty());
+}
+
+}  // namespace
+
+namespace {
+
+TEST(RRefTest, MakeRRefOfALocalValueIsOwnedHereAndFreedWhenDropped) {
+  Group g(2);
+  const int before = gLiveCounters.load();
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    auto local = rpc::makeRRef(std::make_shared<Counter>());
+    EXPECT_TRUE(local.isOwner());
+    EXPECT_TRUE(local.confirmedByOwner());
+    local.localValue()->add(5);
+    // w1 reads it through its own fork, then keeps a fork.
+    EXPECT_EQ(rpc::rpcSync<readThrough>("w1", local), 5);
+    rpc::rpcSync<holdRRef>("w1", local);
+  }
+  EXPECT_EQ(gLiveCounters.load(), before + 1);  // w1 still holds a fork
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    rpc::rpcSync<dropHeld>("w1");
+  }
+  EXPECT_TRUE(waitUntil([&] { return gLiveCounters.load() == before; }));
+  EXPECT_EQ(rpc::ownedRRefCount(g[0]), 0u);
+}
+
+}  // namespace

@@ -1,0 +1,405 @@
+// RPC between real worker processes (rpc_worker_helper): all-pairs calls
+// with a clean shutdown, a callee SIGKILLed mid-call, an RRef forked across
+// three processes, 32 workers at once, and malformed envelopes written by
+// a raw transport pipe. The in-process tests are in agent_test.cc.
+
+#include <arpa/inet.h>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <netinet/in.h>
+#include <sstream>
+#include <string>
+#include <sys/socket.h>
+#include <vector>
+
+#include <climits>
+#include <gtest/gtest.h>
+
+#include "../transport/peer_process.h"
+#include <trellis/core/auth.h>
+#include <trellis/core/error.h>
+#include <trellis/transport/context.h>
+
+using namespace std::chrono_literals;
+using trellis::transport::testing::Child;
+namespace tp = trellis::transport;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+// Like peer_process.h's spawnHelper, with stderr going to a file the test
+// reads afterwards.
+std::unique_ptr<Child> spawnWorker(std::vector<std::string> args,
+                                   const std::vector<std::string>& env,
+                                   const std::string& stderrPath) {
+  int fds[2];
+  EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_addopen(&fa, 2, stderrPath.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  args.insert(args.begin(), RPC_WORKER_HELPER);
+  std::vector<char*> argv;
+  for (auto& a : args) {
+    argv.push_back(a.data());
+  }
+  argv.push_back(nullptr);
+  std::vector<std::string> all = env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    bool overridden = false;
+    for (const auto& mine : env) {
+      overridden =
+          overridden || entry.rfind(mine.substr(0, mine.find('=') + 1), 0) == 0;
+    }
+    if (!overridden) {
+      all.push_back(entry);
+    }
+  }
+  std::vector<char*> envp;
+  for (auto& e : all) {
+    envp.push_back(e.data());
+  }
+  envp.push_back(nullptr);
+  auto child = std::make_unique<Child>();
+  const int rc = posix_spawn(&child->pid, RPC_WORKER_HELPER, &fa, nullptr,
+                             argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(fds[1]);
+  child->out = fds[0];
+  EXPECT_EQ(rc, 0);
+  return child;
+}
+
+std::string readFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Lines of `text` logged at warn level or above.
+std::vector<std::string> loudLines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("[warning]") != std::string::npos ||
+        line.find("[error]") != std::string::npos ||
+        line.find("[critical]") != std::string::npos) {
+      out.push_back(line);
+    }
+  }
+  return out;
+}
+
+// One job: N helper processes of one scenario, their stderr in a temp dir.
+class Job {
+ public:
+  Job(const std::string& scenario, int n,
+      const std::vector<std::string>& extraArgs = {})
+      : dir_(std::filesystem::temp_directory_path() /
+             ("trellis_rpc_process_" + std::to_string(::getpid()) + "_" +
+              std::to_string(counter()++))),
+        token_(trellis::auth::JobToken::generate().secret()) {
+    std::filesystem::create_directories(dir_);
+    const int port = freePort();
+    for (int r = 0; r < n; ++r) {
+      std::vector<std::string> args = {scenario};
+      for (const auto& a : extraArgs) {
+        // "{dir}/x": a file in this job's temp dir.
+        args.push_back(a.rfind("{dir}/", 0) == 0 ? path(a.substr(6)) : a);
+      }
+      children_.push_back(spawnWorker(
+          args,
+          {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(n),
+           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+           "TRELLIS_JOB_TOKEN=" + token_, "TRELLIS_LOG_LEVEL=info"},
+          stderrPath(r)));
+    }
+  }
+  ~Job() {
+    children_.clear();  // SIGKILLs and reaps any still running
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  Child& operator[](int r) { return *children_[r]; }
+  int size() const { return static_cast<int>(children_.size()); }
+  const std::string& token() const { return token_; }
+  std::string path(const std::string& name) const { return dir_ / name; }
+  std::string stderrPath(int r) const {
+    return path("rank" + std::to_string(r) + ".err");
+  }
+  std::string stderrOf(int r) const { return readFile(stderrPath(r)); }
+
+  // Every rank's exit status, each waited for within what is left of
+  // `limit`.
+  std::vector<int> waitAll(std::chrono::milliseconds limit) {
+    const auto end = Clock::now() + limit;
+    std::vector<int> out;
+    for (auto& c : children_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          end - Clock::now());
+      out.push_back(
+          c->wait(static_cast<int>(std::max<int64_t>(left.count(), 1))));
+    }
+    return out;
+  }
+
+ private:
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  std::filesystem::path dir_;
+  std::string token_;
+  std::vector<std::unique_ptr<Child>> children_;
+};
+
+bool exitedZero(int status) {
+  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// Reads lines until one starts with `prefix`; "" if none within the bound.
+std::string lineStartingWith(Child& c, const std::string& prefix,
+                             int timeoutMs) {
+  const auto end = Clock::now() + std::chrono::milliseconds(timeoutMs);
+  while (Clock::now() < end) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        end - Clock::now());
+    std::string line = c.readLine(static_cast<int>(left.count()));
+    if (line.rfind(prefix, 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+TEST(RpcProcess, FourWorkersCallEveryPairAndShutDownCleanly) {
+  Job job("pairs", 4);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(lineStartingWith(job[r], "pairs ok", 60000), "pairs ok")
+        << "rank " << r << " stderr:\n"
+        << job.stderrOf(r);
+  }
+  const auto status = job.waitAll(60s);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(exitedZero(status[r]))
+        << "rank " << r << " status " << status[r] << "\n"
+        << job.stderrOf(r);
+    const auto loud = loudLines(job.stderrOf(r));
+    EXPECT_TRUE(loud.empty()) << "rank " << r << ": " << loud.front();
+  }
+}
+
+TEST(RpcProcess, CalleeKilledMidCallFailsTheCallerOnlyForIt) {
+  Job job("kill", 3);
+  ASSERT_EQ(lineStartingWith(job[2], "ready", 60000), "ready")
+      << job.stderrOf(2);
+  ASSERT_EQ(lineStartingWith(job[0], "calling", 60000), "calling")
+      << job.stderrOf(0);
+  // Rank 1 may print "sleeping" before its own "ready": the call can
+  // arrive as soon as its agent is up.
+  ASSERT_EQ(lineStartingWith(job[1], "sleeping", 60000), "sleeping")
+      << job.stderrOf(1);
+  const auto killedAt = Clock::now();
+  ASSERT_EQ(::kill(job[1].pid, SIGKILL), 0);  // a pid this test started
+  const int victim = job[1].wait(10000);
+  EXPECT_TRUE(WIFSIGNALED(victim) && WTERMSIG(victim) == SIGKILL);
+
+  const std::string err = lineStartingWith(job[0], "ConnectionError", 10000);
+  ASSERT_FALSE(err.empty()) << job.stderrOf(0);
+  EXPECT_NE(err.find("w1"), std::string::npos) << err;
+  const std::string at = lineStartingWith(job[0], "failed_at_ns ", 1000);
+  ASSERT_FALSE(at.empty());
+  // steady_clock is system-wide (CLOCK_MONOTONIC), so the helper's stamp
+  // and ours compare.
+  const auto failedAt =
+      Clock::time_point(std::chrono::nanoseconds(std::stoll(at.substr(13))));
+  const auto took = failedAt - killedAt;
+  std::printf("caller's future failed %.1f ms after SIGKILL: %s\n",
+              std::chrono::duration<double, std::milli>(took).count(),
+              err.c_str());
+  EXPECT_LT(took, 5s);
+  EXPECT_EQ(lineStartingWith(job[0], "third", 10000), "third 42");
+  const auto s0 = job[0].wait(20000);
+  const auto s2 = job[2].wait(20000);
+  EXPECT_TRUE(exitedZero(s0)) << job.stderrOf(0);
+  EXPECT_TRUE(exitedZero(s2)) << job.stderrOf(2);
+}
+
+TEST(RpcProcess, RRefForkedAcrossThreeProcessesFreedExactlyAfterLastUser) {
+  Job job("rref", 3);
+  Child& creator = job[1];
+  for (const std::string order : {"creator-first", "fork-first"}) {
+    SCOPED_TRACE(order);
+    EXPECT_EQ(lineStartingWith(creator, order + " created", 60000),
+              order + " created live=1")
+        << job.stderrOf(1);
+    EXPECT_EQ(lineStartingWith(creator, order + " forked", 10000),
+              order + " forked read=7 live=1");
+    // One of the two users is gone: the value must still be there.
+    EXPECT_EQ(lineStartingWith(creator, order + " one-dropped", 10000),
+              order + " one-dropped live=1");
+    const std::string both =
+        lineStartingWith(creator, order + " both-dropped", 15000);
+    ASSERT_FALSE(both.empty()) << job.stderrOf(1);
+    std::printf("%s\n", both.c_str());
+    EXPECT_NE(both.find(" live=0"), std::string::npos) << both;
+    const auto eq = both.find("freed_after_ms=");
+    ASSERT_NE(eq, std::string::npos);
+    const int ms = std::stoi(both.substr(eq + 15));
+    EXPECT_GE(ms, 0) << "never freed";
+    EXPECT_LT(ms, 2000) << "freed long after the last user went";
+  }
+  const auto status = job.waitAll(60s);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(exitedZero(status[r])) << "rank " << r << "\n"
+                                       << job.stderrOf(r);
+    const auto loud = loudLines(job.stderrOf(r));
+    EXPECT_TRUE(loud.empty()) << "rank " << r << ": " << loud.front();
+  }
+}
+
+TEST(RpcProcess, ThirtyTwoWorkersInitCallAndShutDown) {
+  constexpr int kWorkers = 32;
+  const auto spawned = Clock::now();
+  Job job("many", kWorkers);
+  int64_t maxInitMs = 0;
+  int64_t firstStart = INT64_MAX;
+  int64_t lastEnd = 0;
+  for (int r = 0; r < kWorkers; ++r) {
+    // Starting 32 processes that each map libtorch takes most of the time
+    // on a small, busy machine: the first line gets a long bound.
+    const std::string line = lineStartingWith(job[r], "init_ms ", 180000);
+    ASSERT_FALSE(line.empty()) << "rank " << r << "\n" << job.stderrOf(r);
+    EXPECT_NE(line.find("call ok"), std::string::npos) << line;
+    long long initMs = 0, start = 0, end = 0;
+    ASSERT_EQ(
+        std::sscanf(line.c_str(), "init_ms %lld start_ns %lld end_ns %lld",
+                    &initMs, &start, &end),
+        3)
+        << line;
+    maxInitMs = std::max<int64_t>(maxInitMs, initMs);
+    firstStart = std::min<int64_t>(firstStart, start);
+    lastEnd = std::max<int64_t>(lastEnd, end);
+  }
+  const auto status = job.waitAll(60s);
+  const double total =
+      std::chrono::duration<double>(Clock::now() - spawned).count();
+  const double group = static_cast<double>(lastEnd - firstStart) / 1e9;
+  std::printf(
+      "32 workers: slowest rpc::init %lld ms; first init to last shutdown "
+      "%.1f s; spawn to all exited %.1f s (the rest is process start-up)\n",
+      static_cast<long long>(maxInitMs), group, total);
+  for (int r = 0; r < kWorkers; ++r) {
+    EXPECT_TRUE(exitedZero(status[r])) << "rank " << r << "\n"
+                                       << job.stderrOf(r);
+  }
+  EXPECT_LT(group, 60.0);
+}
+
+// Writes `m` on a fresh raw pipe to `address`; true when the worker then
+// closes that pipe (our read fails) within the bound.
+bool workerClosesPipeAfter(tp::Context& ctx, const std::string& address,
+                           tp::Message m) {
+  auto pipe = ctx.connect(address);
+  // The handshake (with the job token) must succeed first, so that the
+  // close below is the worker's answer to the message itself.
+  const auto hsEnd = Clock::now() + 10s;
+  while (pipe->transportName().empty() && Clock::now() < hsEnd) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_FALSE(pipe->transportName().empty()) << "handshake did not finish";
+  auto written = std::make_shared<std::promise<trellis::Error>>();
+  auto closed = std::make_shared<std::promise<trellis::Error>>();
+  auto keep = std::make_shared<tp::Message>(std::move(m));
+  pipe->write(*keep, [written, keep](const trellis::Error& e) {
+    written->set_value(e);
+  });
+  pipe->readDescriptor([closed](const trellis::Error& e, tp::Descriptor) {
+    closed->set_value(e);
+  });
+  auto wf = written->get_future();
+  auto cf = closed->get_future();
+  if (wf.wait_for(10s) != std::future_status::ready ||
+      cf.wait_for(10s) != std::future_status::ready) {
+    pipe->close();
+    return false;
+  }
+  const trellis::Error e = cf.get();
+  pipe->close();
+  return !e.ok() && e.code() != trellis::Code::kCancelled;
+}
+
+TEST(RpcProcess, MalformedEnvelopesCloseThatPipeOnly) {
+  Job job("serve", 2, {"{dir}/go"});
+  const std::string addrLine = lineStartingWith(job[0], "addr ", 60000);
+  ASSERT_FALSE(addrLine.empty()) << job.stderrOf(0);
+  const std::string address = addrLine.substr(5);
+  ASSERT_EQ(address.rfind("uv://", 0), 0u) << address;
+
+  tp::ContextOptions o;
+  o.name = "raw";
+  o.token = trellis::auth::JobToken::fromString(job.token());
+  o.transports = {"uv"};
+  auto ctx = tp::Context::create(o);
+  const std::string body = "arguments";
+
+  // 1. A descriptor that is no protobuf at all.
+  tp::Message garbage;
+  garbage.descriptor = std::string(
+      "\xff\xff\xff\xff\xff\xff\xff\xff\xff\x07"
+      "not an envelope",
+      25);
+  garbage.payloads.push_back({body.data(), body.size()});
+  EXPECT_TRUE(workerClosesPipeAfter(*ctx, address, std::move(garbage)));
+
+  // 2. A well-formed envelope of another version: field 1 (version) = 99,
+  // field 2 (kind) = REQUEST, field 5 (function) = "addInts".
+  tp::Message wrongVersion;
+  wrongVersion.descriptor = std::string(
+      "\x08\x63\x10\x01\x2a\x07"
+      "addInts",
+      13);
+  wrongVersion.payloads.push_back({body.data(), body.size()});
+  EXPECT_TRUE(workerClosesPipeAfter(*ctx, address, std::move(wrongVersion)));
+  ctx->close();
+  ctx->join(10s);
+
+  // The worker still serves rank 1, and both shut down cleanly.
+  std::ofstream(job.path("go")) << "go\n";
+  EXPECT_EQ(lineStartingWith(job[1], "after", 30000), "after 42")
+      << job.stderrOf(1);
+  const auto status = job.waitAll(60s);
+  EXPECT_TRUE(exitedZero(status[0])) << job.stderrOf(0);
+  EXPECT_TRUE(exitedZero(status[1])) << job.stderrOf(1);
+  // The worker said why it closed each pipe.
+  const std::string err0 = job.stderrOf(0);
+  std::printf("worker log:\n%s", err0.c_str());
+  EXPECT_NE(err0.find("version 99"), std::string::npos) << err0;
+}
+
+}  // namespace

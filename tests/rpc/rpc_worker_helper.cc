@@ -1,0 +1,303 @@
+// A worker process for rpc_process_test.cc. Reads RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT (and TRELLIS_JOB_TOKEN) like any Trellis worker;
+// argv[1] picks the scenario. Results go to stdout as one line each, which
+// the test reads with a bound; exit 0 means the scenario's own checks
+// passed.
+//
+//   pairs   every worker calls every other one, then graceful shutdown
+//   kill    rank 0 calls a sleeping rank 1, which the test SIGKILLs; rank 0
+//           reports the error and then calls rank 2
+//   rref    owner w0, creator w1, forked to w2; w1 reports w0's live count
+//   many    init, one call to the next rank, graceful shutdown
+//   serve   rank 0 prints its address and serves; rank 1 calls it once the
+//           file argv[2] exists (the test's raw pipes are done by then)
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <trellis/core/error.h>
+#include <trellis/rpc/rpc.h>
+#include <trellis/rref/rref.h>
+
+namespace rpc = trellis::rpc;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+void say(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+std::string name(int32_t rank) { return "w" + std::to_string(rank); }
+
+// Set by finish(): the driver's "you may shut down now".
+std::promise<void> gFinish;
+std::once_flag gFinishOnce;
+
+std::atomic<int64_t> gLive{0};
+
+}  // namespace
+
+int64_t addInts(int64_t a, int64_t b) { return a + b; }
+std::string whoAmI() { return rpc::getWorkerInfo().name; }
+int64_t sleepMs(int64_t ms) {
+  say("sleeping");
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+void finish() {
+  std::call_once(gFinishOnce, [] { gFinish.set_value(); });
+}
+
+struct Tracked {
+  Tracked() { ++gLive; }
+  ~Tracked() { --gLive; }
+  Tracked(const Tracked&) = delete;
+  Tracked& operator=(const Tracked&) = delete;
+  int64_t get() const { return 7; }
+};
+std::shared_ptr<Tracked> makeTracked() { return std::make_shared<Tracked>(); }
+int64_t liveCount() { return gLive.load(); }
+
+std::mutex gHeldMu;
+std::vector<rpc::RRef<Tracked>> gHeld;
+int64_t holdAndRead(rpc::RRef<Tracked> r) {
+  const int64_t v = r.rpcSync<&Tracked::get>();
+  std::lock_guard<std::mutex> lock(gHeldMu);
+  gHeld.push_back(std::move(r));
+  return v;
+}
+void dropHeld() {
+  std::vector<rpc::RRef<Tracked>> drop;
+  {
+    std::lock_guard<std::mutex> lock(gHeldMu);
+    drop.swap(gHeld);
+  }
+}
+
+TRELLIS_REMOTE_FUNCTION(addInts);
+TRELLIS_REMOTE_FUNCTION(whoAmI);
+TRELLIS_REMOTE_FUNCTION(sleepMs);
+TRELLIS_REMOTE_FUNCTION(finish);
+TRELLIS_REMOTE_FUNCTION(makeTracked);
+TRELLIS_REMOTE_FUNCTION(liveCount);
+TRELLIS_REMOTE_FUNCTION(holdAndRead);
+TRELLIS_REMOTE_FUNCTION(dropHeld);
+TRELLIS_REMOTE_METHODS(Tracked, get);
+
+namespace {
+
+bool waitFinish(std::chrono::seconds limit) {
+  return gFinish.get_future().wait_for(limit) == std::future_status::ready;
+}
+
+int scenarioPairs(int32_t rank, int32_t world) {
+  for (int32_t to = 0; to < world; ++to) {
+    if (rpc::rpcSync<whoAmI>(to) != name(to) ||
+        rpc::rpcSync<addInts>(name(to), rank, to) != rank + to) {
+      say("bad reply from " + name(to));
+      return 1;
+    }
+  }
+  say("pairs ok");
+  rpc::shutdown(true, 30s);
+  return 0;
+}
+
+int scenarioKill(int32_t rank) {
+  if (rank == 1) {
+    // Serves (and sleeps in sleepMs) until the test kills it.
+    say("ready");
+    std::this_thread::sleep_for(60s);
+    return 1;
+  }
+  if (rank == 2) {
+    say("ready");
+    const bool told = waitFinish(30s);
+    // Gives the reply to finish() time to leave before the pipes close.
+    std::this_thread::sleep_for(200ms);
+    rpc::shutdown(false);
+    return told ? 0 : 1;
+  }
+  auto f = rpc::rpcAsync<sleepMs>("w1", int64_t{30000});
+  say("calling");
+  // The test SIGKILLs w1 once it printed "sleeping".
+  try {
+    f.wait(20s);
+    say("no error");
+    return 1;
+  } catch (const trellis::ConnectionError& e) {
+    const auto failedAt = Clock::now();
+    say(std::string("ConnectionError ") + e.what());
+    std::printf("failed_at_ns %lld\n",
+                static_cast<long long>(
+                    std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        failedAt.time_since_epoch())
+                        .count()));
+    std::fflush(stdout);
+  } catch (const std::exception& e) {
+    say(std::string("other error ") + e.what());
+    return 1;
+  }
+  const int64_t v = rpc::rpcSync<addInts>({"w2", 5s}, 20, 22);
+  say("third " + std::to_string(v));
+  rpc::rpcSync<finish>({"w2", 5s});
+  rpc::shutdown(false);
+  return v == 42 ? 0 : 1;
+}
+
+int scenarioRRef(int32_t rank) {
+  if (rank != 1) {
+    const bool told = waitFinish(60s);
+    rpc::shutdown(true, 30s);
+    return told ? 0 : 1;
+  }
+  auto live = [] { return rpc::rpcSync<liveCount>("w0"); };
+  // Waits (bounded) until w0's count reaches `want`; returns the wait.
+  auto waitLive = [&](int64_t want) -> int64_t {
+    const auto start = Clock::now();
+    while (Clock::now() - start < 10s) {
+      if (live() == want) {
+        return std::chrono::duration_cast<std::chrono::milliseconds>(
+                   Clock::now() - start)
+            .count();
+      }
+      std::this_thread::sleep_for(2ms);
+    }
+    return -1;
+  };
+  for (const char* order : {"creator-first", "fork-first"}) {
+    {
+      auto r = rpc::remote<makeTracked>("w0");
+      r.waitConfirmed(10s);
+      say(std::string(order) + " created live=" + std::to_string(live()));
+      const int64_t got = rpc::rpcSync<holdAndRead>("w2", r);
+      say(std::string(order) + " forked read=" + std::to_string(got) +
+          " live=" + std::to_string(live()));
+      if (std::string(order) == "fork-first") {
+        rpc::rpcSync<dropHeld>("w2");
+        std::this_thread::sleep_for(300ms);
+        say(std::string(order) + " one-dropped live=" + std::to_string(live()));
+      }
+    }  // the creator's handle goes here
+    if (std::string(order) == "creator-first") {
+      std::this_thread::sleep_for(300ms);
+      say(std::string(order) + " one-dropped live=" + std::to_string(live()));
+      rpc::rpcSync<dropHeld>("w2");
+    }
+    const int64_t ms = waitLive(0);
+    say(std::string(order) + " both-dropped freed_after_ms=" +
+        std::to_string(ms) + " live=" + std::to_string(live()));
+  }
+  rpc::rpcSync<finish>("w0");
+  rpc::rpcSync<finish>("w2");
+  rpc::shutdown(true, 30s);
+  return 0;
+}
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+
+// Prints the init time, then (after shutdown) the steady-clock stamps of
+// init's start and shutdown's end, so the test can time the group's whole
+// life apart from process start-up.
+int scenarioMany(int32_t rank, int32_t world, Clock::time_point initStart,
+                 Clock::duration initTook) {
+  const int32_t next = (rank + 1) % world;
+  const bool ok = rpc::rpcSync<addInts>(next, rank, 1) == rank + 1;
+  rpc::shutdown(true, 60s);
+  say("init_ms " +
+      std::to_string(
+          std::chrono::duration_cast<std::chrono::milliseconds>(initTook)
+              .count()) +
+      " start_ns " +
+      std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         initStart.time_since_epoch())
+                         .count()) +
+      " end_ns " + std::to_string(nowNs()) + (ok ? " call ok" : " call bad"));
+  return ok ? 0 : 1;
+}
+
+int scenarioServe(int32_t rank, const std::string& goFile) {
+  if (rank == 0) {
+    say("addr " + rpc::getWorkerInfo(0).address);
+    const bool told = waitFinish(60s);
+    rpc::shutdown(true, 30s);
+    return told ? 0 : 1;
+  }
+  const auto start = Clock::now();
+  while (!std::filesystem::exists(goFile)) {
+    if (Clock::now() - start > 60s) {
+      say("no go file");
+      return 1;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  const int64_t v = rpc::rpcSync<addInts>({"w0", 10s}, 40, 2);
+  say("after " + std::to_string(v));
+  rpc::rpcSync<finish>("w0");
+  rpc::shutdown(true, 30s);
+  return v == 42 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: rpc_worker_helper SCENARIO [ARG]\n");
+    return 2;
+  }
+  const std::string scenario = argv[1];
+  const char* r = std::getenv("RANK");
+  const char* w = std::getenv("WORLD_SIZE");
+  if (r == nullptr || w == nullptr) {
+    std::fprintf(stderr, "rpc_worker_helper: RANK/WORLD_SIZE unset\n");
+    return 2;
+  }
+  const int32_t rank = std::atoi(r);
+  const int32_t world = std::atoi(w);
+  try {
+    rpc::RpcOptions o;
+    o.localAddress = "127.0.0.1";
+    o.initTimeout = 60s;
+    const auto t0 = Clock::now();
+    rpc::init(name(rank), rank, world, o);
+    const auto initTook = Clock::now() - t0;
+    if (scenario == "pairs") {
+      return scenarioPairs(rank, world);
+    }
+    if (scenario == "kill") {
+      return scenarioKill(rank);
+    }
+    if (scenario == "rref") {
+      return scenarioRRef(rank);
+    }
+    if (scenario == "many") {
+      return scenarioMany(rank, world, t0, initTook);
+    }
+    if (scenario == "serve") {
+      return scenarioServe(rank, argc > 2 ? argv[2] : "");
+    }
+    std::fprintf(stderr, "rpc_worker_helper: unknown scenario %s\n",
+                 scenario.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rpc_worker_helper %s rank %d: %s\n", scenario.c_str(),
+                 rank, e.what());
+    std::fflush(stderr);
+    return 1;
+  }
+}
