@@ -1,0 +1,715 @@
+// RPC benchmark: round trips, calls in flight, tensor echo and remote() +
+// toHere() between two processes, next to baselines measured in the same
+// run: the transport's own ping-pong and echo (same transport, Context and
+// Pipe used directly), raw TCP and a gRPC unary echo. `--json` prints one
+// JSON object per line (DESIGN.md, "Benchmarks").
+//
+// The program re-executes itself as the callee (`--role callee`, so no
+// thread state is inherited); both rendezvous through a TCPStore the caller
+// serves. Phases run in a fixed order on both sides: transport over
+// uv, transport upgraded to shm, RPC over uv, RPC upgraded to shm, gRPC.
+//
+// "Echo throughput" is bytes echoed per second: size / round trip.
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <semaphore>
+#include <spawn.h>
+#include <string>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "bench_util.h"
+#include "rpc_bench_echo.grpc.pb.h"
+#include <trellis/core/future.h>
+#include <trellis/rpc/rpc.h>
+#include <trellis/rref/rref.h>
+#include <trellis/store/prefix_store.h>
+#include <trellis/store/tcp_store.h>
+#include <trellis/transport/context.h>
+#include <trellis/transport/listener.h>
+#include <trellis/transport/pipe.h>
+
+extern char** environ;
+
+using namespace std::chrono_literals;
+using namespace trellis;
+using Clock = std::chrono::steady_clock;
+namespace rpc = trellis::rpc;
+namespace tp = trellis::transport;
+
+// ---- functions the caller runs on the callee --------------------------------
+
+void noop() {}
+at::Tensor addTensors(const at::Tensor& a, const at::Tensor& b) {
+  return a.add(b);
+}
+at::Tensor echoTensor(const at::Tensor& t) { return t; }
+int64_t answer() { return 42; }
+
+TRELLIS_REMOTE_FUNCTION(noop);
+TRELLIS_REMOTE_FUNCTION(addTensors);
+TRELLIS_REMOTE_FUNCTION(echoTensor);
+TRELLIS_REMOTE_FUNCTION(answer);
+
+namespace {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+const std::vector<size_t> kEchoSizes = {kKiB, 64 * kKiB, kMiB, 16 * kMiB,
+                                        64 * kMiB};
+constexpr int kInFlight = 64;
+constexpr auto kWait = std::chrono::seconds(120);
+
+struct Flags {
+  bool json = false;
+  int iters = 3000;               // round trips per latency metric
+  size_t echoBytes = 128 * kMiB;  // bytes echoed per size (at least 3 calls)
+  bool callee = false;
+  uint16_t storePort = 0;
+};
+Flags flags;
+
+bench::Report report("rpc");
+
+struct Phase {
+  std::string tag;                      // "uv" or "shm"
+  std::vector<std::string> transports;  // empty: all (same-host upgrade)
+};
+const std::vector<Phase> kPhases = {{"uv", {"uv"}}, {"shm", {}}};
+
+std::string sizeName(size_t n) {
+  return n >= kMiB ? std::to_string(n / kMiB) + "MiB"
+                   : std::to_string(n / kKiB) + "KiB";
+}
+
+int echoReps(size_t size) {
+  return static_cast<int>(
+      std::clamp<size_t>(flags.echoBytes / size, 3, size_t(flags.iters)));
+}
+
+std::vector<uint8_t> prefaulted(size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; i += 4096) {
+    v[i] = 1;
+  }
+  return v;
+}
+
+double micros(Clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
+void addLatency(const std::string& metric, const std::vector<double>& us,
+                const std::string& baseline) {
+  report.add(metric + "_median", bench::percentile(us, 0.5), "us",
+             baseline.empty() ? "" : baseline + "_median");
+  report.add(metric + "_p99", bench::percentile(us, 0.99), "us",
+             baseline.empty() ? "" : baseline + "_p99");
+}
+
+// Context switches of this whole process so far (voluntary + involuntary):
+// each one is a thread that slept and had to be woken, which costs about
+// 20 µs here (DESIGN.md), so switches per call explain round trips.
+double contextSwitches() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_nvcsw + u.ru_nivcsw);
+}
+
+// The same per thread name, from /proc (pool threads are named by role:
+// "rpc-<worker>/i" handlers, "rpc-done-<worker>/i" completions).
+std::map<std::string, double> switchesByThread() {
+  std::map<std::string, double> out;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    // Threads nobody named (main, transport loop, agent timer, store
+    // server) carry the program's name: tell them apart by id.
+    const std::string tid = t.path().filename().string();
+    if (tid == std::to_string(::getpid())) {
+      name = "main";
+    } else if (name == program_invocation_short_name) {
+      name = "unnamed-" + tid;
+    }
+    std::ifstream status(t.path() / "status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.find("ctxt_switches:") != std::string::npos) {
+        out[name] += std::atof(line.substr(line.find(':') + 1).c_str());
+      }
+    }
+  }
+  return out;
+}
+
+std::string switchesPerCall(const std::map<std::string, double>& before,
+                            int calls) {
+  std::string out;
+  for (const auto& [name, n] : switchesByThread()) {
+    auto it = before.find(name);
+    const double d = (n - (it == before.end() ? 0 : it->second)) / calls;
+    if (d >= 0.05) {
+      char buf[128];
+      std::snprintf(buf, sizeof(buf), " %s=%.2f", name.c_str(), d);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+// Diagnostics go to stderr, so that stdout stays one JSON object per line.
+void note(const std::string& line) {
+  std::fprintf(stderr, "# %s\n", line.c_str());
+}
+
+std::shared_ptr<store::Store> connectStore(const std::string& prefix) {
+  store::TCPStoreOptions o;
+  o.port = flags.storePort;
+  o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kWait);
+  auto s = std::make_shared<store::TCPStore>(o);
+  if (prefix.empty()) {
+    return s;
+  }
+  return std::make_shared<store::PrefixStore>(prefix, s);
+}
+
+// ---- raw TCP (threads of this process; bench_util.h) ------------------------
+
+void tcpBaseline() {
+  auto [c, s] = bench::loopbackTcpPair();
+  const int warmup = flags.iters / 10;
+  std::thread echo([s = s, n = warmup + flags.iters] {
+    uint8_t b[8];
+    for (int i = 0; i < n; ++i) {
+      bench::recvAll(s, b, 8);
+      bench::sendAll(s, b, 8);
+    }
+  });
+  std::vector<double> us;
+  uint8_t b[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  for (int i = 0; i < warmup + flags.iters; ++i) {
+    const auto t0 = Clock::now();
+    bench::sendAll(c, b, 8);
+    bench::recvAll(c, b, 8);
+    if (i >= warmup) {
+      us.push_back(micros(Clock::now() - t0));
+    }
+  }
+  echo.join();
+  ::close(c);
+  ::close(s);
+  addLatency("tcp_rtt_8B", us, "");
+}
+
+// What a receive into a fresh buffer costs: at::empty + first touch of
+// 64 MiB (the page faults), against copying into memory already mapped.
+void memoryBaselines() {
+  constexpr size_t n = 64 * kMiB;
+  const int reps = 4;
+  auto src = prefaulted(n);
+  auto dst = prefaulted(n);
+  auto t0 = Clock::now();
+  for (int i = 0; i < reps; ++i) {
+    std::memcpy(dst.data(), src.data(), n);
+    src[i] = dst[n - 1 - i];
+  }
+  double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  report.add("memcpy_64MiB", reps * n / secs / 1e9, "GB/s");
+  t0 = Clock::now();
+  for (int i = 0; i < reps; ++i) {
+    at::Tensor t = at::empty({static_cast<int64_t>(n)}, at::kByte);
+    std::memcpy(t.data_ptr(), src.data(), n);
+  }
+  secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  report.add("fresh_alloc_copy_64MiB", reps * n / secs / 1e9, "GB/s",
+             "memcpy_64MiB");
+}
+
+// ---- transport echo (Context and Pipe directly) -----------------------------
+
+std::shared_ptr<tp::Context> makeContext(const Phase& p, const char* name) {
+  tp::ContextOptions o;
+  o.name = name;
+  o.tokenFromEnvironment = false;
+  o.transports = p.transports;
+  return tp::Context::create(o);
+}
+
+// Callee: echoes every message back with the same shape, reading into
+// buffers it keeps (as a tuned server would), until a "stop" descriptor.
+class EchoServer {
+ public:
+  explicit EchoServer(std::shared_ptr<tp::Pipe> pipe)
+      : pipe_(std::move(pipe)) {}
+
+  Future<void> run() {
+    next();
+    return done_.getFuture();
+  }
+
+ private:
+  void next() {
+    pipe_->readDescriptor([this](const Error& e, tp::Descriptor d) {
+      if (!e.ok()) {
+        done_.setError(e);
+        return;
+      }
+      onDescriptor(std::move(d));
+    });
+  }
+
+  void onDescriptor(tp::Descriptor d) {
+    const bool stop = d.descriptor == "stop";
+    payloads_.resize(std::max(payloads_.size(), d.payloadLengths.size()));
+    tensors_.resize(std::max(tensors_.size(), d.tensors.size()));
+    tp::Allocation a;
+    auto reply = std::make_shared<tp::Message>();
+    reply->descriptor = d.descriptor;
+    for (size_t i = 0; i < d.payloadLengths.size(); ++i) {
+      auto& buf = payloads_[i];
+      if (buf.size() < d.payloadLengths[i]) {
+        buf = prefaulted(d.payloadLengths[i]);
+      }
+      a.payloads.push_back({buf.data(), d.payloadLengths[i]});
+      reply->payloads.push_back({buf.data(), d.payloadLengths[i]});
+    }
+    for (size_t i = 0; i < d.tensors.size(); ++i) {
+      auto& buf = tensors_[i];
+      if (buf.size() < d.tensors[i].length) {
+        buf = prefaulted(d.tensors[i].length);
+      }
+      a.tensors.push_back({buf.data(), d.tensors[i].length});
+      reply->tensors.push_back({buf.data(), d.tensors[i].length, {}});
+    }
+    // The caller sends its next message only after this echo arrived, so
+    // the buffers are free again by the next read.
+    pipe_->read(std::move(a), [this, stop, reply](const Error& e) {
+      if (!e.ok() || stop) {
+        e.ok() ? done_.setValue() : done_.setError(e);
+        return;
+      }
+      pipe_->write(std::move(*reply), [](const Error&) {});
+      next();
+    });
+  }
+
+  std::shared_ptr<tp::Pipe> pipe_;
+  std::vector<std::vector<uint8_t>> payloads_;
+  std::vector<std::vector<uint8_t>> tensors_;
+  Promise<void> done_;
+};
+
+void transportCallee(const Phase& p, store::Store& st) {
+  auto ctx = makeContext(p, "bench-callee");
+  auto listener = ctx->listen({"uv://127.0.0.1:0"});
+  st.set("transport/addr", listener->address("uv"));
+  Promise<std::shared_ptr<tp::Pipe>> accepted;
+  listener->accept(
+      [accepted](const Error& e, std::shared_ptr<tp::Pipe> pipe) mutable {
+        e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
+      });
+  auto pipe = accepted.getFuture().wait(kWait);
+  EchoServer server(pipe);
+  server.run().wait(std::chrono::seconds(600));
+  pipe->close();
+  ctx->close();
+  ctx->join();
+}
+
+// Caller: `reps` sequential echoes of one message (a payload or a tensor
+// of `size` bytes), driven from callbacks on the loop thread as an RPC
+// layer would be; returns each round trip in µs.
+std::vector<double> transportEcho(tp::Pipe& pipe, size_t size, bool tensor,
+                                  int reps) {
+  auto src = prefaulted(size);
+  auto dst = prefaulted(size);
+  std::vector<double> us;
+  us.reserve(reps);
+  Promise<void> done;
+  int i = 0;
+  Clock::time_point t0;
+  std::function<void()> ping = [&] {
+    t0 = Clock::now();
+    tp::Message m;
+    if (tensor) {
+      m.tensors.push_back({src.data(), size, {}});
+    } else {
+      m.payloads.push_back({src.data(), size});
+    }
+    pipe.write(std::move(m), [](const Error&) {});
+    pipe.readDescriptor([&](const Error& e, tp::Descriptor) {
+      if (!e.ok()) {
+        Promise<void>(done).setError(e);
+        return;
+      }
+      tp::Allocation a;
+      (tensor ? a.tensors : a.payloads).push_back({dst.data(), size});
+      pipe.read(std::move(a), [&](const Error& e) {
+        if (!e.ok()) {
+          Promise<void>(done).setError(e);
+          return;
+        }
+        us.push_back(micros(Clock::now() - t0));
+        if (++i == reps) {
+          Promise<void>(done).setValue();
+        } else {
+          ping();
+        }
+      });
+    });
+  };
+  ping();
+  done.getFuture().wait(std::chrono::seconds(600));
+  return us;
+}
+
+void transportCaller(const Phase& p, store::Store& st) {
+  auto ctx = makeContext(p, "bench-caller");
+  auto pipe = ctx->connect(st.getString("transport/addr"));
+  const std::string pre = "transport_" + p.tag;
+  const int warmup = flags.iters / 10;
+  transportEcho(*pipe, 8, false, warmup);
+  const double csw0 = contextSwitches();
+  auto us = transportEcho(*pipe, 8, false, flags.iters);
+  report.add(pre + "_csw_per_rtt", (contextSwitches() - csw0) / flags.iters,
+             "1");
+  note(pre + ": transport " + pipe->transportName() + ", channel " +
+       pipe->channelName());
+  addLatency(pre + "_rtt_8B", us, "tcp_rtt_8B");
+  for (size_t size : kEchoSizes) {
+    transportEcho(*pipe, size, true, 2);  // first touch, channel set-up
+    auto e = transportEcho(*pipe, size, true, echoReps(size));
+    double total = 0;
+    for (double x : e) {
+      total += x;
+    }
+    report.add(pre + "_echo_" + sizeName(size),
+               static_cast<double>(size) * e.size() / total / 1e3, "GB/s");
+  }
+  tp::Message stop;
+  stop.descriptor = "stop";
+  pipe->write(std::move(stop), [](const Error&) {});
+  // Let the stop frame leave before the pipe closes.
+  std::this_thread::sleep_for(100ms);
+  pipe->close();
+  ctx->close();
+  ctx->join();
+}
+
+// ---- RPC
+// ---------------------------------------------------------------------
+
+rpc::RpcOptions rpcOptions(const Phase& p) {
+  rpc::RpcOptions o;
+  o.store = connectStore("rpc-" + p.tag);
+  o.localAddress = "127.0.0.1";
+  o.transports = p.transports;
+  o.initTimeout = kWait;
+  return o;
+}
+
+template <typename F>
+std::vector<double> timeCalls(int n, F&& call) {
+  std::vector<double> us;
+  us.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    call();
+    us.push_back(micros(Clock::now() - t0));
+  }
+  return us;
+}
+
+void rpcCaller(const Phase& p, store::Store& st) {
+  rpc::init("caller", 0, 2, rpcOptions(p));
+  const std::string pre = "rpc_" + p.tag;
+  const std::string base = "transport_" + p.tag + "_rtt_8B";
+  const int warmup = flags.iters / 10;
+
+  timeCalls(warmup, [] { rpc::rpcSync<noop>("callee"); });
+  const double csw0 = contextSwitches();
+  const auto byThread = switchesByThread();
+  auto us = timeCalls(flags.iters, [] { rpc::rpcSync<noop>("callee"); });
+  note(pre + " noop: caller context switches per call by thread:" +
+       switchesPerCall(byThread, flags.iters));
+  report.add(pre + "_noop_csw_per_call",
+             (contextSwitches() - csw0) / flags.iters, "1",
+             "transport_" + p.tag + "_csw_per_rtt");
+  addLatency(pre + "_noop_rtt", us, base);
+  report.add(pre + "_noop_rtt_median_vs_grpc", bench::percentile(us, 0.5), "us",
+             "grpc_unary_rtt_8B_median");
+
+  const at::Tensor one = at::ones({1});
+  timeCalls(warmup, [&] { rpc::rpcSync<addTensors>("callee", one, one); });
+  us = timeCalls(flags.iters,
+                 [&] { rpc::rpcSync<addTensors>("callee", one, one); });
+  addLatency(pre + "_add1_rtt", us, base);
+
+  // Calls/s with kInFlight outstanding: a new call as soon as one ends.
+  {
+    std::counting_semaphore<kInFlight> slots(kInFlight);
+    std::atomic<int> failed{0};
+    const int n = flags.iters * 4;
+    const auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) {
+      if (!slots.try_acquire_for(kWait)) {
+        std::fprintf(stderr, "rpc_bench: a call did not finish in time\n");
+        std::exit(1);
+      }
+      rpc::rpcAsync<noop>("callee").addDoneCallback([&](const Future<void>& f) {
+        if (f.hasError()) {
+          failed.fetch_add(1);
+        }
+        slots.release();
+      });
+    }
+    for (int i = 0; i < kInFlight; ++i) {
+      if (!slots.try_acquire_for(kWait)) {
+        std::fprintf(stderr, "rpc_bench: a call did not finish in time\n");
+        std::exit(1);
+      }
+    }
+    const double secs =
+        std::chrono::duration<double>(Clock::now() - t0).count();
+    if (failed.load() != 0) {
+      std::fprintf(stderr, "rpc_bench: %d calls failed\n", failed.load());
+      std::exit(1);
+    }
+    report.add(pre + "_calls_per_s_64_in_flight", n / secs, "1/s");
+  }
+
+  for (size_t size : kEchoSizes) {
+    const at::Tensor t = at::ones({static_cast<int64_t>(size)}, at::kByte);
+    const int reps = echoReps(size);
+    timeCalls(2, [&] { rpc::rpcSync<echoTensor>("callee", t); });
+    auto e = timeCalls(reps, [&] { rpc::rpcSync<echoTensor>("callee", t); });
+    double total = 0;
+    for (double x : e) {
+      total += x;
+    }
+    const std::string n = sizeName(size);
+    report.add(pre + "_echo_" + n,
+               static_cast<double>(size) * reps / total / 1e3, "GB/s",
+               "transport_" + p.tag + "_echo_" + n);
+  }
+
+  timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
+  us = timeCalls(flags.iters, [] { rpc::remote<answer>("callee").toHere(); });
+  addLatency(pre + "_remote_tohere", us, pre + "_noop_rtt");
+
+  st.set("rpc/done", "1");
+  rpc::shutdown(true, std::chrono::seconds(60));
+}
+
+void rpcCallee(const Phase& p, store::Store& st) {
+  rpc::init("callee", 1, 2, rpcOptions(p));
+  st.wait({"rpc/done"}, std::chrono::milliseconds(600'000));
+  rpc::shutdown(true, std::chrono::seconds(60));
+}
+
+// ---- gRPC unary echo
+// -----------------------------------------------------------
+
+class EchoService final : public trellis::bench::Echo::CallbackService {
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx,
+                                 const trellis::bench::EchoBytes* request,
+                                 trellis::bench::EchoBytes* reply) override {
+    *reply = *request;
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+};
+
+constexpr int kGrpcMaxMessage = 128 << 20;
+
+void grpcCallee(store::Store& st) {
+  EchoService service;
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.SetMaxReceiveMessageSize(kGrpcMaxMessage);
+  b.SetMaxSendMessageSize(kGrpcMaxMessage);
+  b.RegisterService(&service);
+  auto server = b.BuildAndStart();
+  st.set("grpc/port", std::to_string(port));
+  st.wait({"grpc/done"}, std::chrono::milliseconds(600'000));
+  server->Shutdown(std::chrono::system_clock::now() + 5s);
+}
+
+void grpcCaller(store::Store& st) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kGrpcMaxMessage);
+  args.SetMaxSendMessageSize(kGrpcMaxMessage);
+  auto channel =
+      grpc::CreateCustomChannel("127.0.0.1:" + st.getString("grpc/port"),
+                                grpc::InsecureChannelCredentials(), args);
+  auto stub = trellis::bench::Echo::NewStub(channel);
+  auto echo = [&](const trellis::bench::EchoBytes& req) {
+    trellis::bench::EchoBytes reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kWait);
+    const grpc::Status s = stub->Echo(&ctx, req, &reply);
+    if (!s.ok()) {
+      std::fprintf(stderr, "rpc_bench: gRPC echo failed: %s\n",
+                   s.error_message().c_str());
+      std::exit(1);
+    }
+  };
+  trellis::bench::EchoBytes small;
+  small.set_data(std::string(8, 'x'));
+  timeCalls(flags.iters / 10, [&] { echo(small); });
+  addLatency("grpc_unary_rtt_8B", timeCalls(flags.iters, [&] { echo(small); }),
+             "tcp_rtt_8B");
+  trellis::bench::EchoBytes big;
+  big.set_data(std::string(64 * kMiB, 'x'));
+  echo(big);
+  const int reps = echoReps(64 * kMiB);
+  double total = 0;
+  for (double x : timeCalls(reps, [&] { echo(big); })) {
+    total += x;
+  }
+  report.add("grpc_echo_64MiB", 64.0 * kMiB * reps / total / 1e3, "GB/s");
+  st.set("grpc/done", "1");
+}
+
+// ---- the two processes
+// -----------------------------------------------------------
+
+int runCallee() {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  for (const auto& p : kPhases) {
+    auto st = connectStore("transport-" + p.tag);
+    transportCallee(p, *st);
+  }
+  for (const auto& p : kPhases) {
+    auto st = connectStore("phase-" + p.tag);
+    rpcCallee(p, *st);
+  }
+  auto st = connectStore("grpc");
+  grpcCallee(*st);
+  return 0;
+}
+
+pid_t spawnCallee(const char* self) {
+  const std::string port = std::to_string(flags.storePort);
+  const std::string iters = std::to_string(flags.iters);
+  std::vector<const char*> argv = {self,           "--role",     "callee",
+                                   "--store-port", port.c_str(), "--iters",
+                                   iters.c_str(),  nullptr};
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr,
+                               const_cast<char* const*>(argv.data()), environ);
+  if (rc != 0) {
+    std::fprintf(stderr, "rpc_bench: spawn: %s\n", std::strerror(rc));
+    std::exit(1);
+  }
+  return pid;
+}
+
+// Waits (bounded) for the callee we started; kills it if it hangs.
+int reapCallee(pid_t pid) {
+  const auto end = Clock::now() + std::chrono::seconds(30);
+  int status = 0;
+  while (Clock::now() < end) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  std::fprintf(stderr, "rpc_bench: callee %d did not exit; killing it\n",
+               static_cast<int>(pid));
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return 1;
+}
+
+int runCaller(const char* self) {
+  store::TCPStoreServer server;
+  flags.storePort = server.port();
+  const pid_t callee = spawnCallee(self);
+  const auto t0 = Clock::now();
+  tcpBaseline();
+  memoryBaselines();
+  for (const auto& p : kPhases) {
+    auto st = connectStore("transport-" + p.tag);
+    transportCaller(p, *st);
+  }
+  // gRPC runs last on the callee, but its RTT is the baseline of a ratio
+  // printed with the RPC rows; the Report resolves baselines at print time.
+  for (const auto& p : kPhases) {
+    auto st = connectStore("phase-" + p.tag);
+    rpcCaller(p, *st);
+  }
+  {
+    auto st = connectStore("grpc");
+    grpcCaller(*st);
+  }
+  const int rc = reapCallee(callee);
+  note(
+      "total " +
+      std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
+      " s");
+  report.print(flags.json);
+  if (rc != 0) {
+    std::fprintf(stderr, "rpc_bench: callee exited with %d\n", rc);
+    return 1;
+  }
+  return 0;
+}
+
+[[noreturn]] void usage(const char* self) {
+  std::fprintf(stderr,
+               "usage: %s [--json] [--iters N] [--echo-mib N]\n"
+               "  --iters N     round trips per latency metric (default 3000)\n"
+               "  --echo-mib N  MiB echoed per tensor size (default 128)\n",
+               self);
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool hasValue = i + 1 < argc;
+    if (a == "--json") {
+      flags.json = true;
+    } else if (a == "--iters" && hasValue) {
+      flags.iters = std::max(100, std::atoi(argv[++i]));
+    } else if (a == "--echo-mib" && hasValue) {
+      flags.echoBytes = std::max<size_t>(1, std::atoll(argv[++i])) * kMiB;
+    } else if (a == "--role" && hasValue) {
+      flags.callee = std::strcmp(argv[++i], "callee") == 0;
+    } else if (a == "--store-port" && hasValue) {
+      flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+    } else {
+      usage(argv[0]);
+    }
+  }
+  try {
+    return flags.callee ? runCallee() : runCaller(argv[0]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rpc_bench (%s): %s\n",
+                 flags.callee ? "callee" : "caller", e.what());
+    return 1;
+  }
+}
