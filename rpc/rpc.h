@@ -119,37 +119,42 @@ Future<R> decodeReply(Future<Reply> reply, std::shared_ptr<Agent> agent) {
 
 }  // namespace detail
 
-template <auto Fn, typename... A>
-Future<detail::ResultOf<Fn>> rpcAsync(const Callee& to, A&&... args) {
-  static_assert(std::is_void_v<typename detail::Traits<Fn>::Class>,
-                "methods are called through an RRef: rref.rpcAsync<&C::m>()");
-  using R = detail::ResultOf<Fn>;
-  auto agent = Agent::currentShared();
-  const int32_t rank = to.resolve(*agent);
+namespace detail {
+
+// The request header of a call of the free function Fn.
+template <auto Fn>
+CallSpec functionSpec(const Callee& to) {
+  static_assert(std::is_void_v<typename Traits<Fn>::Class>,
+                "methods are called through an RRef: "
+                "rref.rpcSync / rpcAsync / remote<&C::m>()");
   CallSpec spec;
   spec.function = RemoteName<Fn>::value;
-  spec.signature = detail::fingerprintOf<Fn>();
+  spec.signature = fingerprintOf<Fn>();
   spec.timeout = to.timeout;
-  auto reply =
-      detail::sendCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);
-  return detail::decodeReply<R>(std::move(reply), std::move(agent));
+  return spec;
+}
+
+}  // namespace detail
+
+template <auto Fn, typename... A>
+Future<detail::ResultOf<Fn>> rpcAsync(const Callee& to, A&&... args) {
+  auto agent = Agent::currentShared();
+  const int32_t rank = to.resolve(*agent);
+  auto reply = detail::sendCall<Fn>(*agent, rank, detail::functionSpec<Fn>(to),
+                                    std::forward<A>(args)...);
+  return detail::decodeReply<detail::ResultOf<Fn>>(std::move(reply),
+                                                   std::move(agent));
 }
 
 template <auto Fn, typename... A>
 detail::ResultOf<Fn> rpcSync(const Callee& to, A&&... args) {
-  static_assert(std::is_void_v<typename detail::Traits<Fn>::Class>,
-                "methods are called through an RRef: rref.rpcSync<&C::m>()");
-  using R = detail::ResultOf<Fn>;
   auto agent = Agent::currentShared();
   const int32_t rank = to.resolve(*agent);
-  CallSpec spec;
-  spec.function = RemoteName<Fn>::value;
-  spec.signature = detail::fingerprintOf<Fn>();
-  spec.timeout = to.timeout;
+  CallSpec spec = detail::functionSpec<Fn>(to);
   spec.completeOnLoop = true;  // this thread decodes the reply itself
   auto reply =
       detail::sendCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);
-  return detail::decodeReplyHere<R>(reply.wait(), *agent);
+  return detail::decodeReplyHere<detail::ResultOf<Fn>>(reply.wait(), *agent);
 }
 
 }  // namespace trellis::rpc

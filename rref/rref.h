@@ -16,8 +16,9 @@
 //    RRef<T> handle for a fork goes away, a deletion message goes to the
 //    owner (acknowledged, idempotent); when the owner has no fork left, it
 //    frees the value, exactly then.
-//  - remote() returns at once; the RRef is confirmedByOwner() once the owner
-//    has accepted it. If the function fails, toHere() and method calls fail
+//  - remote() returns at once; the RRef is confirmedByOwner() once the
+//    owner's reply to remote() (or to the fork request) has arrived, which
+//    may be after a toHere() or method call on it has already succeeded. If the function fails, toHere() and method calls fail
 //    with that error.
 //  - toHere(timeout) copies the value here (T must be serializable);
 //    localValue() is the value itself, on the owner only (a
@@ -239,15 +240,10 @@ auto RRef<T>::remote(A&&... args) const {
 // RRef. Returns at once.
 template <auto Fn, typename... A>
 auto remote(const Callee& to, A&&... args) {
-  static_assert(std::is_void_v<typename detail::Traits<Fn>::Class>,
-                "methods run on an RRef's owner: rref.remote<&C::m>()");
   auto agent = Agent::currentShared();
   const int32_t rank = to.resolve(*agent);
-  CallSpec spec;
-  spec.function = RemoteName<Fn>::value;
-  spec.signature = detail::fingerprintOf<Fn>();
-  spec.timeout = to.timeout;
-  return detail::remoteCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);
+  return detail::remoteCall<Fn>(*agent, rank, detail::functionSpec<Fn>(to),
+                                std::forward<A>(args)...);
 }
 
 // An RRef owned by this worker, holding `value` (torch's RRef(value)):

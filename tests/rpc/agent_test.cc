@@ -301,6 +301,9 @@ TEST(RRefTest, RemoteToHereAndMethods) {
   EXPECT_EQ(t.ownerName(), "w1");
   EXPECT_FALSE(t.isOwner());
   EXPECT_TRUE(t.toHere().equal(at::arange(5).to(at::kFloat)));
+  // The confirmation is the reply to remote(); the owner may answer the
+  // fetch first (its worker threads run both), so wait for it.
+  t.waitConfirmed(10s);
   EXPECT_TRUE(t.confirmedByOwner());
   EXPECT_THROW(t.localValue(), trellis::FailedPreconditionError);
 
