@@ -71,3 +71,10 @@ elseif(NOT TRELLIS_SANITIZE STREQUAL "")
   message(FATAL_ERROR "TRELLIS_SANITIZE must be empty, 'address' or 'thread', "
                       "got '${TRELLIS_SANITIZE}'")
 endif()
+
+# Fuzz builds instrument every library for coverage, not only the fuzz
+# target's own file: without it libFuzzer is blind inside the decoders it
+# exercises (they live in the component libraries) and mutates at random.
+if(TRELLIS_BUILD_FUZZERS)
+  add_compile_options(-fsanitize=fuzzer-no-link)
+endif()
