@@ -107,13 +107,7 @@ R decodeReplyHere(const Reply& r, Agent& agent) {
 template <typename R>
 Future<R> decodeReply(Future<Reply> reply, std::shared_ptr<Agent> agent) {
   return reply.then([agent = std::move(agent)](const Reply& r) -> R {
-    auto context = agent->codecContext(r.from);
-    Decoder d(r.bytes, r.tensors, context.get());
-    auto value = decodeValue<WireType<R>>(d);
-    throwIfError(d.finish());
-    if constexpr (!std::is_void_v<R>) {
-      return value;
-    }
+    return decodeReplyHere<R>(r, *agent);
   });
 }
 

@@ -134,7 +134,7 @@ class RRefContext : public RRefHooks,
       std::lock_guard<std::mutex> lock(mu_);
       auto it = owners_.find(keyOf(rref));
       if (it == owners_.end() || it->second.forks.erase(keyOf(fork)) == 0) {
-        tombstones_.insert({keyOf(rref), keyOf(fork)});
+        tombstones_.insert(keyOf(fork));
       }
     }
     maybeFree(keyOf(rref));
@@ -252,15 +252,9 @@ class RRefContext : public RRefHooks,
 
  private:
   void addForkLocked(OwnerEntry& e, const Key& fork) {
-    // The owner entry's key is not at hand here; tombstones are keyed by
-    // fork alone in practice (fork ids are unique in the group).
-    for (auto it = tombstones_.begin(); it != tombstones_.end(); ++it) {
-      if (it->second == fork) {
-        tombstones_.erase(it);
-        return;
-      }
+    if (tombstones_.erase(fork) == 0) {
+      e.forks.insert(fork);
     }
-    e.forks.insert(fork);
   }
 
   void maybeFree(const Key& k) {
@@ -283,7 +277,9 @@ class RRefContext : public RRefHooks,
   std::atomic<uint64_t> next_{1};
   std::mutex mu_;
   std::map<Key, OwnerEntry> owners_;
-  std::set<std::pair<Key, Key>> tombstones_;
+  // Forks deleted before their addition arrived; fork ids are unique in the
+  // group, so the fork alone is the key.
+  std::set<Key> tombstones_;
   std::map<Key, std::weak_ptr<RRefState>> users_;
   std::map<Key, std::shared_ptr<RRefState>> pendingChildren_;
 };
