@@ -39,6 +39,8 @@ const std::string kKeyPrefix = "trellis/rpc/";
 thread_local Agent* tCurrentAgent = nullptr;
 std::mutex gProcessMu;
 std::atomic<Agent::RRefHooksFactory> gHooksFactory{nullptr};
+std::atomic<Agent::AutogradHooksFactory> gAutogradFactory{nullptr};
+thread_local uint64_t tlsAutogradContext = 0;
 std::shared_ptr<Agent> gProcessAgent;
 
 bool validWorkerName(const std::string& name) {
@@ -168,6 +170,8 @@ struct Agent::Impl {
   std::unique_ptr<ThreadPool> handlers;
   std::unique_ptr<ThreadPool> completions;
   std::shared_ptr<RRefHooks> hooks;
+  // Set once in start(), before the transport; read without the lock.
+  std::shared_ptr<AutogradHooks> autograd;
   ReceiveBufferPool receiveBuffers;
 
   mutable std::mutex mu;
@@ -211,8 +215,12 @@ struct Agent::Impl {
                      Clock::time_point arrived);
   void respond(const std::shared_ptr<PipeState>& ps, const pb::Envelope& req,
                const Future<AnyValue>& result, int64_t profileStartUs = 0);
-  void handleReply(const std::shared_ptr<PipeState>& ps,
-                   std::shared_ptr<pb::Envelope> env, Reply body);
+  // Removes the pending call `id` (sent on `pipe`) with its timer; empty
+  // when it is gone (timed out, failed) or was sent on another pipe.
+  std::optional<PendingCall> takePending(uint64_t id, const PipeState* pipe);
+  // Completes `pc`'s promise with `error` on a completion thread.
+  void failLater(PendingCall&& pc, Error error);
+  void handleReply(PendingCall&& pc, const pb::Envelope& env, Reply body);
   // ---- timers / shutdown --------------------------------------------------
   void timerLoop();
   void gracefulQuiesce(Duration quiesceTimeout);
@@ -294,6 +302,9 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
                                                "rpc-done-" + name);
   if (auto factory = gHooksFactory.load()) {
     d.hooks = factory(*agent);
+  }
+  if (auto factory = gAutogradFactory.load()) {
+    d.autograd = factory(*agent);
   }
   d.timerThread = std::thread([&d] { d.timerLoop(); });
   try {
@@ -458,6 +469,31 @@ void Agent::setRRefHooksFactory(RRefHooksFactory factory) {
   gHooksFactory.store(factory);
 }
 
+void Agent::setAutogradHooksFactory(AutogradHooksFactory factory) {
+  gAutogradFactory.store(factory);
+}
+
+AutogradHooks* Agent::autogradHooks() const { return impl_->autograd.get(); }
+
+std::unique_ptr<GradReceiver> Agent::gradReceiver(const Reply& reply) {
+  if (reply.autogradMessageId == 0 || impl_->autograd == nullptr) {
+    return nullptr;
+  }
+  return impl_->autograd->recordRecv(reply.autogradContextId, reply.from,
+                                     reply.autogradMessageId);
+}
+
+uint64_t currentAutogradContext() { return tlsAutogradContext; }
+
+AutogradContextScope::AutogradContextScope(uint64_t contextId)
+    : previous_(tlsAutogradContext) {
+  tlsAutogradContext = contextId;
+}
+
+AutogradContextScope::~AutogradContextScope() {
+  tlsAutogradContext = previous_;
+}
+
 RRefHooks* Agent::rrefHooks() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->hooks.get();
@@ -568,8 +604,27 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
     t->set_rref_local(spec.target.local);
     env.set_method_on_rref(true);
   }
-  env.set_autograd_context_id(spec.autogradContextId);
-  env.set_autograd_message_id(spec.autogradMessageId);
+  if (const uint64_t ctx = spec.recordAutograd ? tlsAutogradContext : 0;
+      ctx != 0) {
+    if (d.autograd == nullptr) {
+      return makeErrorFuture<Reply>(Error(
+          Code::kFailedPrecondition,
+          "call of '" + std::string(spec.function) +
+              "' inside a distributed-autograd context, but agent '" +
+              d.me.name + "' has no dist_autograd support linked in"));
+    }
+    try {
+      env.set_autograd_context_id(ctx);
+      env.set_autograd_message_id(
+          d.autograd->recordSend(ctx, to, args.gradTensors()));
+    } catch (...) {
+      Error e = errorFromCurrentException();
+      return makeErrorFuture<Reply>(
+          Error(e.code(), "rpc of '" + std::string(spec.function) + "' to " +
+                              describeWorker(d.workers[to]) + ": " +
+                              e.message()));
+    }
+  }
 
   Promise<Reply> promise;
   auto future = promise.getFuture();
@@ -619,25 +674,14 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
 }
 
 void Agent::Impl::failCall(uint64_t id, const Error& error) {
-  std::optional<PendingCall> pc;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = pending.find(id);
-    if (it == pending.end()) {
-      return;
-    }
-    if (it->second.hasTimer) {
-      timers.erase(it->second.timer);
-    }
-    pc = std::move(it->second);
-    pending.erase(it);
+  auto pc = takePending(id, nullptr);
+  if (!pc) {
+    return;
   }
-  const std::string who = describeWorker(workers[pc->to]);
-  Error e(error.code(),
-          "rpc of '" + pc->function + "' to " + who + ": " + error.message());
-  post(*completions,
-       [promise = std::move(pc->promise), e = std::move(e)](
-           const Error&) mutable { promise.setError(std::move(e)); });
+  Error e(error.code(), "rpc of '" + pc->function + "' to " +
+                            describeWorker(workers[pc->to]) + ": " +
+                            error.message());
+  failLater(std::move(*pc), std::move(e));
 }
 
 // ---- receiving -------------------------------------------------------------
@@ -734,21 +778,26 @@ void Agent::Impl::onDescriptor(const std::shared_ptr<PipeState>& ps,
         }
         received.fetch_add(1, std::memory_order_relaxed);
         if (ps->outgoing) {
-          bool inlineDone = false;
-          {
-            std::lock_guard<std::mutex> lock(mu);
-            auto it = pending.find(env->request_id());
-            inlineDone = it != pending.end() && it->second.completeOnLoop;
-          }
-          if (inlineDone) {
-            // A blocked rpcSync waits on this future with no callbacks: setting
-            // it here wakes the caller directly, one thread hop fewer.
-            handleReply(ps, env, std::move(*body));
+          auto pc = takePending(env->request_id(), ps.get());
+          if (!pc) {
+            lateReplies.fetch_add(1, std::memory_order_relaxed);
+            TRELLIS_LOG_DEBUG("rpc agent {}: dropping the late reply {} from {}",
+                              me.name, env->request_id(),
+                              describeWorker(workers[body->from]));
             return;
           }
-          post(*completions, [this, ps, env, body](const Error&) {
-            handleReply(ps, env, std::move(*body));
-          });
+          if (pc->completeOnLoop) {
+            // A blocked rpcSync waits on this future with no callbacks: setting
+            // it here wakes the caller directly, one thread hop fewer.
+            handleReply(std::move(*pc), *env, std::move(*body));
+            return;
+          }
+          post(*completions,
+               [this, env, body,
+                pc = std::make_shared<PendingCall>(std::move(*pc))](
+                   const Error&) {
+                 handleReply(std::move(*pc), *env, std::move(*body));
+               });
         } else {
           running.fetch_add(1);
           post(*handlers, [this, ps, env, body, arrived](const Error& pe) {
@@ -838,11 +887,33 @@ void Agent::Impl::handleRequest(const std::shared_ptr<PipeState>& ps,
         (entry->classTypeId != nullptr ? "a method: call it through an RRef"
                                        : "not a method")));
   }
+  const uint64_t autogradContext = env->autograd_context_id();
+  std::shared_ptr<GradReceiver> receiver;
+  if (autogradContext != 0) {
+    if (autograd == nullptr) {
+      return fail(Error(Code::kFailedPrecondition,
+                        "'" + env->function() +
+                            "' was called inside a distributed-autograd "
+                            "context, but worker '" +
+                            me.name + "' has no dist_autograd support linked "
+                                      "in"));
+    }
+    try {
+      receiver = autograd->recordRecv(autogradContext, body.from,
+                                      env->autograd_message_id());
+    } catch (...) {
+      return fail(errorFromCurrentException());
+    }
+  }
   auto context = hooks == nullptr ? nullptr : hooks->makeContext(body.from);
-  auto run = [entry, body = std::move(body),
+  auto run = [entry, body = std::move(body), autogradContext,
+              receiver = std::move(receiver),
               context = std::shared_ptr<CodecContext>(std::move(context))](
                  void* target) mutable {
     Decoder dec(body.bytes, std::move(body.tensors), context.get());
+    dec.setGradReceiver(receiver.get());
+    // Nested calls of the function join the caller's context.
+    AutogradContextScope scope(autogradContext);
     return entry->invoke(dec, target);
   };
   Future<AnyValue> result;
@@ -896,8 +967,9 @@ void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
                           int64_t profileStartUs) {
   const uint64_t id = req.request_id();
   const int32_t peer = static_cast<int32_t>(req.from_worker());
+  const uint64_t autogradContext = req.autograd_context_id();
   std::string function = req.function();
-  result.addDoneCallback([this, ps, id, peer, profileStartUs,
+  result.addDoneCallback([this, ps, id, peer, profileStartUs, autogradContext,
                           function =
                               std::move(function)](const Future<AnyValue>& f) {
     CurrentAgentScope scope(self);
@@ -930,11 +1002,19 @@ void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
         } else {
           v.encode(body, v.value.get());
         }
+        if (autogradContext != 0 && !body.gradTensors().empty()) {
+          // The result's gradient comes back to this worker's graph.
+          env.set_autograd_context_id(autogradContext);
+          env.set_autograd_message_id(
+              autograd->recordSend(autogradContext, peer, body.gradTensors()));
+        }
       } catch (...) {
         error = errorFromCurrentException();
       }
     }
     if (!error.ok()) {
+      env.clear_autograd_context_id();
+      env.clear_autograd_message_id();
       body = Encoder(context.get());
       encodeValue<std::monostate>(body, std::monostate{});
       auto* info = env.mutable_error();
@@ -963,46 +1043,50 @@ void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
   });
 }
 
-void Agent::Impl::handleReply(const std::shared_ptr<PipeState>& ps,
-                              std::shared_ptr<pb::Envelope> env, Reply body) {
-  std::optional<PendingCall> pc;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = pending.find(env->request_id());
-    if (it != pending.end() && it->second.pipe == ps.get()) {
-      if (it->second.hasTimer) {
-        timers.erase(it->second.timer);
-      }
-      pc = std::move(it->second);
-      pending.erase(it);
-    }
+std::optional<PendingCall> Agent::Impl::takePending(uint64_t id,
+                                                    const PipeState* pipe) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = pending.find(id);
+  if (it == pending.end() || (pipe != nullptr && it->second.pipe != pipe)) {
+    return std::nullopt;
   }
-  if (!pc) {
-    lateReplies.fetch_add(1, std::memory_order_relaxed);
-    TRELLIS_LOG_DEBUG("rpc agent {}: dropping the late reply {} from {}",
-                      me.name, env->request_id(),
-                      describeWorker(workers[body.from]));
-    return;
+  if (it->second.hasTimer) {
+    timers.erase(it->second.timer);
   }
-  if (pc->profiled) {
+  std::optional<PendingCall> pc(std::move(it->second));
+  pending.erase(it);
+  return pc;
+}
+
+void Agent::Impl::failLater(PendingCall&& pc, Error error) {
+  post(*completions,
+       [promise = std::move(pc.promise), e = std::move(error)](
+           const Error&) mutable { promise.setError(std::move(e)); });
+}
+
+void Agent::Impl::handleReply(PendingCall&& pc, const pb::Envelope& env,
+                              Reply body) {
+  if (pc.profiled) {
     const int64_t now = profilerNowUs();
     Profiler::record(ProfileEvent{
-        "rpc#" + pc->function + " " + me.name + " -> " + workers[pc->to].name,
-        me.name, pc->startUs, now - pc->startUs,
+        "rpc#" + pc.function + " " + me.name + " -> " + workers[pc.to].name,
+        me.name, pc.startUs, now - pc.startUs,
         std::hash<std::thread::id>()(std::this_thread::get_id())});
-    for (const auto& ev : env->events()) {
+    for (const auto& ev : env.events()) {
       Profiler::record(ProfileEvent{ev.name(), ev.worker(), ev.start_us(),
                                     ev.duration_us(), ev.thread()});
     }
   }
-  if (env->has_error()) {
-    const auto& info = env->error();
+  if (env.has_error()) {
+    const auto& info = env.error();
     RemoteOrigin origin{info.worker(), info.function(), info.exception_type()};
     std::string msg = info.message();
-    pc->promise.setError(Error::remote(std::move(origin), std::move(msg)));
+    pc.promise.setError(Error::remote(std::move(origin), std::move(msg)));
     return;
   }
-  pc->promise.setValue(std::move(body));
+  body.autogradContextId = env.autograd_context_id();
+  body.autogradMessageId = env.autograd_message_id();
+  pc.promise.setValue(std::move(body));
 }
 
 // ---- timers ----------------------------------------------------------------
@@ -1038,9 +1122,7 @@ void Agent::Impl::timerLoop() {
       Error e = Error::timeout(
           "rpc of '" + pc.function + "' to " + describeWorker(workers[pc.to]) +
           " timed out after " + formatDuration(pc.timeout));
-      post(*completions,
-           [promise = std::move(pc.promise), e = std::move(e)](
-               const Error&) mutable { promise.setError(std::move(e)); });
+      failLater(std::move(pc), std::move(e));
     }
     lock.lock();
   }

@@ -42,6 +42,7 @@
 #include <trellis/core/deadline.h>
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
+#include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
 #include <trellis/rpc/registry.h>
 
@@ -111,8 +112,10 @@ struct CallSpec {
   // RRef method call: the target object is the owner value of `target`.
   bool methodOnRRef = false;
   RRefId target;
-  uint64_t autogradContextId = 0;
-  uint64_t autogradMessageId = 0;
+  // Join the calling thread's distributed-autograd context, if any (user
+  // calls). Protocol messages (RRef bookkeeping, backward, cleanup) set
+  // false.
+  bool recordAutograd = true;
   // The caller blocks on the reply future and attaches no callback to it
   // (rpcSync): the future is completed on the transport loop thread, which
   // saves a thread hop. Never set it for a future users can chain on.
@@ -124,6 +127,9 @@ struct Reply {
   std::vector<uint8_t> bytes;
   std::vector<at::Tensor> tensors;
   int32_t from = -1;
+  // Set when the callee recorded a send function for the result's tensors.
+  uint64_t autogradContextId = 0;
+  uint64_t autogradMessageId = 0;
 };
 
 // Hooks the rref/ layer installs (one set per agent); see rref/rref.h.
@@ -190,6 +196,16 @@ class Agent : public std::enable_shared_from_this<Agent> {
   using RRefHooksFactory = std::shared_ptr<RRefHooks> (*)(Agent& agent);
   static void setRRefHooksFactory(RRefHooksFactory factory);
   RRefHooks* rrefHooks() const;
+
+  // The same for dist_autograd/.
+  using AutogradHooksFactory =
+      std::shared_ptr<AutogradHooks> (*)(Agent& agent);
+  static void setAutogradHooksFactory(AutogradHooksFactory factory);
+  AutogradHooks* autogradHooks() const;
+  // The receiver for a reply's tensors that require grad (null when the
+  // reply carries no autograd message). Throws when the reply's context
+  // was released here.
+  std::unique_ptr<GradReceiver> gradReceiver(const Reply& reply);
 
   // Counters (tests, monitoring).
   struct Stats {

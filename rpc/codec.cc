@@ -1,5 +1,6 @@
 #include <exception>
 
+#include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
 
 namespace trellis::rpc {
@@ -237,7 +238,11 @@ at::Tensor Decoder::tensor(uint32_t index, const TensorMeta& meta) {
         return {};
       }
       out = out.detach();
-      out.set_requires_grad(true);
+      if (gradReceiver_ != nullptr) {
+        gradReceiver_->attach(out);
+      } else {
+        out.set_requires_grad(true);
+      }
     }
     return out;
   } catch (const std::exception& e) {
@@ -259,6 +264,9 @@ void encodeTensor(Encoder& e, const at::Tensor& t) {
   w.putU8(p.is_cuda() ? kDeviceCuda : kDeviceCpu);
   w.putSignedVarint(p.is_cuda() ? t.device().index() : -1);
   w.putBool(t.requires_grad());
+  if (t.requires_grad()) {
+    e.noteGradTensor(t);
+  }
   w.putVarint(static_cast<uint64_t>(p.dim()));
   for (int64_t s : p.sizes()) {
     w.putVarint(static_cast<uint64_t>(s));

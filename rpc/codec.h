@@ -58,6 +58,8 @@ namespace trellis::rpc {
 
 // Hooks for layers above the codec (rref/ adds reference bookkeeping to the
 // context it passes in); opaque here.
+class GradReceiver;  // rpc/autograd_hooks.h
+
 class CodecContext {
  public:
   virtual ~CodecContext() = default;
@@ -84,9 +86,15 @@ class Encoder {
 
   CodecContext* context() const { return context_; }
 
+  // The tensors encoded so far that require grad (the originals, in order):
+  // distributed autograd records a send function for them.
+  const std::vector<at::Tensor>& gradTensors() const { return gradTensors_; }
+  void noteGradTensor(const at::Tensor& t) { gradTensors_.push_back(t); }
+
  private:
   ::trellis::wire::WireWriter wire_;
   std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> gradTensors_;
   CodecContext* context_;
 };
 
@@ -142,12 +150,17 @@ class Decoder {
   CodecContext* context() const { return context_; }
   const DecodeLimits& limits() const { return limits_; }
 
+  // Tensors decoded with requires_grad go to `receiver` (distributed
+  // autograd) instead of becoming leaves; null restores that default.
+  void setGradReceiver(GradReceiver* receiver) { gradReceiver_ = receiver; }
+
  private:
   ::trellis::wire::WireReader wire_;
   std::vector<at::Tensor> tensors_;
   std::vector<bool> used_;
   CodecContext* context_;
   DecodeLimits limits_;
+  GradReceiver* gradReceiver_ = nullptr;
 };
 
 // One specialization per supported type (primary left undefined):

@@ -48,6 +48,18 @@ Error parseEnvelope(std::string_view bytes, int32_t worldSize,
       return Error::protocol("envelope: error fields too long");
     }
   }
+  // Distributed autograd: a context id names its creator's rank in its top
+  // 16 bits; a message id only exists inside a context.
+  if (out->autograd_context_id() != 0 &&
+      (out->autograd_context_id() >> 48) >= static_cast<uint64_t>(worldSize)) {
+    return Error::protocol("envelope: autograd_context_id " +
+                           std::to_string(out->autograd_context_id()) +
+                           " was not created by a rank of this group");
+  }
+  if (out->autograd_message_id() != 0 && out->autograd_context_id() == 0) {
+    return Error::protocol(
+        "envelope: autograd_message_id without autograd_context_id");
+  }
   if (out->events_size() > kMaxProfileEvents) {
     return Error::protocol("envelope: more than " +
                            std::to_string(kMaxProfileEvents) +

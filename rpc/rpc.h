@@ -96,7 +96,9 @@ Future<Reply> sendCall(Agent& agent, int32_t to, const CallSpec& spec,
 template <typename R>
 R decodeReplyHere(const Reply& r, Agent& agent) {
   auto context = agent.codecContext(r.from);
+  auto receiver = agent.gradReceiver(r);
   Decoder d(r.bytes, r.tensors, context.get());
+  d.setGradReceiver(receiver.get());
   auto value = decodeValue<WireType<R>>(d);
   throwIfError(d.finish());
   if constexpr (!std::is_void_v<R>) {

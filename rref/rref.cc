@@ -175,6 +175,7 @@ class RRefContext : public RRefHooks,
     CallSpec spec;
     spec.function = fn;
     spec.signature = protocolSignature(fn);
+    spec.recordAutograd = false;
     return agent_->call(to, spec, std::move(e));
   }
 

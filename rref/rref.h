@@ -141,8 +141,11 @@ class RRef {
       return *localValue(t);
     }
     auto reply = detail::fetchValue(state_, t).wait();
-    auto context = state_->agent()->codecContext(reply.from);
+    auto agent = state_->agent();
+    auto context = agent->codecContext(reply.from);
+    auto receiver = agent->gradReceiver(reply);
     Decoder d(reply.bytes, reply.tensors, context.get());
+    d.setGradReceiver(receiver.get());
     T value = decodeValue<T>(d);
     throwIfError(d.finish());
     return value;

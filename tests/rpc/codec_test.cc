@@ -11,7 +11,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "envelope.h"
 #include "envelope.pb.h"
+#include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
 #include <trellis/rpc/serializable.h>
 
@@ -363,6 +365,84 @@ TEST(CodecTest, RequiresGradIsPreservedAndTheResultIsALeaf) {
   EXPECT_TRUE(out.is_leaf());
   EXPECT_TRUE(out.detach().equal(nonLeaf.detach()));
   EXPECT_FALSE(roundTrip(at::ones({2})).requires_grad());
+}
+
+// Distributed autograd's view of the codec: the encoder lists the tensors
+// that require grad (the originals, in order) and the decoder hands the
+// received ones to a GradReceiver instead of making them leaves.
+class RecordingReceiver : public GradReceiver {
+ public:
+  void attach(at::Tensor& t) override {
+    seen.push_back(t);
+    if (failOn >= 0 && static_cast<int>(seen.size()) - 1 == failOn) {
+      throw std::runtime_error("receiver refused");
+    }
+  }
+  std::vector<at::Tensor> seen;
+  int failOn = -1;
+};
+
+TEST(CodecTest, GradTensorsAreListedAndHandedToTheReceiver) {
+  at::Tensor a = at::ones({2});
+  a.set_requires_grad(true);
+  at::Tensor b = a.mul(3);  // non-leaf
+  at::Tensor plain = at::zeros({4});
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> v{a, plain, b, a};
+  Encoder e;
+  encodeValue(e, v);
+  ASSERT_EQ(e.gradTensors().size(), 3u);
+  EXPECT_TRUE(e.gradTensors()[0].is_same(a));
+  EXPECT_TRUE(e.gradTensors()[1].is_same(b));
+  EXPECT_TRUE(e.gradTensors()[2].is_same(a));
+
+  const std::vector<uint8_t> bytes = e.wire().bytes();
+  RecordingReceiver r;
+  Decoder d(bytes, deliver(e.tensors()));
+  d.setGradReceiver(&r);
+  auto out = decodeValue<decltype(v)>(d);
+  ASSERT_TRUE(d.finish().ok());
+  ASSERT_EQ(r.seen.size(), 3u);
+  EXPECT_TRUE(r.seen[0].is_same(std::get<0>(out)));
+  EXPECT_TRUE(r.seen[1].is_same(std::get<2>(out)));
+  EXPECT_TRUE(r.seen[2].is_same(std::get<3>(out)));
+  // The receiver decides; the codec does not make them leaves that require
+  // grad on its own.
+  EXPECT_FALSE(std::get<0>(out).requires_grad());
+  EXPECT_FALSE(std::get<1>(out).requires_grad());
+  EXPECT_TRUE(std::get<2>(out).equal(b.detach()));
+
+  RecordingReceiver refusing;
+  refusing.failOn = 1;
+  Decoder d2(bytes, deliver(e.tensors()));
+  d2.setGradReceiver(&refusing);
+  (void)decodeValue<decltype(v)>(d2);
+  const Error err = d2.finish();
+  EXPECT_FALSE(err.ok());
+  EXPECT_NE(err.message().find("receiver refused"), std::string::npos)
+      << err.what();
+}
+
+TEST(EnvelopeTest, AutogradIdsAreChecked) {
+  auto parse = [](uint64_t ctx, uint64_t msg) {
+    wire::Envelope env;
+    env.set_version(kEnvelopeVersion);
+    env.set_kind(wire::Envelope::REQUEST);
+    env.set_function("f");
+    env.set_autograd_context_id(ctx);
+    env.set_autograd_message_id(msg);
+    wire::Envelope out;
+    return parseEnvelope(env.SerializeAsString(), 4, true, &out);
+  };
+  EXPECT_TRUE(parse(0, 0).ok());
+  EXPECT_TRUE(parse((uint64_t{3} << 48) | 7, 0).ok());
+  EXPECT_TRUE(parse((uint64_t{3} << 48) | 7, 12).ok());
+  const Error badRank = parse(uint64_t{4} << 48, 0);
+  EXPECT_EQ(badRank.code(), Code::kDataLoss);
+  EXPECT_NE(badRank.message().find("autograd_context_id"), std::string::npos);
+  const Error orphan = parse(0, 5);
+  EXPECT_EQ(orphan.code(), Code::kDataLoss);
+  EXPECT_NE(orphan.message().find("without autograd_context_id"),
+            std::string::npos);
 }
 
 TEST(CodecTest, ConjugateViewsTravelAsValues) {
