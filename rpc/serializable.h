@@ -21,47 +21,47 @@
 #include <trellis/rpc/codec.h>
 
 // clang-format off
-#define TRELLIS_RPC_FE_1(M, T, a) M(T, a)
-#define TRELLIS_RPC_FE_2(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_1(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_3(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_2(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_4(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_3(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_5(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_4(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_6(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_5(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_7(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_6(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_8(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_7(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_9(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_8(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_10(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_9(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_11(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_10(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_12(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_11(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_13(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_12(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_14(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_13(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_15(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_14(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_16(M, T, a, ...) \
-  M(T, a) TRELLIS_RPC_FE_15(M, T, __VA_ARGS__)
-#define TRELLIS_RPC_FE_PICK(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, \
+#define TRELLIS_SER_FE_1(M, T, a) M(T, a)
+#define TRELLIS_SER_FE_2(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_1(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_3(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_2(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_4(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_3(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_5(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_4(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_6(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_5(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_7(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_6(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_8(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_7(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_9(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_8(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_10(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_9(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_11(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_10(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_12(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_11(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_13(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_12(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_14(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_13(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_15(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_14(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_16(M, T, a, ...) \
+  M(T, a) TRELLIS_SER_FE_15(M, T, __VA_ARGS__)
+#define TRELLIS_SER_FE_PICK(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, \
                             _12, _13, _14, _15, _16, NAME, ...)           \
   NAME
 #define TRELLIS_RPC_FOR_EACH(M, T, ...)                                     \
-  TRELLIS_RPC_FE_PICK(__VA_ARGS__, TRELLIS_RPC_FE_16, TRELLIS_RPC_FE_15,    \
-                      TRELLIS_RPC_FE_14, TRELLIS_RPC_FE_13, TRELLIS_RPC_FE_12, \
-                      TRELLIS_RPC_FE_11, TRELLIS_RPC_FE_10, TRELLIS_RPC_FE_9, \
-                      TRELLIS_RPC_FE_8, TRELLIS_RPC_FE_7, TRELLIS_RPC_FE_6,   \
-                      TRELLIS_RPC_FE_5, TRELLIS_RPC_FE_4, TRELLIS_RPC_FE_3,   \
-                      TRELLIS_RPC_FE_2, TRELLIS_RPC_FE_1)                     \
+  TRELLIS_SER_FE_PICK(__VA_ARGS__, TRELLIS_SER_FE_16, TRELLIS_SER_FE_15,    \
+                      TRELLIS_SER_FE_14, TRELLIS_SER_FE_13, TRELLIS_SER_FE_12, \
+                      TRELLIS_SER_FE_11, TRELLIS_SER_FE_10, TRELLIS_SER_FE_9, \
+                      TRELLIS_SER_FE_8, TRELLIS_SER_FE_7, TRELLIS_SER_FE_6,   \
+                      TRELLIS_SER_FE_5, TRELLIS_SER_FE_4, TRELLIS_SER_FE_3,   \
+                      TRELLIS_SER_FE_2, TRELLIS_SER_FE_1)                     \
   (M, T, __VA_ARGS__)
 // clang-format on
 

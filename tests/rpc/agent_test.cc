@@ -18,6 +18,7 @@
 #include <trellis/core/error.h>
 #include <trellis/rpc/profiler.h>
 #include <trellis/rpc/rpc.h>
+#include <trellis/rpc/serializable.h>
 #include <trellis/rref/rref.h>
 #include <trellis/store/hash_store.h>
 
@@ -63,11 +64,21 @@ int64_t nestedSync(std::string next, int64_t n) {
   return rpc::rpcSync<addInts>(next, n, int64_t{100});
 }
 
+// A user struct as a method argument: serializable.h and the registry's
+// macros must coexist in one file.
+struct Delta {
+  int64_t by = 0;
+  std::string note;
+};
+
 std::atomic<int> gLiveCounters{0};
 struct Counter {
   Counter() { ++gLiveCounters; }
   ~Counter() { --gLiveCounters; }
   int64_t add(int64_t n) { return value += n; }
+  int64_t addDelta(Delta d) {
+    return value += d.by * (d.note == "twice" ? 2 : 1);
+  }
   int64_t get() const { return value; }
   int64_t value = 0;
 };
@@ -104,7 +115,8 @@ TRELLIS_REMOTE_FUNCTION(readThrough);
 TRELLIS_REMOTE_FUNCTION(holdRRef);
 TRELLIS_REMOTE_FUNCTION(dropHeld);
 TRELLIS_REMOTE_FUNCTION(makeTensor);
-TRELLIS_REMOTE_METHODS(Counter, add, get);
+TRELLIS_SERIALIZABLE(Delta, by, note);
+TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
 namespace {
 
@@ -310,8 +322,9 @@ TEST(RRefTest, RemoteToHereAndMethods) {
   auto c = rpc::remote<makeCounter>("w1");
   EXPECT_EQ(c.rpcSync<&Counter::add>(5), 5);
   EXPECT_EQ(c.rpcAsync<&Counter::add>(2).wait(10s), 7);
+  EXPECT_EQ(c.rpcSync<&Counter::addDelta>(Delta{4, "twice"}), 15);
   auto v = c.remote<&Counter::get>();  // RRef<int64_t> owned by w1
-  EXPECT_EQ(v.toHere(), 7);
+  EXPECT_EQ(v.toHere(), 15);
 }
 
 TEST(RRefTest, FailedRemoteSurfacesAtToHereAndConfirm) {
