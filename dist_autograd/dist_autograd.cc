@@ -1,0 +1,656 @@
+#include <ATen/ops/ones_like.h>
+#include <atomic>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <trellis/core/error.h>
+#include <trellis/core/logging.h>
+#include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/rpc/agent.h>
+#include <trellis/rpc/autograd_hooks.h>
+#include <trellis/rpc/rpc.h>
+
+namespace trellis::dist_autograd {
+
+namespace detail {
+// Built-in requests (registered at the end of this file).
+Future<bool> propagateGradients(uint64_t contextId, uint64_t messageId,
+                                bool retainGraph,
+                                std::vector<at::Tensor> gradients);
+bool releaseContext(uint64_t contextId, int32_t from);
+}  // namespace detail
+}  // namespace trellis::dist_autograd
+
+TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::propagateGradients);
+TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::releaseContext);
+
+namespace trellis::dist_autograd {
+namespace {
+
+namespace ag = torch::autograd;
+using rpc::Agent;
+
+constexpr uint64_t kCounterBits = 48;
+constexpr uint64_t kCounterMask = (uint64_t{1} << kCounterBits) - 1;
+// Released context ids remembered per worker, so that a message that
+// trails its context's release is refused instead of re-creating it.
+constexpr size_t kMaxTombstones = 1 << 16;
+
+std::string contextName(uint64_t id) {
+  return "context " + std::to_string(id >> kCounterBits) + ":" +
+         std::to_string(id & kCounterMask);
+}
+
+// The sender's end of one message: the gradients of the tensors it carried
+// (that required grad) enter the local graph here. apply() passes them on
+// to the tensors' own grad_fns / accumulators.
+class SendRpcBackward : public ag::Node {
+ public:
+  SendRpcBackward(ag::edge_list&& next, int32_t peer,
+                  std::vector<std::vector<int64_t>> sizes,
+                  std::vector<at::ScalarType> dtypes)
+      : Node(std::move(next)),
+        peer_(peer),
+        sizes_(std::move(sizes)),
+        dtypes_(std::move(dtypes)) {}
+
+  ag::variable_list apply(ag::variable_list&& grads) override {
+    return std::move(grads);
+  }
+  std::string name() const override {
+    return "trellis::dist_autograd::SendRpcBackward";
+  }
+
+  int32_t peer() const { return peer_; }
+  // Checks gradients that arrived from the network against what was sent.
+  Error check(const std::vector<at::Tensor>& grads) const {
+    if (grads.size() != sizes_.size()) {
+      return Error::invalidArgument(
+          std::to_string(grads.size()) + " gradients for a message that sent " +
+          std::to_string(sizes_.size()) + " tensors requiring grad");
+    }
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const auto& g = grads[i];
+      if (!g.defined()) {
+        continue;
+      }
+      if (g.sizes() != at::IntArrayRef(sizes_[i]) ||
+          g.scalar_type() != dtypes_[i] || g.is_sparse()) {
+        return Error::invalidArgument(
+            "gradient " + std::to_string(i) + " has shape " +
+            c10::str(g.sizes()) + " and dtype " +
+            std::string(c10::toString(g.scalar_type())) +
+            ", the tensor sent had " + c10::str(at::IntArrayRef(sizes_[i])) +
+            " and " + std::string(c10::toString(dtypes_[i])));
+      }
+    }
+    return Error();
+  }
+
+ private:
+  int32_t peer_;
+  std::vector<std::vector<int64_t>> sizes_;
+  std::vector<at::ScalarType> dtypes_;
+};
+
+// The receiver's end: grad_fn of the tensors a message brought. The
+// engine never runs it: backward captures the gradient flowing into it and
+// sends that to the sender's SendRpcBackward.
+class RecvRpcBackward : public ag::Node {
+ public:
+  RecvRpcBackward(uint64_t contextId, int32_t peer, uint64_t messageId)
+      : contextId_(contextId), peer_(peer), messageId_(messageId) {}
+
+  ag::variable_list apply(ag::variable_list&&) override {
+    throwError(
+        Error(Code::kFailedPrecondition,
+              "this tensor came over RPC in distributed-autograd " +
+                  contextName(contextId_) +
+                  ": run dist_autograd::backward on that context instead of a "
+                  "local backward()"));
+  }
+  std::string name() const override {
+    return "trellis::dist_autograd::RecvRpcBackward";
+  }
+
+  uint64_t contextId() const { return contextId_; }
+  int32_t peer() const { return peer_; }
+  uint64_t messageId() const { return messageId_; }
+
+ private:
+  uint64_t contextId_;
+  int32_t peer_;
+  uint64_t messageId_;
+};
+
+// One context on one worker.
+struct ContextState {
+  explicit ContextState(uint64_t id) : id(id) {}
+  const uint64_t id;
+
+  std::mutex mu;
+  std::unordered_map<uint64_t, std::shared_ptr<SendRpcBackward>> sends;
+  std::unordered_set<int32_t> knownWorkers;
+  GradientMap gradients;
+  // The initiator ran a backward without retainGraph.
+  bool graphFreed = false;
+
+  // One engine run at a time per context on this worker: the runs of one
+  // context share nodes (a tensor sent twice), and gradients are summed in
+  // `gradients` after each.
+  std::mutex engineMu;
+};
+
+class Receiver : public rpc::GradReceiver {
+ public:
+  Receiver(uint64_t contextId, int32_t peer, uint64_t messageId)
+      : contextId_(contextId), peer_(peer), messageId_(messageId) {}
+  void attach(at::Tensor& t) override {
+    if (node_ == nullptr) {
+      node_ = std::make_shared<RecvRpcBackward>(contextId_, peer_, messageId_);
+    }
+    ag::set_history(t, node_);
+  }
+
+ private:
+  uint64_t contextId_;
+  int32_t peer_;
+  uint64_t messageId_;
+  std::shared_ptr<RecvRpcBackward> node_;
+};
+
+// The per-agent container of contexts; the agent's AutogradHooks.
+class Container : public rpc::AutogradHooks {
+ public:
+  explicit Container(Agent& agent) : agent_(agent) {}
+
+  int32_t rank() const { return agent_.self().rank; }
+  Agent& agent() const { return agent_; }
+
+  uint64_t newContext() {
+    const uint64_t id =
+        (static_cast<uint64_t>(rank()) << kCounterBits) |
+        (nextContext_.fetch_add(1, std::memory_order_relaxed) & kCounterMask);
+    std::lock_guard<std::mutex> lock(mu_);
+    contexts_.emplace(id, std::make_shared<ContextState>(id));
+    return id;
+  }
+
+  std::shared_ptr<ContextState> find(uint64_t id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(id);
+    return it == contexts_.end() ? nullptr : it->second;
+  }
+
+  std::shared_ptr<ContextState> get(uint64_t id) const {
+    auto state = find(id);
+    if (state == nullptr) {
+      throwError(Error::notFound("distributed-autograd " + contextName(id) +
+                                 " is not alive on worker '" +
+                                 agent_.self().name + "'"));
+    }
+    return state;
+  }
+
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return contexts_.size();
+  }
+
+  uint64_t recordSend(uint64_t contextId, int32_t peer,
+                      const std::vector<at::Tensor>& tensors) override {
+    auto state = find(contextId);
+    if (state == nullptr) {
+      throwError(Error(Code::kFailedPrecondition,
+                       "distributed-autograd " + contextName(contextId) +
+                           " is not alive on worker '" + agent_.self().name +
+                           "'" + (released(contextId) ? " (released)" : "")));
+    }
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->knownWorkers.insert(peer);
+    if (tensors.empty()) {
+      return 0;
+    }
+    ag::edge_list next;
+    std::vector<std::vector<int64_t>> sizes;
+    std::vector<at::ScalarType> dtypes;
+    for (const auto& t : tensors) {
+      next.push_back(ag::impl::gradient_edge(t));
+      sizes.push_back(t.sizes().vec());
+      dtypes.push_back(t.scalar_type());
+    }
+    auto node = std::make_shared<SendRpcBackward>(std::move(next), peer,
+                                                  std::move(sizes), dtypes);
+    for (const auto& t : tensors) {
+      node->add_input_metadata(t);
+    }
+    const uint64_t messageId = nextMessage_.fetch_add(1);
+    state->sends.emplace(messageId, std::move(node));
+    return messageId;
+  }
+
+  std::unique_ptr<rpc::GradReceiver> recordRecv(uint64_t contextId,
+                                                int32_t peer,
+                                                uint64_t messageId) override {
+    std::shared_ptr<ContextState> state;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (tombstones_.count(contextId) != 0) {
+        throwError(Error(Code::kFailedPrecondition,
+                         "distributed-autograd " + contextName(contextId) +
+                             " was already released on worker '" +
+                             agent_.self().name + "'"));
+      }
+      auto& slot = contexts_[contextId];
+      if (slot == nullptr) {
+        slot = std::make_shared<ContextState>(contextId);
+      }
+      state = slot;
+    }
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->knownWorkers.insert(peer);
+    }
+    if (messageId == 0) {
+      return nullptr;
+    }
+    return std::make_unique<Receiver>(contextId, peer, messageId);
+  }
+
+  // Forgets the context here and tells the workers it reached (except
+  // `from`, who told us); they do the same. Returns false when it was not
+  // alive here.
+  bool release(uint64_t id, int32_t from) {
+    std::shared_ptr<ContextState> state;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = contexts_.find(id);
+      if (it == contexts_.end()) {
+        return false;
+      }
+      state = std::move(it->second);
+      contexts_.erase(it);
+      if (tombstones_.insert(id).second) {
+        tombstoneOrder_.push_back(id);
+        if (tombstoneOrder_.size() > kMaxTombstones) {
+          tombstones_.erase(tombstoneOrder_.front());
+          tombstoneOrder_.pop_front();
+        }
+      }
+    }
+    std::vector<int32_t> peers;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      peers.assign(state->knownWorkers.begin(), state->knownWorkers.end());
+    }
+    if (agent_.isShutDown()) {
+      return true;
+    }
+    for (int32_t peer : peers) {
+      if (peer == from || peer == rank()) {
+        continue;
+      }
+      rpc::CallSpec spec =
+          rpc::detail::functionSpec<&detail::releaseContext>(peer);
+      spec.recordAutograd = false;
+      auto reply = rpc::detail::sendCall<&detail::releaseContext>(
+          agent_, peer, spec, id, rank());
+      reply.addDoneCallback([id, peer](const Future<rpc::Reply>& f) {
+        if (f.hasError()) {
+          TRELLIS_LOG_DEBUG("dist_autograd: release of {} on rank {}: {}",
+                            contextName(id), peer, f.error().what());
+        }
+      });
+    }
+    return true;
+  }
+
+  bool released(uint64_t id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tombstones_.count(id) != 0;
+  }
+
+ private:
+  Agent& agent_;
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<ContextState>> contexts_;
+  std::unordered_set<uint64_t> tombstones_;
+  std::deque<uint64_t> tombstoneOrder_;
+  std::atomic<uint64_t> nextContext_{1};
+  std::atomic<uint64_t> nextMessage_{1};
+};
+
+Container& containerOf(Agent& agent) {
+  auto* c = dynamic_cast<Container*>(agent.autogradHooks());
+  if (c == nullptr) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "rpc agent '" + agent.self().name +
+                         "' has no distributed-autograd support (it was "
+                         "started before trellis_dist_autograd was loaded)"));
+  }
+  return *c;
+}
+
+// Sums `grad` into the context's gradient of `leaf`, taking it over when
+// nobody else holds it.
+void accumulate(ContextState& state, const at::Tensor& leaf, at::Tensor grad) {
+  if (!grad.defined()) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(state.mu);
+  const at::Tensor existing = state.gradients.find(leaf);
+  if (existing.defined()) {
+    state.gradients.add(leaf, existing + grad);
+    return;
+  }
+  const bool owned = !grad.is_sparse() && grad.use_count() == 1 &&
+                     !grad.is_view() && grad.storage().use_count() == 1;
+  state.gradients.add(leaf, owned ? std::move(grad) : grad.clone());
+}
+
+// Runs this worker's part of the graph from `roots` (seeded with `inputs`),
+// sums leaf gradients into the context, and sends the gradients that reach
+// RecvRpcBackward nodes to their senders. The future completes when every
+// worker reached that way has finished its part.
+Future<void> runGraph(Container& container,
+                      const std::shared_ptr<ContextState>& state,
+                      const ag::edge_list& roots,
+                      const ag::variable_list& inputs, bool retainGraph) {
+  struct Outgoing {
+    RecvRpcBackward* node;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Outgoing> outgoing;
+  {
+    std::lock_guard<std::mutex> engineLock(state->engineMu);
+    // What the engine should capture instead of running: leaves (their
+    // AccumulateGrad) and the gradients entering RecvRpcBackward nodes.
+    ag::edge_list outputs;
+    std::vector<ag::AccumulateGrad*> leaves;  // parallel to outputs; or null
+    std::unordered_map<RecvRpcBackward*, size_t> recvIndex;
+    std::vector<std::pair<size_t, size_t>> recvSlot;  // output -> (recv, i)
+    std::unordered_set<ag::Node*> seen;
+    std::vector<ag::Node*> stack;
+    for (const auto& e : roots) {
+      if (e.function != nullptr && seen.insert(e.function.get()).second) {
+        stack.push_back(e.function.get());
+      }
+    }
+    while (!stack.empty()) {
+      ag::Node* fn = stack.back();
+      stack.pop_back();
+      if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn)) {
+        outputs.emplace_back(acc->shared_from_this(), 0);
+        leaves.push_back(acc);
+        recvSlot.emplace_back(0, 0);
+        continue;
+      }
+      if (auto* recv = dynamic_cast<RecvRpcBackward*>(fn)) {
+        if (recv->contextId() != state->id) {
+          return makeErrorFuture<void>(Error::invalidArgument(
+              "backward of " + contextName(state->id) +
+              " reaches a tensor received over RPC in " +
+              contextName(recv->contextId()) +
+              "; a graph cannot span two distributed-autograd contexts"));
+        }
+        const size_t r = outgoing.size();
+        recvIndex.emplace(recv, r);
+        outgoing.push_back({recv, std::vector<at::Tensor>(recv->num_inputs())});
+        for (uint32_t i = 0; i < recv->num_inputs(); ++i) {
+          outputs.emplace_back(
+              std::static_pointer_cast<ag::Node>(recv->shared_from_this()), i);
+          leaves.push_back(nullptr);
+          recvSlot.emplace_back(r, i);
+        }
+        continue;
+      }
+      for (const auto& e : fn->next_edges()) {
+        if (e.function != nullptr && seen.insert(e.function.get()).second) {
+          stack.push_back(e.function.get());
+        }
+      }
+    }
+    if (outputs.empty()) {
+      return makeReadyFuture();
+    }
+    ag::variable_list results;
+    try {
+      // keep_graph: the runs of one context may share nodes (FAST mode runs
+      // each send function's part on its own); the graph is freed with the
+      // tensors and send functions that hold it.
+      results = ag::Engine::get_default_engine().execute(
+          roots, inputs, /*keep_graph=*/true, /*create_graph=*/false,
+          /*accumulate_grad=*/false, outputs);
+    } catch (...) {
+      return makeErrorFuture<void>(errorFromCurrentException().withContext(
+          "backward on worker '" + container.agent().self().name + "'"));
+    }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (leaves[i] != nullptr) {
+        accumulate(*state, leaves[i]->variable, std::move(results[i]));
+      } else {
+        outgoing[recvSlot[i].first].grads[recvSlot[i].second] =
+            std::move(results[i]);
+      }
+    }
+  }
+  std::vector<Future<bool>> replies;
+  for (auto& o : outgoing) {
+    bool any = false;
+    for (const auto& g : o.grads) {
+      any = any || g.defined();
+    }
+    if (!any) {
+      continue;  // nothing flows back through this message
+    }
+    Agent& agent = container.agent();
+    rpc::CallSpec spec =
+        rpc::detail::functionSpec<&detail::propagateGradients>(o.node->peer());
+    spec.recordAutograd = false;
+    auto reply = rpc::detail::sendCall<&detail::propagateGradients>(
+        agent, o.node->peer(), spec, state->id, o.node->messageId(),
+        retainGraph, std::move(o.grads));
+    replies.push_back(rpc::detail::decodeReply<bool>(std::move(reply),
+                                                     agent.shared_from_this()));
+  }
+  return whenAllSucceed(replies);
+}
+
+}  // namespace
+
+// ---- GradientMap -----------------------------------------------------------
+
+at::Tensor GradientMap::find(const at::Tensor& t) const {
+  if (!t.defined()) {
+    return {};
+  }
+  auto it = entries_.find(t.unsafeGetTensorImpl());
+  return it == entries_.end() ? at::Tensor() : it->second.gradient;
+}
+
+at::Tensor GradientMap::at(const at::Tensor& t) const {
+  at::Tensor g = find(t);
+  if (!g.defined()) {
+    throwError(Error::notFound("no gradient for this tensor in the context"));
+  }
+  return g;
+}
+
+void GradientMap::add(const at::Tensor& t, at::Tensor gradient) {
+  auto& e = entries_[t.unsafeGetTensorImpl()];
+  e.tensor = t;
+  e.gradient = std::move(gradient);
+}
+
+// ---- Context ---------------------------------------------------------------
+
+Context::Context() : Context(Agent::current()) {}
+
+Context::Context(rpc::Agent& agent) : agent_(agent.shared_from_this()) {
+  id_ = containerOf(agent).newContext();
+  scope_ = std::make_unique<rpc::AutogradContextScope>(id_);
+}
+
+Context::~Context() {
+  scope_.reset();
+  try {
+    containerOf(*agent_).release(id_, -1);
+  } catch (const std::exception& e) {
+    TRELLIS_LOG_WARN("dist_autograd: releasing {}: {}", contextName(id_),
+                     e.what());
+  }
+}
+
+void Context::backward(const std::vector<at::Tensor>& roots, bool retainGraph) {
+  rpc::CurrentAgentScope scope(agent_.get());
+  dist_autograd::backward(id_, roots, retainGraph);
+}
+
+GradientMap Context::gradients() const {
+  rpc::CurrentAgentScope scope(agent_.get());
+  return getGradients(id_);
+}
+
+// ---- free functions --------------------------------------------------------
+
+void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
+              bool retainGraph) {
+  Agent& agent = Agent::current();
+  Container& container = containerOf(agent);
+  if (static_cast<int32_t>(contextId >> kCounterBits) != container.rank()) {
+    throwError(Error::invalidArgument(
+        "backward of " + contextName(contextId) +
+        ": a context's backward runs on the worker that created it (rank " +
+        std::to_string(contextId >> kCounterBits) + "), not on '" +
+        agent.self().name + "'"));
+  }
+  auto state = container.get(contextId);
+  if (roots.empty()) {
+    throwError(Error::invalidArgument("backward: no roots"));
+  }
+  ag::edge_list edges;
+  ag::variable_list inputs;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const auto& r = roots[i];
+    if (!r.defined() || !r.requires_grad() || r.numel() != 1) {
+      throwError(Error::invalidArgument(
+          "backward: root " + std::to_string(i) +
+          " must be a defined one-element tensor that requires grad"));
+    }
+    edges.push_back(ag::impl::gradient_edge(r));
+    inputs.push_back(at::ones_like(r));
+  }
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    if (state->graphFreed) {
+      throwError(Error(Code::kFailedPrecondition,
+                       "backward of " + contextName(contextId) +
+                           " ran already without retainGraph; pass "
+                           "retainGraph=true to run it again"));
+    }
+    state->graphFreed = !retainGraph;
+  }
+  auto done = runGraph(container, state, edges, inputs, retainGraph);
+  try {
+    done.wait();
+  } catch (const Exception& e) {
+    // A failed backward leaves partial gradients everywhere: release the
+    // context on every worker it reached, like torch.
+    container.release(contextId, -1);
+    throwError(e.error().withContext("distributed backward of " +
+                                     contextName(contextId)));
+  }
+  if (!retainGraph) {
+    // The whole tree has answered: no gradient can arrive here any more.
+    // Other workers free their part of the graph with the context.
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->sends.clear();
+  }
+}
+
+GradientMap getGradients(uint64_t contextId) {
+  auto state = containerOf(Agent::current()).get(contextId);
+  std::lock_guard<std::mutex> lock(state->mu);
+  return state->gradients;
+}
+
+uint64_t currentContextId() { return rpc::currentAutogradContext(); }
+
+size_t liveContextCount() { return liveContextCount(Agent::current()); }
+
+size_t liveContextCount(rpc::Agent& agent) { return containerOf(agent).size(); }
+
+// ---- built-in requests -----------------------------------------------------
+
+namespace detail {
+
+Future<bool> propagateGradients(uint64_t contextId, uint64_t messageId,
+                                bool retainGraph,
+                                std::vector<at::Tensor> gradients) {
+  Agent& agent = Agent::current();
+  Container& container = containerOf(agent);
+  auto state = container.find(contextId);
+  if (state == nullptr) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "gradients for distributed-autograd " +
+                         contextName(contextId) +
+                         ", which is not alive on this worker" +
+                         (container.released(contextId) ? " (released)" : "")));
+  }
+  std::shared_ptr<SendRpcBackward> send;
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    auto it = state->sends.find(messageId);
+    if (it == state->sends.end()) {
+      throwError(Error(Code::kFailedPrecondition,
+                       "gradients for message " + std::to_string(messageId) +
+                           " of " + contextName(contextId) +
+                           ", which has no send function here"));
+    }
+    // Kept until the context is released: in FAST mode one send function
+    // may receive several partial gradients in one backward (a tensor the
+    // receiver used both locally and in a nested call gets one per part).
+    send = it->second;
+  }
+  if (Error e = send->check(gradients); !e.ok()) {
+    throwError(e.withContext("message " + std::to_string(messageId) + " of " +
+                             contextName(contextId)));
+  }
+  ag::edge_list roots;
+  for (uint32_t i = 0; i < send->num_inputs(); ++i) {
+    roots.emplace_back(send, i);
+  }
+  return runGraph(container, state, roots, gradients, retainGraph).then([] {
+    return true;
+  });
+}
+
+bool releaseContext(uint64_t contextId, int32_t from) {
+  containerOf(Agent::current()).release(contextId, from);
+  return true;
+}
+
+}  // namespace detail
+
+namespace {
+
+std::shared_ptr<rpc::AutogradHooks> makeContainer(Agent& agent) {
+  return std::make_shared<Container>(agent);
+}
+
+[[maybe_unused]] const bool kInstalled = [] {
+  Agent::setAutogradHooksFactory(&makeContainer);
+  return true;
+}();
+
+}  // namespace
+}  // namespace trellis::dist_autograd
