@@ -20,14 +20,14 @@ test-dev: build
 # AddressSanitizer + UBSan pass over the components' tests and fuzz replays.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay
-	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc' -E 'rpc_process'
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay dist_autograd_test dist_optimizer_test
+	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd' -E 'rpc_process|dist_autograd_process'
 
 # ThreadSanitizer pass over the components with threads and loops.
 test-tsan: deps
 	cmake --preset tsan
-	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test
-	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc' -E 'rpc_process|rpc_codec'
+	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test dist_autograd_test dist_optimizer_test
+	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc|dist_autograd' -E 'rpc_process|rpc_codec|dist_autograd_process'
 
 # libFuzzer targets, a bounded number of iterations each.
 test-fuzz: deps

@@ -1,0 +1,356 @@
+#include <c10/core/ScalarType.h>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+#include <trellis/core/error.h>
+#include <trellis/core/future.h>
+#include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/dist_autograd/optimizer.h>
+#include <trellis/rpc/autograd_hooks.h>
+#include <trellis/rpc/rpc.h>
+#include <trellis/rpc/serializable.h>
+
+namespace trellis::dist_autograd::detail {
+
+// OptimizerSpec as it travels to the owners: the variant's index plus the
+// union of the alternatives' fields (unused ones keep their defaults).
+struct OptimizerConfig {
+  int32_t kind = 0;  // OptimizerSpec::index()
+  double lr = 0;
+  double momentum = 0;
+  double dampening = 0;
+  double weightDecay = 0;
+  bool nesterov = false;
+  double lrDecay = 0;
+  double initialAccumulatorValue = 0;
+  double eps = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  bool amsgrad = false;
+};
+
+}  // namespace trellis::dist_autograd::detail
+
+TRELLIS_SERIALIZABLE(trellis::dist_autograd::detail::OptimizerConfig, kind, lr,
+                     momentum, dampening, weightDecay, nesterov, lrDecay,
+                     initialAccumulatorValue, eps, beta1, beta2, amsgrad);
+
+namespace trellis::dist_autograd::detail {
+
+namespace {
+
+OptimizerConfig toConfig(const OptimizerSpec& spec) {
+  OptimizerConfig c;
+  c.kind = static_cast<int32_t>(spec.index());
+  if (const auto* s = std::get_if<SGD>(&spec)) {
+    c.lr = s->lr;
+    c.momentum = s->momentum;
+    c.dampening = s->dampening;
+    c.weightDecay = s->weightDecay;
+    c.nesterov = s->nesterov;
+  } else if (const auto* a = std::get_if<Adagrad>(&spec)) {
+    c.lr = a->lr;
+    c.lrDecay = a->lrDecay;
+    c.weightDecay = a->weightDecay;
+    c.initialAccumulatorValue = a->initialAccumulatorValue;
+    c.eps = a->eps;
+  } else if (const auto* m = std::get_if<Adam>(&spec)) {
+    c.lr = m->lr;
+    c.beta1 = m->beta1;
+    c.beta2 = m->beta2;
+    c.eps = m->eps;
+    c.weightDecay = m->weightDecay;
+    c.amsgrad = m->amsgrad;
+  }
+  return c;
+}
+
+// torch::optim checks the values (negative rates, nesterov without
+// momentum, ...) and throws c10::Error, which reaches the caller as a
+// RemoteError from the owner.
+std::unique_ptr<torch::optim::Optimizer> makeTorchOptimizer(
+    const OptimizerConfig& c, const std::vector<at::Tensor>& params) {
+  switch (c.kind) {
+    case 0:
+      return std::make_unique<torch::optim::SGD>(
+          params, torch::optim::SGDOptions(c.lr)
+                      .momentum(c.momentum)
+                      .dampening(c.dampening)
+                      .weight_decay(c.weightDecay)
+                      .nesterov(c.nesterov));
+    case 1:
+      return std::make_unique<torch::optim::Adagrad>(
+          params, torch::optim::AdagradOptions(c.lr)
+                      .lr_decay(c.lrDecay)
+                      .weight_decay(c.weightDecay)
+                      .initial_accumulator_value(c.initialAccumulatorValue)
+                      .eps(c.eps));
+    case 2:
+      return std::make_unique<torch::optim::Adam>(
+          params, torch::optim::AdamOptions(c.lr)
+                      .betas({c.beta1, c.beta2})
+                      .eps(c.eps)
+                      .weight_decay(c.weightDecay)
+                      .amsgrad(c.amsgrad));
+    default:
+      throwError(Error::invalidArgument("unknown optimizer kind " +
+                                        std::to_string(c.kind)));
+  }
+}
+
+// Steps on one worker are serialised by one lock per process, as torch's
+// _LocalOptimizer.global_lock does: two local optimizers built over the same
+// parameters (two DistributedOptimizers, or two trainers' optimizers) must
+// not interleave their .grad swaps and updates. Steps of workers in one
+// process (tests) serialise too; nothing else is done under the lock.
+std::mutex& stepMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+}  // namespace
+
+// The owner's half: its parameters (the RRefs' owner values, so the very
+// tensors its model uses) and a torch::optim optimizer over them, whose
+// state (momentum, Adam moments) lives here across steps.
+class LocalOptimizer {
+ public:
+  LocalOptimizer(const OptimizerConfig& config, std::vector<at::Tensor> params)
+      : params_(std::move(params)),
+        optimizer_(makeTorchOptimizer(config, params_)) {}
+
+  // Applies the gradients this worker accumulated in `contextId`.
+  void step(uint64_t contextId) {
+    GradientMap grads;
+    try {
+      grads = getGradients(contextId);
+    } catch (const NotFoundError&) {
+      // No message of the context reached this worker, so none of its
+      // parameters has a gradient in it: nothing to apply. (A context that
+      // was released here before the step is indistinguishable; its
+      // gradients are gone either way.)
+      return;
+    }
+    std::lock_guard<std::mutex> lock(stepMutex());
+    // torch::optim steps every parameter whose .grad is defined, so each
+    // one gets exactly its context gradient (or none), whatever .grad held;
+    // that is put back afterwards, also when the step throws.
+    std::vector<at::Tensor> saved;
+    saved.reserve(params_.size());
+    bool any = false;
+    for (auto& p : params_) {
+      saved.push_back(p.grad());
+      at::Tensor g = grads.find(p);
+      any = any || g.defined();
+      p.mutable_grad() = std::move(g);
+    }
+    struct Restore {
+      std::vector<at::Tensor>& params;
+      std::vector<at::Tensor>& saved;
+      ~Restore() {
+        for (size_t i = 0; i < params.size(); ++i) {
+          params[i].mutable_grad() = std::move(saved[i]);
+        }
+      }
+    } restore{params_, saved};
+    if (any) {
+      optimizer_->step();
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+// Runs on the owner of every RRef in `params` (remote()).
+std::shared_ptr<LocalOptimizer> makeLocalOptimizer(
+    OptimizerConfig config, std::vector<rpc::RRef<at::Tensor>> params) {
+  auto& agent = rpc::Agent::current();
+  const Duration wait = agent.options().defaultTimeout;
+  std::vector<at::Tensor> tensors;
+  std::unordered_set<const void*> seen;
+  tensors.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& r = params[i];
+    // Waits for a parameter made by a remote() that is still running.
+    at::Tensor t = *r.localValue(wait);
+    const std::string which = "parameter " + std::to_string(i) + " (RRef " +
+                              std::to_string(r.id().worker) + ":" +
+                              std::to_string(r.id().local) + ")";
+    if (!t.defined()) {
+      throwError(Error::invalidArgument(which + " is an undefined tensor"));
+    }
+    if (!at::isFloatingType(t.scalar_type())) {
+      throwError(Error::invalidArgument(
+          which + " is a " + std::string(c10::toString(t.scalar_type())) +
+          " tensor; optimizers update floating-point parameters only"));
+    }
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) {
+      // torch::optim would step it twice.
+      throwError(Error::invalidArgument(which + " appears twice"));
+    }
+    tensors.push_back(std::move(t));
+  }
+  return std::make_shared<LocalOptimizer>(config, std::move(tensors));
+}
+
+}  // namespace trellis::dist_autograd::detail
+
+TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::makeLocalOptimizer);
+TRELLIS_REMOTE_METHODS(trellis::dist_autograd::detail::LocalOptimizer, step);
+
+namespace trellis::dist_autograd {
+
+using detail::LocalOptimizer;
+
+namespace {
+
+// `f` failing with its error prefixed by `context` (the owner's name).
+Future<void> withContext(const Future<void>& f, std::string context) {
+  Promise<void> promise;
+  auto out = promise.getFuture();
+  f.addDoneCallback([promise, context = std::move(context)](
+                        const Future<void>& done) mutable {
+    if (done.hasError()) {
+      promise.setError(done.error().withContext(context));
+    } else {
+      promise.setValue();
+    }
+  });
+  return out;
+}
+
+// Waits for every owner's future; throws the first error to arrive, or a
+// TimeoutError naming the owners still pending at `deadline`.
+void waitOwners(const std::vector<Future<void>>& futures,
+                const std::vector<std::string>& names, Deadline deadline,
+                Duration timeout, const char* what) {
+  try {
+    waitAll(futures, deadline);
+  } catch (const TimeoutError&) {
+    std::string pending;
+    for (size_t i = 0; i < futures.size(); ++i) {
+      if (!futures[i].completed()) {
+        pending += (pending.empty() ? "'" : ", '") + names[i] + "'";
+      }
+    }
+    if (pending.empty()) {  // all finished just now: report their outcome
+      waitAll(futures, Deadline::never());
+      return;
+    }
+    throwError(Error::timeout(std::string("DistributedOptimizer: ") + what +
+                              " on " + pending + " did not finish within " +
+                              formatDuration(timeout)));
+  }
+}
+
+}  // namespace
+
+struct DistributedOptimizer::Impl {
+  Duration timeout;    // per call, as given: negative = the agent's default
+  Duration waitLimit;  // the same resolved (0 = none, as for Deadline)
+  std::vector<rpc::RRef<LocalOptimizer>> owners;
+  std::vector<std::string> ownerNames;
+};
+
+std::vector<rpc::RRef<at::Tensor>> localParameters(
+    const std::vector<at::Tensor>& tensors) {
+  std::vector<rpc::RRef<at::Tensor>> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    // The owner value is a handle to the same TensorImpl, so the owner's
+    // optimizer updates the tensor the caller's model uses.
+    out.push_back(rpc::makeRRef(std::make_shared<at::Tensor>(t)));
+  }
+  return out;
+}
+
+DistributedOptimizer::DistributedOptimizer(
+    OptimizerSpec spec, std::vector<rpc::RRef<at::Tensor>> parameters,
+    Duration timeout)
+    : impl_(std::make_unique<Impl>()) {
+  if (parameters.empty()) {
+    throwError(Error::invalidArgument(
+        "DistributedOptimizer: the parameter list is empty"));
+  }
+  for (const auto& p : parameters) {
+    if (!p.valid()) {
+      throwError(Error::invalidArgument(
+          "DistributedOptimizer: an empty RRef among the parameters"));
+    }
+  }
+  const std::shared_ptr<rpc::Agent> agentPtr =
+      parameters.front().state()->agent();
+  rpc::Agent& agent = *agentPtr;
+  impl_->timeout = timeout;
+  impl_->waitLimit =
+      timeout < Duration::zero() ? agent.options().defaultTimeout : timeout;
+  for (const auto& p : parameters) {
+    if (p.state()->agent().get() != &agent) {
+      throwError(Error::invalidArgument(
+          "DistributedOptimizer: the parameters belong to different agents"));
+    }
+  }
+
+  std::map<int32_t, std::vector<rpc::RRef<at::Tensor>>> byOwner;
+  for (auto& p : parameters) {
+    byOwner[p.owner()].push_back(std::move(p));
+  }
+  const detail::OptimizerConfig config = detail::toConfig(spec);
+  const Deadline deadline = Deadline::fromTimeout(impl_->waitLimit);
+  std::vector<Future<void>> confirmed;
+  {
+    // The optimizers are the workers' own state, not part of whatever
+    // context the caller is in.
+    rpc::AutogradContextScope noContext(0);
+    rpc::CurrentAgentScope agentScope(&agent);
+    // Owners that are this worker go through remote() too, so that every
+    // local optimizer is built and stepped the same way.
+    for (auto& [owner, params] : byOwner) {
+      const std::string name = agent.workerInfo(owner).name;
+      auto r = rpc::remote<&detail::makeLocalOptimizer>(
+          rpc::Callee(owner, timeout), config, std::move(params));
+      confirmed.push_back(withContext(
+          r.state()->confirmed(),
+          "DistributedOptimizer: building the optimizer on '" + name + "'"));
+      impl_->owners.push_back(std::move(r));
+      impl_->ownerNames.push_back(name);
+    }
+  }
+  waitOwners(confirmed, impl_->ownerNames, deadline, impl_->waitLimit,
+             "building the optimizer");
+}
+
+DistributedOptimizer::~DistributedOptimizer() = default;
+
+void DistributedOptimizer::step(uint64_t contextId) {
+  const Deadline deadline = Deadline::fromTimeout(impl_->waitLimit);
+  std::vector<Future<void>> done;
+  done.reserve(impl_->owners.size());
+  {
+    // The step is no part of the context: carrying it would make the
+    // owners join it (and the context's id is an argument anyway).
+    rpc::AutogradContextScope noContext(0);
+    for (size_t i = 0; i < impl_->owners.size(); ++i) {
+      done.push_back(withContext(
+          impl_->owners[i]
+              .withTimeout(impl_->timeout)
+              .rpcAsync<&LocalOptimizer::step>(contextId),
+          "DistributedOptimizer: step on '" + impl_->ownerNames[i] + "'"));
+    }
+  }
+  waitOwners(done, impl_->ownerNames, deadline, impl_->waitLimit, "step");
+}
+
+size_t DistributedOptimizer::numOwners() const { return impl_->owners.size(); }
+
+}  // namespace trellis::dist_autograd

@@ -1,0 +1,108 @@
+#pragma once
+
+// DistributedOptimizer: steps torch::optim optimizers on the workers that
+// own the parameters, with one context's gradients (docs/dist_autograd.md).
+//
+//   DistributedOptimizer opt(SGD{.lr = 0.05, .momentum = 0.9},
+//                            server.rpcSync<&Server::parameterRRefs>());
+//   for (...) {
+//     Context ctx;
+//     ... forward through RPC ...
+//     ctx.backward({loss});
+//     opt.step(ctx.id());
+//   }
+//
+// Contract
+//  - The constructor creates one local optimizer per owner (remote() on
+//    that worker, this one included, holding the owner's own parameter
+//    tensors, so optimizer state such as momentum lives there) and waits
+//    until every owner has built it; it throws the first failure, naming
+//    the owner: a RemoteError for a parameter that is not a floating-point
+//    tensor, a parameter listed twice, a parameter whose remote() failed,
+//    or options torch::optim rejects; a TimeoutError naming the owners that
+//    did not answer in time. InvalidArgumentError for an empty list, an
+//    empty RRef, or RRefs of different agents. It runs outside any
+//    distributed-autograd context.
+//  - step(contextId) runs, on every owner in parallel, torch::optim's step
+//    with the gradients that worker accumulated in `contextId`; parameters
+//    without a gradient there are left as they are, and so is every
+//    parameter of an owner the context never reached. It returns when all
+//    owners are done and throws the first failure (RemoteError naming the
+//    owner). During its step an owner's .grad fields hold the context's
+//    gradients; the previous ones (normally undefined) are put back
+//    afterwards, also when the step fails. The step messages are sent
+//    outside the context (they do not join it).
+//  - `timeout` bounds each call and each wait (negative: the agent's
+//    default timeout; zero: none).
+//  - The update equals torch::optim's for the same gradients: the local
+//    optimizers are torch::optim::SGD / Adagrad / Adam. Sparse gradients
+//    (embedding_bag with sparse=true) work with SGD without momentum or
+//    weight decay and with Adagrad without weight decay, as in torch::optim.
+//  - Steps on one worker are serialised by one lock per process (as torch's
+//    _LocalOptimizer.global_lock), so several trainers stepping the same
+//    DistributedOptimizer, or different ones sharing parameters, never
+//    interleave their updates.
+//  - Thread safety: step() may be called from several threads.
+
+#include <ATen/core/Tensor.h>
+#include <cstdint>
+#include <memory>
+#include <variant>
+#include <vector>
+
+#include <trellis/core/deadline.h>
+#include <trellis/rref/rref.h>
+
+namespace trellis::dist_autograd {
+
+// Options with torch::optim's names and defaults.
+struct SGD {
+  double lr = 0.01;
+  double momentum = 0;
+  double dampening = 0;
+  double weightDecay = 0;
+  bool nesterov = false;
+};
+struct Adagrad {
+  double lr = 0.01;
+  double lrDecay = 0;
+  double weightDecay = 0;
+  double initialAccumulatorValue = 0;
+  double eps = 1e-10;
+};
+struct Adam {
+  double lr = 0.001;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weightDecay = 0;
+  bool amsgrad = false;
+};
+using OptimizerSpec = std::variant<SGD, Adagrad, Adam>;
+
+// RRefs owned by this worker for tensors it holds (torch's
+// `[RRef(p) for p in module.parameters()]`).
+std::vector<rpc::RRef<at::Tensor>> localParameters(
+    const std::vector<at::Tensor>& tensors);
+
+class DistributedOptimizer {
+ public:
+  DistributedOptimizer(OptimizerSpec spec,
+                       std::vector<rpc::RRef<at::Tensor>> parameters,
+                       Duration timeout = Duration(-1));
+  ~DistributedOptimizer();
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
+
+  void step(uint64_t contextId);
+
+  // Number of owners (local optimizers).
+  size_t numOwners() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trellis::dist_autograd

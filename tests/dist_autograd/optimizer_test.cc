@@ -1,0 +1,578 @@
+// DistributedOptimizer with three agents in one process ("w0" trains, "w1"
+// and "w2" own layers; w0 owns a parameter too), over an in-memory store and
+// real transport pipes. Every update is checked against the same model
+// trained in one process with torch::optim.
+
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <variant>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <trellis/core/error.h>
+#include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/dist_autograd/optimizer.h>
+#include <trellis/rpc/rpc.h>
+#include <trellis/rref/rref.h>
+#include <trellis/store/hash_store.h>
+
+using namespace std::chrono_literals;
+using trellis::Duration;
+namespace rpc = trellis::rpc;
+namespace dist = trellis::dist_autograd;
+
+// ---- objects and functions the tests call ----------------------------------
+
+// y = tanh(x @ w + b), held by its owner. `unused` is a parameter that never
+// takes part in the forward pass, so it never has a gradient.
+struct Layer {
+  at::Tensor w, b, unused;
+
+  at::Tensor forward(at::Tensor x) { return at::tanh(x.mm(w) + b); }
+  // torch's [RRef(p) for p in module.parameters()].
+  std::vector<rpc::RRef<at::Tensor>> parameters() {
+    return dist::localParameters({w, b, unused});
+  }
+  // Copies of the current values.
+  std::vector<at::Tensor> values() {
+    return {w.detach().clone(), b.detach().clone(), unused.detach().clone()};
+  }
+  int64_t definedGrads() {
+    return static_cast<int64_t>(w.grad().defined()) + b.grad().defined() +
+           unused.grad().defined();
+  }
+};
+
+std::shared_ptr<Layer> makeLayer(at::Tensor w, at::Tensor b) {
+  auto l = std::make_shared<Layer>();
+  l->w = w.clone().requires_grad_(true);
+  l->b = b.clone().requires_grad_(true);
+  l->unused = at::full({2}, 0.5, at::kDouble).requires_grad_(true);
+  return l;
+}
+
+// An EmbeddingBag(sum, sparse=true) table: its gradient is sparse.
+struct Table {
+  at::Tensor weight;
+
+  at::Tensor lookup(at::Tensor ids, at::Tensor offsets) {
+    return std::get<0>(at::embedding_bag(weight, ids, offsets,
+                                         /*scale_grad_by_freq=*/false,
+                                         /*mode=*/0, /*sparse=*/true));
+  }
+  std::vector<rpc::RRef<at::Tensor>> parameters() {
+    return dist::localParameters({weight});
+  }
+  at::Tensor value() { return weight.detach().clone(); }
+  bool gradientIsSparse(uint64_t contextId) {
+    return dist::getGradients(contextId).at(weight).is_sparse();
+  }
+  bool gradDefined() { return weight.grad().defined(); }
+};
+
+std::shared_ptr<Table> makeTable(at::Tensor weight) {
+  auto t = std::make_shared<Table>();
+  t->weight = weight.clone().requires_grad_(true);
+  return t;
+}
+
+at::Tensor makeLongTensor() { return at::arange(4, at::kLong); }
+at::Tensor failToMakeTensor() { throw std::runtime_error("no tensor for you"); }
+
+// Layers by key on their owner, for a test where trainers on several
+// workers use one layer without an RRef to it.
+std::mutex gLayersMu;
+std::map<std::string, std::shared_ptr<Layer>> gLayers;
+std::shared_ptr<Layer> layerAt(const std::string& key) {
+  std::lock_guard<std::mutex> lock(gLayersMu);
+  auto it = gLayers.find(key);
+  if (it == gLayers.end()) {
+    throw std::out_of_range("no layer " + key);
+  }
+  return it->second;
+}
+void addLayer(std::string key, at::Tensor w, at::Tensor b) {
+  auto l = makeLayer(std::move(w), std::move(b));
+  std::lock_guard<std::mutex> lock(gLayersMu);
+  gLayers[key] = std::move(l);
+}
+void dropLayer(std::string key) {
+  std::lock_guard<std::mutex> lock(gLayersMu);
+  gLayers.erase(key);
+}
+at::Tensor layerForward(std::string key, at::Tensor x) {
+  return layerAt(key)->forward(std::move(x));
+}
+std::vector<rpc::RRef<at::Tensor>> layerParameters(std::string key) {
+  return layerAt(key)->parameters();
+}
+std::vector<at::Tensor> layerValues(std::string key) {
+  return layerAt(key)->values();
+}
+
+TRELLIS_REMOTE_FUNCTION(makeLayer);
+TRELLIS_REMOTE_FUNCTION(addLayer);
+TRELLIS_REMOTE_FUNCTION(dropLayer);
+TRELLIS_REMOTE_FUNCTION(layerForward);
+TRELLIS_REMOTE_FUNCTION(layerParameters);
+TRELLIS_REMOTE_FUNCTION(layerValues);
+TRELLIS_REMOTE_FUNCTION(makeTable);
+TRELLIS_REMOTE_FUNCTION(makeLongTensor);
+TRELLIS_REMOTE_FUNCTION(failToMakeTensor);
+TRELLIS_REMOTE_METHODS(Layer, forward, parameters, values, definedGrads);
+TRELLIS_REMOTE_METHODS(Table, lookup, parameters, value, gradientIsSparse,
+                       gradDefined);
+
+namespace {
+
+constexpr double kTol = 1e-9;
+
+// N agents in this process; agents_[i] has rank i and name "w<i>".
+class Group {
+ public:
+  explicit Group(int n) {
+    auto store = std::make_shared<trellis::store::HashStore>();
+    std::vector<std::thread> threads;
+    agents_.resize(n);
+    for (int i = 0; i < n; ++i) {
+      threads.emplace_back([&, i] {
+        rpc::RpcOptions o;
+        o.store = store;
+        o.localAddress = "127.0.0.1";
+        o.initTimeout = 30s;
+        o.defaultTimeout = 30s;
+        agents_[i] = rpc::Agent::start("w" + std::to_string(i), i, n, o);
+      });
+    }
+    for (auto& t : threads) {
+      t.join();
+    }
+  }
+  ~Group() {
+    std::vector<std::thread> threads;
+    for (auto& a : agents_) {
+      threads.emplace_back([&a] { a->shutdown(false, 30s); });
+    }
+    for (auto& t : threads) {
+      t.join();
+    }
+  }
+  rpc::Agent& operator[](int i) { return *agents_[i]; }
+
+ private:
+  std::vector<std::shared_ptr<rpc::Agent>> agents_;
+};
+
+bool waitUntil(const std::function<bool()>& pred, Duration limit = 20s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) {
+      return true;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  return pred();
+}
+
+double maxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.detach() - b.detach()).abs().max().item<double>();
+}
+
+at::Tensor grid(int64_t rows, int64_t cols, double shift) {
+  return at::linspace(-0.9 + shift, 0.8 + shift, rows * cols, at::kDouble)
+      .reshape({rows, cols});
+}
+
+// The reference optimizer: torch::optim with the spec's options.
+std::unique_ptr<torch::optim::Optimizer> localOptimizer(
+    const dist::OptimizerSpec& spec, std::vector<at::Tensor> params) {
+  if (const auto* s = std::get_if<dist::SGD>(&spec)) {
+    return std::make_unique<torch::optim::SGD>(params,
+                                               torch::optim::SGDOptions(s->lr)
+                                                   .momentum(s->momentum)
+                                                   .dampening(s->dampening)
+                                                   .weight_decay(s->weightDecay)
+                                                   .nesterov(s->nesterov));
+  }
+  if (const auto* a = std::get_if<dist::Adagrad>(&spec)) {
+    return std::make_unique<torch::optim::Adagrad>(
+        params, torch::optim::AdagradOptions(a->lr)
+                    .lr_decay(a->lrDecay)
+                    .weight_decay(a->weightDecay)
+                    .initial_accumulator_value(a->initialAccumulatorValue)
+                    .eps(a->eps));
+  }
+  const auto& m = std::get<dist::Adam>(spec);
+  return std::make_unique<torch::optim::Adam>(params,
+                                              torch::optim::AdamOptions(m.lr)
+                                                  .betas({m.beta1, m.beta2})
+                                                  .eps(m.eps)
+                                                  .weight_decay(m.weightDecay)
+                                                  .amsgrad(m.amsgrad));
+}
+
+// ---- parity with torch::optim ----------------------------------------------
+
+struct ParityCase {
+  std::string name;
+  dist::OptimizerSpec spec;
+};
+// Names the case in test listings (instead of its bytes).
+void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
+
+class OptimizerParity : public ::testing::TestWithParam<ParityCase> {};
+
+// loss = sum((layer2(layer1(x) * m) - y)^2): layer1 on w1, layer2 on w2, the
+// scale m between them on the trainer w0 (so the trainer owns a parameter,
+// and w2's gradient goes through the trainer's own graph on its way to w1).
+TEST_P(OptimizerParity, MatchesTorchOptimEveryStep) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor w1 = grid(3, 4, 0.0), b1 = grid(1, 4, 0.1).reshape({4});
+  const at::Tensor w2 = grid(4, 2, -0.2), b2 = grid(1, 2, 0.3).reshape({2});
+  at::Tensor m = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_(true);
+  auto layer1 = rpc::remote<makeLayer>("w1", w1, b1);
+  auto layer2 = rpc::remote<makeLayer>("w2", w2, b2);
+
+  auto params = layer1.rpcSync<&Layer::parameters>();
+  auto more = layer2.rpcSync<&Layer::parameters>();
+  params.insert(params.end(), more.begin(), more.end());
+  auto mine = dist::localParameters({m});
+  params.insert(params.end(), mine.begin(), mine.end());
+  dist::DistributedOptimizer opt(GetParam().spec, params, 30s);
+  EXPECT_EQ(opt.numOwners(), 3u);
+
+  // The same model in one process.
+  std::vector<at::Tensor> ref = {
+      w1.clone().requires_grad_(true),
+      b1.clone().requires_grad_(true),
+      at::full({2}, 0.5, at::kDouble).requires_grad_(true),
+      w2.clone().requires_grad_(true),
+      b2.clone().requires_grad_(true),
+      at::full({2}, 0.5, at::kDouble).requires_grad_(true),
+      m.detach().clone().requires_grad_(true)};
+  auto refOpt = localOptimizer(GetParam().spec, ref);
+  const at::Tensor unusedBefore = at::full({2}, 0.5, at::kDouble);
+
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = grid(5, 3, 0.05 * step);
+    const at::Tensor y = grid(5, 2, -0.1 * step);
+    {
+      dist::Context ctx;
+      at::Tensor h = layer1.rpcSync<&Layer::forward>(x);
+      at::Tensor out = layer2.rpcSync<&Layer::forward>(h * m);
+      at::Tensor loss = (out - y).pow(2).sum();
+      ctx.backward({loss});
+      opt.step(ctx.id());
+    }
+    refOpt->zero_grad();
+    at::Tensor rh = at::tanh(x.mm(ref[0]) + ref[1]);
+    at::Tensor rout = at::tanh((rh * ref[6]).mm(ref[3]) + ref[4]);
+    (rout - y).pow(2).sum().backward();
+    refOpt->step();
+
+    auto v1 = layer1.rpcSync<&Layer::values>();
+    auto v2 = layer2.rpcSync<&Layer::values>();
+    const std::vector<at::Tensor> got = {v1[0], v1[1], v1[2], v2[0],
+                                         v2[1], v2[2], m};
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LE(maxAbsDiff(got[i], ref[i]), kTol)
+          << "step " << step << ", parameter " << i;
+    }
+    // The step really moved the parameters that had gradients...
+    if (step == 0) {
+      EXPECT_GT(maxAbsDiff(v1[0], w1), 1e-6);
+      EXPECT_GT(maxAbsDiff(v2[1], b2), 1e-6);
+    }
+    // ... left the one without any as it was, and put .grad back.
+    EXPECT_TRUE(v1[2].equal(unusedBefore));
+    EXPECT_TRUE(v2[2].equal(unusedBefore));
+    EXPECT_EQ(layer1.rpcSync<&Layer::definedGrads>(), 0);
+    EXPECT_EQ(layer2.rpcSync<&Layer::definedGrads>(), 0);
+    EXPECT_FALSE(m.grad().defined());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Specs, OptimizerParity,
+    ::testing::Values(
+        ParityCase{"SgdMomentumNesterovWeightDecay",
+                   dist::SGD{.lr = 0.05,
+                             .momentum = 0.9,
+                             .weightDecay = 0.01,
+                             .nesterov = true}},
+        ParityCase{"SgdDampening",
+                   dist::SGD{.lr = 0.1, .momentum = 0.5, .dampening = 0.2}},
+        ParityCase{"Adagrad", dist::Adagrad{.lr = 0.1,
+                                            .lrDecay = 0.01,
+                                            .weightDecay = 0.02,
+                                            .initialAccumulatorValue = 0.1}},
+        ParityCase{"Adam", dist::Adam{.lr = 0.01, .weightDecay = 0.01}},
+        ParityCase{"AdamAmsgrad",
+                   dist::Adam{.lr = 0.02, .beta2 = 0.99, .amsgrad = true}}),
+    [](const ::testing::TestParamInfo<ParityCase>& info) {
+      return info.param.name;
+    });
+
+// ---- sparse gradients ------------------------------------------------------
+
+class SparseParity : public ::testing::TestWithParam<ParityCase> {};
+
+TEST_P(SparseParity, EmbeddingBagSparseGradients) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor weight = grid(10, 3, 0.0);
+  auto table = rpc::remote<makeTable>("w1", weight);
+  dist::DistributedOptimizer opt(GetParam().spec,
+                                 table.rpcSync<&Table::parameters>(), 30s);
+  at::Tensor ref = weight.clone().requires_grad_(true);
+  auto refOpt = localOptimizer(GetParam().spec, {ref});
+  for (int step = 0; step < 3; ++step) {
+    // Rows 1, 4, 7 (twice) and 8; the other rows get no gradient.
+    const at::Tensor ids = at::tensor({1, 4, 7, 7, 8}, at::kLong);
+    const at::Tensor offsets = at::tensor({0, 2}, at::kLong);
+    const at::Tensor c = grid(2, 3, 0.2 * step);
+    {
+      dist::Context ctx;
+      at::Tensor rows = table.rpcSync<&Table::lookup>(ids, offsets);
+      ctx.backward({(rows * c).tanh().sum()});
+      EXPECT_TRUE(table.rpcSync<&Table::gradientIsSparse>(ctx.id()));
+      opt.step(ctx.id());
+    }
+    refOpt->zero_grad();
+    at::Tensor rrows = std::get<0>(
+        at::embedding_bag(ref, ids, offsets, false, 0, /*sparse=*/true));
+    (rrows * c).tanh().sum().backward();
+    ASSERT_TRUE(ref.grad().is_sparse());
+    refOpt->step();
+    at::Tensor got = table.rpcSync<&Table::value>();
+    EXPECT_LE(maxAbsDiff(got, ref), kTol) << "step " << step;
+    EXPECT_GT(maxAbsDiff(got, weight), 1e-6);
+    EXPECT_TRUE(got[0].equal(weight[0]));  // never looked up
+    EXPECT_FALSE(table.rpcSync<&Table::gradDefined>());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Specs, SparseParity,
+    ::testing::Values(ParityCase{"Sgd", dist::SGD{.lr = 0.3}},
+                      ParityCase{"Adagrad",
+                                 dist::Adagrad{.lr = 0.2, .lrDecay = 0.05}}),
+    [](const ::testing::TestParamInfo<ParityCase>& info) {
+      return info.param.name;
+    });
+
+// ---- parameters without gradients ------------------------------------------
+
+// The context reaches w1 only: w2 never hears of it, and its parameters are
+// left exactly as they were (as is w1's unused one).
+TEST(DistributedOptimizer, ParametersWithoutGradientAreUnchanged) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto layer1 = rpc::remote<makeLayer>("w1", grid(3, 4, 0), grid(1, 4, 0.1));
+  auto layer2 = rpc::remote<makeLayer>("w2", grid(4, 2, 0), grid(1, 2, 0.1));
+  auto params = layer1.rpcSync<&Layer::parameters>();
+  auto more = layer2.rpcSync<&Layer::parameters>();
+  params.insert(params.end(), more.begin(), more.end());
+  dist::DistributedOptimizer opt(dist::Adam{.lr = 0.1}, params, 30s);
+  const auto before1 = layer1.rpcSync<&Layer::values>();
+  const auto before2 = layer2.rpcSync<&Layer::values>();
+  {
+    dist::Context ctx;
+    at::Tensor h = layer1.rpcSync<&Layer::forward>(grid(2, 3, 0.3));
+    ctx.backward({h.sum()});
+    opt.step(ctx.id());
+  }
+  const auto after1 = layer1.rpcSync<&Layer::values>();
+  const auto after2 = layer2.rpcSync<&Layer::values>();
+  EXPECT_GT(maxAbsDiff(after1[0], before1[0]), 1e-6);
+  EXPECT_GT(maxAbsDiff(after1[1], before1[1]), 1e-6);
+  EXPECT_TRUE(after1[2].equal(before1[2]));
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(after2[i].equal(before2[i])) << i;
+  }
+  // A context with no gradient anywhere (no backward) changes nothing.
+  {
+    dist::Context ctx;
+    (void)layer1.rpcSync<&Layer::forward>(grid(2, 3, 0.3));
+    opt.step(ctx.id());
+  }
+  const auto again1 = layer1.rpcSync<&Layer::values>();
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(again1[i].equal(after1[i])) << i;
+  }
+  EXPECT_EQ(layer1.rpcSync<&Layer::definedGrads>(), 0);
+}
+
+// ---- concurrent steps ------------------------------------------------------
+
+// Two threads on w0 share one optimizer, a third on w2 has its own over the
+// same parameters (the layer "shared" on w1). Each computes its gradients in
+// its own context at the initial parameters; then all step at once. Plain
+// SGD is additive, so in any order the result is p0 - lr * (g1 + g2 + g3).
+TEST(DistributedOptimizer, ConcurrentStepsApplyEveryGradientSet) {
+  Group g(3);
+  const double lr = 0.1;
+  const at::Tensor w = grid(3, 4, 0.0), b = grid(1, 4, 0.1).reshape({4});
+  std::vector<rpc::RRef<at::Tensor>> params0, params2;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    rpc::rpcSync<addLayer>("w1", std::string("shared"), w, b);
+    params0 = rpc::rpcSync<layerParameters>("w1", std::string("shared"));
+  }
+  {
+    rpc::CurrentAgentScope scope(&g[2]);
+    params2 = rpc::rpcSync<layerParameters>("w1", std::string("shared"));
+  }
+  auto opt0 = std::make_unique<dist::DistributedOptimizer>(dist::SGD{.lr = lr},
+                                                           params0, 30s);
+  auto opt2 = std::make_unique<dist::DistributedOptimizer>(dist::SGD{.lr = lr},
+                                                           params2, 30s);
+
+  struct Trainer {
+    rpc::Agent* agent;
+    dist::DistributedOptimizer* opt;
+    at::Tensor x;
+    std::string failure;
+  };
+  std::vector<Trainer> trainers = {{&g[0], opt0.get(), grid(2, 3, 0.1), ""},
+                                   {&g[0], opt0.get(), grid(4, 3, -0.3), ""},
+                                   {&g[2], opt2.get(), grid(3, 3, 0.4), ""}};
+  std::atomic<int> arrived{0};
+  std::vector<std::thread> threads;
+  for (auto& t : trainers) {
+    threads.emplace_back([&t, &arrived, n = trainers.size()] {
+      try {
+        rpc::CurrentAgentScope scope(t.agent);
+        dist::Context ctx;
+        at::Tensor h =
+            rpc::rpcSync<layerForward>("w1", std::string("shared"), t.x);
+        ctx.backward({(h * h).sum()});
+        ++arrived;
+        if (!waitUntil([&] { return arrived.load() == int(n); })) {
+          t.failure = "the other trainers did not finish backward";
+          return;
+        }
+        t.opt->step(ctx.id());
+      } catch (const std::exception& e) {
+        t.failure = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (const auto& t : trainers) {
+    EXPECT_EQ(t.failure, "");
+  }
+
+  at::Tensor rw = w.clone().requires_grad_(true);
+  at::Tensor rb = b.clone().requires_grad_(true);
+  for (const auto& t : trainers) {
+    at::Tensor h = at::tanh(t.x.mm(rw) + rb);
+    (h * h).sum().backward();  // sums the three gradient sets in .grad
+  }
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto got = rpc::rpcSync<layerValues>("w1", std::string("shared"));
+  EXPECT_LE(maxAbsDiff(got[0], w - lr * rw.grad()), kTol);
+  EXPECT_LE(maxAbsDiff(got[1], b - lr * rb.grad()), kTol);
+  EXPECT_GT(maxAbsDiff(got[0], w), 1e-6);
+  opt0.reset();
+  opt2.reset();
+  rpc::rpcSync<dropLayer>("w1", std::string("shared"));
+}
+
+// ---- errors ----------------------------------------------------------------
+
+// An owner that cannot build its optimizer makes the constructor throw
+// that owner's error, naming it.
+TEST(DistributedOptimizer, OwnerFailureSurfacesFromConstructorNamingIt) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto layer = rpc::remote<makeLayer>("w1", grid(3, 4, 0), grid(1, 4, 0.1));
+  auto params = layer.rpcSync<&Layer::parameters>();
+
+  // w2 holds an integer tensor: no optimizer can step it.
+  auto withLong = params;
+  withLong.push_back(rpc::remote<makeLongTensor>("w2"));
+  try {
+    dist::DistributedOptimizer opt(dist::SGD{}, withLong, 30s);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_EQ(e.origin().worker, "w2");
+    const std::string what = e.what();
+    EXPECT_NE(what.find("on 'w2'"), std::string::npos) << what;
+    EXPECT_NE(what.find("Long"), std::string::npos) << what;
+  }
+
+  // A parameter whose remote() failed on w1: w1 answers with that error.
+  auto withFailed = params;
+  withFailed.push_back(rpc::remote<failToMakeTensor>("w1"));
+  try {
+    dist::DistributedOptimizer opt(dist::Adam{}, withFailed, 30s);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_EQ(e.origin().worker, "w1");
+    const std::string what = e.what();
+    EXPECT_NE(what.find("on 'w1'"), std::string::npos) << what;
+    EXPECT_NE(what.find("no tensor for you"), std::string::npos) << what;
+  }
+
+  // Bad options are torch::optim's own checks, on the owner.
+  EXPECT_THROW(
+      dist::DistributedOptimizer(dist::SGD{.nesterov = true}, params, 30s),
+      trellis::RemoteError);
+  EXPECT_THROW(dist::DistributedOptimizer(dist::SGD{}, {}, 30s),
+               trellis::InvalidArgumentError);
+  auto twice = params;
+  twice.push_back(params[0]);
+  EXPECT_THROW(dist::DistributedOptimizer(dist::SGD{}, twice, 30s),
+               trellis::RemoteError);
+
+  // The good parameters alone work.
+  dist::DistributedOptimizer opt(dist::SGD{}, params, 30s);
+  EXPECT_EQ(opt.numOwners(), 1u);
+}
+
+// A step that fails on an owner (Adagrad's weight decay does not take
+// sparse gradients) throws naming it, and leaves .grad and the value as
+// they were.
+TEST(DistributedOptimizer, StepFailureNamesTheOwnerAndRestoresGrad) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor weight = grid(10, 3, 0.0);
+  auto table = rpc::remote<makeTable>("w1", weight);
+  dist::DistributedOptimizer opt(dist::Adagrad{.weightDecay = 0.1},
+                                 table.rpcSync<&Table::parameters>(), 30s);
+  dist::Context ctx;
+  at::Tensor rows = table.rpcSync<&Table::lookup>(at::tensor({1, 2}, at::kLong),
+                                                  at::tensor({0}, at::kLong));
+  ctx.backward({rows.sum()});
+  try {
+    opt.step(ctx.id());
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_EQ(e.origin().worker, "w1");
+    const std::string what = e.what();
+    EXPECT_NE(what.find("step on 'w1'"), std::string::npos) << what;
+    EXPECT_NE(what.find("sparse"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(table.rpcSync<&Table::gradDefined>());
+  EXPECT_TRUE(table.rpcSync<&Table::value>().equal(weight));
+}
+
+}  // namespace
