@@ -1,0 +1,542 @@
+// Distributed-autograd benchmark: one training iteration (forward, backward,
+// optimizer step) split over two processes by RPC, against the same model
+// trained in one process with torch autograd and torch::optim, measured in
+// the same run. `--json` prints one JSON object per line (DESIGN.md,
+// "Benchmarks").
+//
+// The program re-executes itself as the server (`--role ps`, so no thread
+// state is inherited); both rendezvous through a TCPStore the trainer
+// serves. The ps owns a sum-mode EmbeddingBag (sparse gradients) and a dense
+// layer (Linear + ReLU) behind an RRef; the trainer owns a Linear head. A
+// distributed iteration is
+//
+//   Context ctx;
+//   h = ps.rpcSync<&BenchPs::forward>(ids, offsets);   // table + dense on ps
+//   loss = bce(head(h), labels);                         // local
+//   ctx.backward({loss});                                // both workers
+//   opt.step(ctx.id());                                  // both workers
+//   ~Context                                             // release
+//
+// and the local one is the same model in one process: forward, backward()
+// into .grad, torch::optim::Adagrad step. Both use one intra-op thread and
+// keep freed memory (see keepMemory). Three model sizes: "tiny" (a few
+// numbers per tensor: the fixed cost of a distributed iteration), "ps" (the
+// shapes of examples/parameter_server.cc) and "large". Besides times, the
+// trainer's context switches per iteration, and the forward call alone
+// outside any context and in a context of its own, say where the time goes
+// (docs/benchmarks.md, "Distributed autograd").
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <malloc.h>
+#include <memory>
+#include <random>
+#include <spawn.h>
+#include <string>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <thread>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "bench_util.h"
+#include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/dist_autograd/optimizer.h>
+#include <trellis/rpc/rpc.h>
+#include <trellis/rref/rref.h>
+#include <trellis/store/prefix_store.h>
+#include <trellis/store/tcp_store.h>
+
+extern char** environ;
+
+using namespace std::chrono_literals;
+using namespace trellis;
+using Clock = std::chrono::steady_clock;
+namespace rpc = trellis::rpc;
+namespace da = trellis::dist_autograd;
+
+// ---- the server's half of the model (registered in both processes) ---------
+
+class BenchPs {
+ public:
+  BenchPs(int64_t rows, int64_t dim, int64_t hidden, int64_t seed)
+      : table_(nullptr), dense_(nullptr) {
+    torch::manual_seed(static_cast<uint64_t>(seed));
+    table_ = torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(rows, dim)
+                                         .mode(torch::kSum)
+                                         .sparse(true));
+    dense_ = torch::nn::Linear(dim, hidden);
+  }
+
+  // relu(dense(sum of each bag's rows)): [bags, hidden].
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& offsets) {
+    return torch::relu(dense_(table_(ids, offsets)));
+  }
+
+  std::vector<at::Tensor> parameterTensors() {
+    std::vector<at::Tensor> out = {table_->weight};
+    for (const auto& p : dense_->parameters()) {
+      out.push_back(p);
+    }
+    return out;
+  }
+
+  // RRefs to this worker's parameters, for a DistributedOptimizer.
+  std::vector<rpc::RRef<at::Tensor>> parameters() {
+    return da::localParameters(parameterTensors());
+  }
+
+ private:
+  torch::nn::EmbeddingBag table_;
+  torch::nn::Linear dense_;
+};
+
+std::shared_ptr<BenchPs> makeBenchPs(int64_t rows, int64_t dim, int64_t hidden,
+                                     int64_t seed) {
+  return std::make_shared<BenchPs>(rows, dim, hidden, seed);
+}
+
+void benchNoop() {}
+
+TRELLIS_REMOTE_FUNCTION(makeBenchPs);
+TRELLIS_REMOTE_FUNCTION(benchNoop);
+TRELLIS_REMOTE_METHODS(BenchPs, forward, parameters);
+
+namespace {
+
+constexpr auto kWait = std::chrono::seconds(120);
+constexpr int kBatches = 32;  // pre-drawn, used round robin
+constexpr double kLr = 0.05;
+
+struct Flags {
+  bool json = false;
+  bool defaultMalloc = false;
+  int iters = 2000;  // tiny model; the others run a fraction of it
+  bool ps = false;
+  uint16_t storePort = 0;
+};
+Flags flags;
+
+bench::Report report("dist_autograd");
+
+struct ModelSize {
+  std::string name;
+  int64_t rows, dim, hidden, bags, maxBag;
+  int iters;  // timed iterations per variant
+};
+
+struct Batch {
+  at::Tensor ids, offsets, labels;
+};
+
+std::vector<Batch> drawBatches(const ModelSize& m, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::uniform_int_distribution<int64_t> row(0, m.rows - 1);
+  std::uniform_int_distribution<int64_t> len(1, m.maxBag);
+  std::bernoulli_distribution label(0.5);
+  std::vector<Batch> out;
+  for (int k = 0; k < kBatches; ++k) {
+    std::vector<int64_t> ids, offsets;
+    std::vector<float> labels;
+    for (int64_t b = 0; b < m.bags; ++b) {
+      offsets.push_back(static_cast<int64_t>(ids.size()));
+      for (int64_t i = len(g); i > 0; --i) {
+        ids.push_back(row(g));
+      }
+      labels.push_back(label(g) ? 1.0f : 0.0f);
+    }
+    out.push_back({torch::tensor(ids, torch::kInt64),
+                   torch::tensor(offsets, torch::kInt64),
+                   torch::tensor(labels, torch::kFloat32)});
+  }
+  return out;
+}
+
+double micros(Clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
+// Context switches of this whole process so far. Voluntary ones are threads
+// that slept and were woken (about 20 us each here, DESIGN.md); involuntary
+// ones are threads preempted, by other processes when the machine is busy.
+struct Switches {
+  double voluntary = 0, involuntary = 0;
+  static Switches now() {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return {static_cast<double>(u.ru_nvcsw), static_cast<double>(u.ru_nivcsw)};
+  }
+  void addSince(const Switches& start) {
+    const Switches end = now();
+    voluntary += end.voluntary - start.voluntary;
+    involuntary += end.involuntary - start.involuntary;
+  }
+};
+
+// Per-iteration times and the split of each iteration into its phases.
+struct Samples {
+  std::vector<double> iter, forward, backward, step, release;
+  // Context switches of this process over all iterations.
+  Switches switches;
+};
+
+void addSamples(const std::string& pre, const Samples& s,
+                const std::string& basePre) {
+  auto base = [&](const std::string& suffix) {
+    return basePre.empty() ? std::string() : basePre + suffix;
+  };
+  report.add(pre + "_iter_median", bench::percentile(s.iter, 0.5), "us",
+             base("_iter_median"));
+  report.add(pre + "_iter_p99", bench::percentile(s.iter, 0.99), "us",
+             base("_iter_p99"));
+  report.add(pre + "_forward_median", bench::percentile(s.forward, 0.5), "us",
+             base("_forward_median"));
+  report.add(pre + "_backward_median", bench::percentile(s.backward, 0.5), "us",
+             base("_backward_median"));
+  report.add(pre + "_step_median", bench::percentile(s.step, 0.5), "us",
+             base("_step_median"));
+  if (!s.release.empty()) {
+    report.add(pre + "_release_median", bench::percentile(s.release, 0.5),
+               "us");
+  }
+  const auto n = static_cast<double>(s.iter.size());
+  report.add(pre + "_wakeups_per_iter", s.switches.voluntary / n, "1");
+  report.add(pre + "_preemptions_per_iter", s.switches.involuntary / n, "1");
+}
+
+torch::nn::Linear makeHead(int64_t hidden, int64_t seed) {
+  torch::manual_seed(static_cast<uint64_t>(seed) + 1);
+  return torch::nn::Linear(hidden, 1);
+}
+
+// The whole model in this process.
+class LocalRun {
+ public:
+  explicit LocalRun(const ModelSize& m)
+      : ps_(m.rows, m.dim, m.hidden, 7), head_(makeHead(m.hidden, 7)) {
+    auto params = ps_.parameterTensors();
+    for (const auto& p : head_->parameters()) {
+      params.push_back(p);
+    }
+    params_ = params;
+    optim_ = std::make_unique<torch::optim::Adagrad>(
+        params, torch::optim::AdagradOptions(kLr));
+  }
+
+  void iteration(const Batch& b, Samples* s) {
+    const auto t0 = Clock::now();
+    auto h = ps_.forward(b.ids, b.offsets);
+    auto loss =
+        torch::binary_cross_entropy_with_logits(head_(h).squeeze(1), b.labels);
+    const auto t1 = Clock::now();
+    loss.backward();
+    const auto t2 = Clock::now();
+    optim_->step();
+    // Fresh gradients every iteration, as a distributed context has.
+    for (auto& p : params_) {
+      p.mutable_grad() = at::Tensor();
+    }
+    const auto t3 = Clock::now();
+    if (s != nullptr) {
+      s->iter.push_back(micros(t3 - t0));
+      s->forward.push_back(micros(t1 - t0));
+      s->backward.push_back(micros(t2 - t1));
+      s->step.push_back(micros(t3 - t2));
+    }
+  }
+
+ private:
+  BenchPs ps_;
+  torch::nn::Linear head_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::Adagrad> optim_;
+};
+
+// The same model with the table and dense layer on the ps.
+class DistRun {
+ public:
+  explicit DistRun(const ModelSize& m)
+      : ps_(rpc::remote<makeBenchPs>("ps", m.rows, m.dim, m.hidden,
+                                     int64_t{7})),
+        head_(makeHead(m.hidden, 7)) {
+    auto params = ps_.rpcSync<&BenchPs::parameters>();
+    for (auto& r : da::localParameters(head_->parameters())) {
+      params.push_back(std::move(r));
+    }
+    opt_ = std::make_unique<da::DistributedOptimizer>(da::Adagrad{.lr = kLr},
+                                                      std::move(params), kWait);
+  }
+
+  // The forward call alone, outside any context: what the RPC costs
+  // without distributed autograd's bookkeeping.
+  double plainForward(const Batch& b) {
+    const auto t0 = Clock::now();
+    auto h = ps_.rpcSync<&BenchPs::forward>(b.ids, b.offsets);
+    return micros(Clock::now() - t0);
+  }
+
+  // The forward call alone inside a fresh context (released after, with
+  // no backward): the bookkeeping without the rest of an iteration.
+  double contextForward(const Batch& b) {
+    da::Context ctx;
+    const auto t0 = Clock::now();
+    auto h = ps_.rpcSync<&BenchPs::forward>(b.ids, b.offsets);
+    return micros(Clock::now() - t0);
+  }
+
+  void iteration(const Batch& b, Samples* s) {
+    const auto t0 = Clock::now();
+    Clock::time_point t1, t2, t3;
+    {
+      da::Context ctx;
+      auto h = ps_.rpcSync<&BenchPs::forward>(b.ids, b.offsets);
+      auto loss = torch::binary_cross_entropy_with_logits(head_(h).squeeze(1),
+                                                          b.labels);
+      t1 = Clock::now();
+      ctx.backward({loss});
+      t2 = Clock::now();
+      opt_->step(ctx.id());
+      t3 = Clock::now();
+    }
+    const auto t4 = Clock::now();
+    if (s != nullptr) {
+      s->iter.push_back(micros(t4 - t0));
+      s->forward.push_back(micros(t1 - t0));
+      s->backward.push_back(micros(t2 - t1));
+      s->step.push_back(micros(t3 - t2));
+      s->release.push_back(micros(t4 - t3));
+    }
+  }
+
+ private:
+  rpc::RRef<BenchPs> ps_;
+  torch::nn::Linear head_;
+  std::unique_ptr<da::DistributedOptimizer> opt_;
+};
+
+// Alternates blocks of local and distributed iterations so that a change in
+// the machine's load hits both about equally.
+void runModel(const ModelSize& m) {
+  const auto batches = drawBatches(m, 42);
+  LocalRun local(m);
+  DistRun dist(m);
+  const int warmup = std::max(5, m.iters / 10);
+  for (int i = 0; i < warmup; ++i) {
+    local.iteration(batches[i % kBatches], nullptr);
+    dist.iteration(batches[i % kBatches], nullptr);
+  }
+  Samples ls, ds;
+  std::vector<double> plain, inContext;
+  constexpr int kBlocks = 4;
+  int next = 0;
+  for (int block = 0; block < kBlocks; ++block) {
+    const int n = m.iters / kBlocks;
+    auto c0 = Switches::now();
+    for (int i = 0; i < n; ++i) {
+      local.iteration(batches[(next + i) % kBatches], &ls);
+    }
+    ls.switches.addSince(c0);
+    c0 = Switches::now();
+    for (int i = 0; i < n; ++i) {
+      dist.iteration(batches[(next + i) % kBatches], &ds);
+    }
+    ds.switches.addSince(c0);
+    for (int i = 0; i < n; ++i) {
+      plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
+    }
+    for (int i = 0; i < n; ++i) {
+      inContext.push_back(dist.contextForward(batches[(next + i) % kBatches]));
+    }
+    next += n;
+  }
+  addSamples(m.name + "_local", ls, "");
+  addSamples(m.name + "_dist", ds, m.name + "_local");
+  report.add(m.name + "_rpc_forward_no_context_median",
+             bench::percentile(plain, 0.5), "us",
+             m.name + "_dist_forward_median");
+  report.add(m.name + "_rpc_forward_own_context_median",
+             bench::percentile(inContext, 0.5), "us",
+             m.name + "_rpc_forward_no_context_median");
+}
+
+void noteLine(const std::string& line) {
+  std::fprintf(stderr, "# %s\n", line.c_str());
+}
+
+std::shared_ptr<store::Store> connectStore() {
+  store::TCPStoreOptions o;
+  o.port = flags.storePort;
+  o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kWait);
+  return std::make_shared<store::PrefixStore>(
+      "dist-autograd-bench", std::make_shared<store::TCPStore>(o));
+}
+
+rpc::RpcOptions rpcOptions(std::shared_ptr<store::Store> st) {
+  rpc::RpcOptions o;
+  o.store = std::move(st);
+  o.localAddress = "127.0.0.1";
+  o.initTimeout = kWait;
+  return o;
+}
+
+// Keeps freed memory in the process: glibc would otherwise return the
+// large blocks of every iteration to the kernel and fault them in again at
+// about 0.4 GB/s (DESIGN.md), which then dominates the local baseline.
+// --default-malloc measures with glibc's defaults.
+void keepMemory() {
+  if (!flags.defaultMalloc) {
+    ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
+}
+
+int runPs() {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  keepMemory();
+  torch::set_num_threads(1);
+  auto st = connectStore();
+  rpc::init("ps", 1, 2, rpcOptions(st));
+  st->wait({"done"}, std::chrono::milliseconds(600'000));
+  rpc::shutdown(true, std::chrono::seconds(60));
+  return 0;
+}
+
+pid_t spawnPs(const char* self) {
+  const std::string port = std::to_string(flags.storePort);
+  std::vector<const char*> argv = {self,           "--role",     "ps",
+                                   "--store-port", port.c_str(), nullptr};
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr,
+                               const_cast<char* const*>(argv.data()), environ);
+  if (rc != 0) {
+    std::fprintf(stderr, "dist_autograd_bench: spawn: %s\n", std::strerror(rc));
+    std::exit(1);
+  }
+  return pid;
+}
+
+// Waits (bounded) for the ps we started; kills it if it hangs.
+int reapPs(pid_t pid) {
+  const auto end = Clock::now() + std::chrono::seconds(60);
+  int status = 0;
+  while (Clock::now() < end) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  std::fprintf(stderr, "dist_autograd_bench: ps %d did not exit; killing it\n",
+               static_cast<int>(pid));
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return 1;
+}
+
+int runTrainer(const char* self) {
+  keepMemory();
+  torch::set_num_threads(1);
+  store::TCPStoreServer server;
+  flags.storePort = server.port();
+  const pid_t ps = spawnPs(self);
+  auto st = connectStore();
+  const auto t0 = Clock::now();
+  rpc::init("trainer", 0, 2, rpcOptions(st));
+
+  // The unit a distributed iteration is made of: one RPC round trip.
+  const int rtts = std::max(200, flags.iters);
+  for (int i = 0; i < rtts / 10; ++i) {
+    rpc::rpcSync<benchNoop>("ps");
+  }
+  std::vector<double> us;
+  Switches noopSwitches;
+  const auto c0 = Switches::now();
+  for (int i = 0; i < rtts; ++i) {
+    const auto t = Clock::now();
+    rpc::rpcSync<benchNoop>("ps");
+    us.push_back(micros(Clock::now() - t));
+  }
+  noopSwitches.addSince(c0);
+  report.add("rpc_noop_rtt_median", bench::percentile(us, 0.5), "us");
+  report.add("rpc_noop_wakeups_per_call", noopSwitches.voluntary / rtts, "1");
+
+  const std::vector<ModelSize> models = {
+      {"tiny", 16, 4, 4, 2, 2, flags.iters},
+      {"ps", 100000, 64, 32, 128, 20, std::max(40, flags.iters / 5)},
+      {"large", 100000, 256, 256, 512, 20, std::max(20, flags.iters / 20)},
+  };
+  for (const auto& m : models) {
+    const auto tm = Clock::now();
+    runModel(m);
+    noteLine(m.name + ": " +
+             std::to_string(
+                 std::chrono::duration<double>(Clock::now() - tm).count()) +
+             " s");
+    if (m.name == "tiny") {
+      // The fixed cost in round trips.
+      report.add("tiny_dist_iter_median_in_rtts",
+                 report.valueOf("tiny_dist_iter_median"), "us",
+                 "rpc_noop_rtt_median");
+    }
+  }
+  noteLine("live contexts here after the run: " +
+           std::to_string(da::liveContextCount()));
+  st->set("done", "1");
+  rpc::shutdown(true, std::chrono::seconds(60));
+  const int rc = reapPs(ps);
+  noteLine(
+      "total " +
+      std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
+      " s");
+  report.print(flags.json);
+  if (rc != 0) {
+    std::fprintf(stderr, "dist_autograd_bench: ps exited with %d\n", rc);
+    return 1;
+  }
+  return 0;
+}
+
+[[noreturn]] void usage(const char* self) {
+  std::fprintf(stderr,
+               "usage: %s [--json] [--iters N] [--default-malloc]\n"
+               "  --iters N  timed iterations of the tiny model (default "
+               "2000); the ps model runs N/5, the large one N/20\n"
+               "  --default-malloc  keep glibc's trimming of freed memory\n",
+               self);
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool hasValue = i + 1 < argc;
+    if (a == "--json") {
+      flags.json = true;
+    } else if (a == "--iters" && hasValue) {
+      flags.iters = std::max(100, std::atoi(argv[++i]));
+    } else if (a == "--default-malloc") {
+      flags.defaultMalloc = true;
+    } else if (a == "--role" && hasValue) {
+      flags.ps = std::strcmp(argv[++i], "ps") == 0;
+    } else if (a == "--store-port" && hasValue) {
+      flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+    } else {
+      usage(argv[0]);
+    }
+  }
+  try {
+    return flags.ps ? runPs() : runTrainer(argv[0]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dist_autograd_bench (%s): %s\n",
+                 flags.ps ? "ps" : "trainer", e.what());
+    return 1;
+  }
+}
