@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "../rpc/agent_group.h"
 #include <trellis/core/error.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/rpc/rpc.h>
@@ -166,56 +167,21 @@ TRELLIS_REMOTE_METHODS(Scaler, forward);
 
 namespace {
 
-// N agents in this process; agents_[i] has rank i and name "w<i>".
-class Group {
+// Agents "w0".."w2" in this process. Every call (backward's messages
+// included) is bounded well below the test's timeout, so a hang fails with
+// a message.
+class Group : public rpc::testing::AgentGroup {
  public:
-  explicit Group(int n) {
-    auto store = std::make_shared<trellis::store::HashStore>();
-    std::vector<std::thread> threads;
-    agents_.resize(n);
-    for (int i = 0; i < n; ++i) {
-      threads.emplace_back([&, i] {
-        rpc::RpcOptions o;
-        o.store = store;
-        o.localAddress = "127.0.0.1";
-        o.initTimeout = 30s;
-        // Bounds every call (backward's messages included) well below the
-        // test's timeout, so a hang fails with a message.
-        o.defaultTimeout = 30s;
-        agents_[i] = rpc::Agent::start("w" + std::to_string(i), i, n, o);
-      });
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-  ~Group() {
-    std::vector<std::thread> threads;
-    for (auto& a : agents_) {
-      threads.emplace_back([&a] { a->shutdown(false); });
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-
-  rpc::Agent& operator[](int i) { return *agents_[i]; }
-  int size() const { return static_cast<int>(agents_.size()); }
+  explicit Group(int n) : AgentGroup(n, options()) {}
 
  private:
-  std::vector<std::shared_ptr<rpc::Agent>> agents_;
-};
-
-bool waitUntil(const std::function<bool()>& pred, Duration limit = 5s) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) {
-      return true;
-    }
-    std::this_thread::sleep_for(5ms);
+  static rpc::RpcOptions options() {
+    rpc::RpcOptions o;
+    o.defaultTimeout = 30s;
+    return o;
   }
-  return pred();
-}
+};
+using rpc::testing::waitUntil;
 
 // The gradients `agent` holds for context `id`.
 dist::GradientMap gradientsOn(rpc::Agent& agent, uint64_t id) {

@@ -23,6 +23,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include "../rpc/agent_group.h"
 #include <trellis/core/error.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/optimizer.h>
@@ -141,51 +142,21 @@ namespace {
 
 constexpr double kTol = 1e-9;
 
-// N agents in this process; agents_[i] has rank i and name "w<i>".
-class Group {
+// Agents "w0".."w<n-1>" in this process; calls bounded at 30 s.
+class Group : public rpc::testing::AgentGroup {
  public:
-  explicit Group(int n) {
-    auto store = std::make_shared<trellis::store::HashStore>();
-    std::vector<std::thread> threads;
-    agents_.resize(n);
-    for (int i = 0; i < n; ++i) {
-      threads.emplace_back([&, i] {
-        rpc::RpcOptions o;
-        o.store = store;
-        o.localAddress = "127.0.0.1";
-        o.initTimeout = 30s;
-        o.defaultTimeout = 30s;
-        agents_[i] = rpc::Agent::start("w" + std::to_string(i), i, n, o);
-      });
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-  ~Group() {
-    std::vector<std::thread> threads;
-    for (auto& a : agents_) {
-      threads.emplace_back([&a] { a->shutdown(false, 30s); });
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-  rpc::Agent& operator[](int i) { return *agents_[i]; }
+  explicit Group(int n) : AgentGroup(n, options()) {}
 
  private:
-  std::vector<std::shared_ptr<rpc::Agent>> agents_;
+  static rpc::RpcOptions options() {
+    rpc::RpcOptions o;
+    o.defaultTimeout = 30s;
+    return o;
+  }
 };
 
 bool waitUntil(const std::function<bool()>& pred, Duration limit = 20s) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) {
-      return true;
-    }
-    std::this_thread::sleep_for(1ms);
-  }
-  return pred();
+  return rpc::testing::waitUntil(pred, limit);
 }
 
 double maxAbsDiff(const at::Tensor& a, const at::Tensor& b) {

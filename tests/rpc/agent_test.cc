@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "agent_group.h"
 #include <trellis/core/error.h>
 #include <trellis/rpc/profiler.h>
 #include <trellis/rpc/rpc.h>
@@ -120,56 +121,8 @@ TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
 namespace {
 
-// N agents in this process; agents_[i] has rank i and name "w<i>".
-class Group {
- public:
-  explicit Group(int n, rpc::RpcOptions base = {}) {
-    auto store = std::make_shared<trellis::store::HashStore>();
-    std::vector<std::thread> threads;
-    agents_.resize(n);
-    for (int i = 0; i < n; ++i) {
-      threads.emplace_back([&, i] {
-        rpc::RpcOptions o = base;
-        o.store = store;
-        o.localAddress = "127.0.0.1";
-        o.initTimeout = 30s;
-        agents_[i] = rpc::Agent::start("w" + std::to_string(i), i, n, o);
-      });
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-  ~Group() { shutdownAll(false); }
-
-  rpc::Agent& operator[](int i) { return *agents_[i]; }
-
-  void shutdownAll(bool graceful) {
-    std::vector<std::thread> threads;
-    for (auto& a : agents_) {
-      if (a != nullptr) {
-        threads.emplace_back([&a, graceful] { a->shutdown(graceful, 30s); });
-      }
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-
- private:
-  std::vector<std::shared_ptr<rpc::Agent>> agents_;
-};
-
-bool waitUntil(const std::function<bool()>& pred, Duration limit = 10s) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) {
-      return true;
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  return pred();
-}
+using Group = rpc::testing::AgentGroup;
+using rpc::testing::waitUntil;
 
 TEST(RpcAgent, CallsWithEveryKindOfArgument) {
   Group g(2);
