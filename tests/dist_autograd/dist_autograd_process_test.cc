@@ -17,7 +17,7 @@
 
 #include <gtest/gtest.h>
 
-#include "../transport/peer_process.h"
+#include "../rpc/worker_job.h"
 #include <trellis/core/auth.h>
 
 using namespace std::chrono_literals;
@@ -25,130 +25,10 @@ using trellis::transport::testing::Child;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
-std::string readFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// The worker binary with `env` added to ours and stderr to `stderrPath`.
-std::unique_ptr<Child> spawnWorker(std::vector<std::string> args,
-                                   const std::vector<std::string>& env,
-                                   const std::string& stderrPath) {
-  int fds[2];
-  EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_addopen(&fa, 2, stderrPath.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  args.insert(args.begin(), DIST_AUTOGRAD_WORKER);
-  std::vector<char*> argv;
-  for (auto& a : args) {
-    argv.push_back(a.data());
-  }
-  argv.push_back(nullptr);
-  std::vector<std::string> all = env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry(*e);
-    bool mine = false;
-    for (const auto& m : env) {
-      mine = mine || entry.rfind(m.substr(0, m.find('=') + 1), 0) == 0;
-    }
-    if (!mine) {
-      all.push_back(entry);
-    }
-  }
-  std::vector<char*> envp;
-  for (auto& e : all) {
-    envp.push_back(e.data());
-  }
-  envp.push_back(nullptr);
-  auto child = std::make_unique<Child>();
-  const int rc = posix_spawn(&child->pid, DIST_AUTOGRAD_WORKER, &fa, nullptr,
-                             argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(fds[1]);
-  child->out = fds[0];
-  EXPECT_EQ(rc, 0);
-  return child;
-}
-
-// N worker processes of one scenario; each Child SIGKILLs and reaps its
-// process if the test ends before it exited.
-class Job {
- public:
-  Job(const std::string& scenario, int n)
-      : dir_(std::filesystem::temp_directory_path() /
-             ("trellis_dist_autograd_" + std::to_string(::getpid()))) {
-    std::filesystem::create_directories(dir_);
-    const int port = freePort();
-    const std::string token = trellis::auth::JobToken::generate().secret();
-    for (int r = 0; r < n; ++r) {
-      children_.push_back(spawnWorker(
-          {scenario},
-          {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(n),
-           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-           "TRELLIS_JOB_TOKEN=" + token, "TRELLIS_LOG_LEVEL=info"},
-          stderrPath(r)));
-    }
-  }
-  ~Job() {
-    children_.clear();
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-
-  Child& operator[](int r) { return *children_[r]; }
-  std::string stderrPath(int r) const {
-    return dir_ / ("rank" + std::to_string(r) + ".err");
-  }
-  std::string stderrOf(int r) const { return readFile(stderrPath(r)); }
-
- private:
-  std::filesystem::path dir_;
-  std::vector<std::unique_ptr<Child>> children_;
-};
-
-bool exitedZero(int status) {
-  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-// Reads lines until one starts with `prefix`; "" if none within the bound.
-std::string lineStartingWith(Child& c, const std::string& prefix,
-                             int timeoutMs) {
-  const auto end = Clock::now() + std::chrono::milliseconds(timeoutMs);
-  while (Clock::now() < end) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        end - Clock::now());
-    std::string line = c.readLine(static_cast<int>(left.count()));
-    if (line.rfind(prefix, 0) == 0) {
-      return line;
-    }
-  }
-  return "";
-}
+using namespace trellis::rpc::testing;
 
 TEST(DistAutogradProcess, WorkerKilledDuringBackwardFailsItNamingTheWorker) {
-  Job job("kill", 3);
+  Job job(DIST_AUTOGRAD_WORKER, "kill", 3);
   // w0 -> w1 -> w2 forward; w2's backward function blocks.
   ASSERT_EQ(lineStartingWith(job[0], "backward", 60000), "backward")
       << job.stderrOf(0);

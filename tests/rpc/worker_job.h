@@ -1,0 +1,195 @@
+#pragma once
+
+// Test helper: a job of real worker processes (the rpc and dist_autograd
+// process tests), each a Child from peer_process.h.
+
+#include <arpa/inet.h>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <netinet/in.h>
+#include <sstream>
+#include <string>
+#include <sys/socket.h>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "../transport/peer_process.h"
+#include <trellis/core/auth.h>
+
+namespace trellis::rpc::testing {
+
+using transport::testing::Child;
+using Clock = std::chrono::steady_clock;
+
+inline int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+// Like peer_process.h's spawnHelper, with `env` added to ours and stderr
+// going to a file the test reads afterwards.
+inline std::unique_ptr<Child> spawnWorker(const std::string& binary,
+                                          std::vector<std::string> args,
+                                          const std::vector<std::string>& env,
+                                          const std::string& stderrPath) {
+  int fds[2];
+  EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_addopen(&fa, 2, stderrPath.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  args.insert(args.begin(), binary);
+  std::vector<char*> argv;
+  for (auto& a : args) {
+    argv.push_back(a.data());
+  }
+  argv.push_back(nullptr);
+  std::vector<std::string> all = env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    bool overridden = false;
+    for (const auto& mine : env) {
+      overridden =
+          overridden || entry.rfind(mine.substr(0, mine.find('=') + 1), 0) == 0;
+    }
+    if (!overridden) {
+      all.push_back(entry);
+    }
+  }
+  std::vector<char*> envp;
+  for (auto& e : all) {
+    envp.push_back(e.data());
+  }
+  envp.push_back(nullptr);
+  auto child = std::make_unique<Child>();
+  const int rc = posix_spawn(&child->pid, binary.c_str(), &fa, nullptr,
+                             argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(fds[1]);
+  child->out = fds[0];
+  EXPECT_EQ(rc, 0);
+  return child;
+}
+
+inline std::string readFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Lines of `text` logged at warn level or above.
+inline std::vector<std::string> loudLines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("[warning]") != std::string::npos ||
+        line.find("[error]") != std::string::npos ||
+        line.find("[critical]") != std::string::npos) {
+      out.push_back(line);
+    }
+  }
+  return out;
+}
+
+// One job: N worker processes of one scenario, started like a launcher
+// does (RANK, WORLD_SIZE, MASTER_ADDR/PORT, a job token), their stderr in a
+// temp dir. Each Child SIGKILLs and reaps its process if the test ends
+// before it exited.
+class Job {
+ public:
+  Job(const std::string& binary, const std::string& scenario, int n,
+      const std::vector<std::string>& extraArgs = {})
+      : dir_(std::filesystem::temp_directory_path() /
+             ("trellis_job_" + std::to_string(::getpid()) + "_" +
+              std::to_string(counter()++))),
+        token_(trellis::auth::JobToken::generate().secret()) {
+    std::filesystem::create_directories(dir_);
+    const int port = freePort();
+    for (int r = 0; r < n; ++r) {
+      std::vector<std::string> args = {scenario};
+      for (const auto& a : extraArgs) {
+        // "{dir}/x": a file in this job's temp dir.
+        args.push_back(a.rfind("{dir}/", 0) == 0 ? path(a.substr(6)) : a);
+      }
+      children_.push_back(spawnWorker(
+          binary, args,
+          {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(n),
+           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+           "TRELLIS_JOB_TOKEN=" + token_, "TRELLIS_LOG_LEVEL=info"},
+          stderrPath(r)));
+    }
+  }
+  ~Job() {
+    children_.clear();  // SIGKILLs and reaps any still running
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  Child& operator[](int r) { return *children_[r]; }
+  int size() const { return static_cast<int>(children_.size()); }
+  const std::string& token() const { return token_; }
+  std::string path(const std::string& name) const { return dir_ / name; }
+  std::string stderrPath(int r) const {
+    return path("rank" + std::to_string(r) + ".err");
+  }
+  std::string stderrOf(int r) const { return readFile(stderrPath(r)); }
+
+  // Every rank's exit status, each waited for within what is left of
+  // `limit`.
+  std::vector<int> waitAll(std::chrono::milliseconds limit) {
+    const auto end = Clock::now() + limit;
+    std::vector<int> out;
+    for (auto& c : children_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          end - Clock::now());
+      out.push_back(
+          c->wait(static_cast<int>(std::max<int64_t>(left.count(), 1))));
+    }
+    return out;
+  }
+
+ private:
+  static int& counter() {
+    static int c = 0;  // test threads only
+    return c;
+  }
+  std::filesystem::path dir_;
+  std::string token_;
+  std::vector<std::unique_ptr<Child>> children_;
+};
+
+inline bool exitedZero(int status) {
+  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// Reads lines until one starts with `prefix`; "" if none within the bound.
+inline std::string lineStartingWith(Child& c, const std::string& prefix,
+                                    int timeoutMs) {
+  const auto end = Clock::now() + std::chrono::milliseconds(timeoutMs);
+  while (Clock::now() < end) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        end - Clock::now());
+    std::string line = c.readLine(static_cast<int>(left.count()));
+    if (line.rfind(prefix, 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+}  // namespace trellis::rpc::testing
