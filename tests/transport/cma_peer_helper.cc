@@ -18,30 +18,16 @@
 #include <string>
 #include <vector>
 
+#include "transport_test_util.h"
 #include <trellis/core/future.h>
 #include <trellis/transport/context.h>
 
 using namespace trellis;
 using namespace trellis::transport;
+using trellis::transport::testing::fillPattern;
+using trellis::transport::testing::writeAsync;
 
 namespace {
-
-Future<void> writeMessage(Pipe& pipe, Message m) {
-  Promise<void> p;
-  pipe.write(std::move(m), [p](const Error& e) mutable {
-    e.ok() ? p.setValue() : p.setError(e);
-  });
-  return p.getFuture();
-}
-
-// The same pattern as tests/transport/transport_test_util.cc.
-void fill(uint8_t* p, size_t n, uint32_t seed) {
-  uint32_t x = seed * 2654435761u + 1;
-  for (size_t i = 0; i < n; ++i) {
-    x = x * 1103515245u + 12345u;
-    p[i] = static_cast<uint8_t>(x >> 24);
-  }
-}
 
 int sendMode(const std::string& address, size_t bytes, bool hold) {
   ContextOptions o;
@@ -51,16 +37,16 @@ int sendMode(const std::string& address, size_t bytes, bool hold) {
   auto pipe = ctx->connect(address);
   Message hello;
   hello.descriptor = "hello";
-  writeMessage(*pipe, hello).wait(std::chrono::seconds(30));
+  writeAsync(*pipe, hello).wait(std::chrono::seconds(30));
   std::printf("ready %s %s\n", pipe->transportName().c_str(),
               pipe->channelName().c_str());
   std::fflush(stdout);
   std::vector<uint8_t> big(bytes);
-  fill(big.data(), big.size(), 7);
+  fillPattern(big.data(), big.size(), 7);
   Message m;
   m.descriptor = "big";
   m.tensors.push_back({big.data(), big.size(), Device{}});
-  auto w = writeMessage(*pipe, m);
+  auto w = writeAsync(*pipe, m);
   if (hold) {
     std::printf("sent\n");
     std::fflush(stdout);

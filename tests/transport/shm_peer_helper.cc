@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "transport_test_util.h"
 #include <trellis/core/future.h>
 #include <trellis/transport/connection.h>
 #include <trellis/transport/context.h>
@@ -25,16 +26,9 @@
 
 using namespace trellis;
 using namespace trellis::transport;
+using trellis::transport::testing::writeAsync;
 
 namespace {
-
-Future<void> writeMessage(Pipe& pipe, Message m) {
-  Promise<void> p;
-  pipe.write(std::move(m), [p](const Error& e) mutable {
-    e.ok() ? p.setValue() : p.setError(e);
-  });
-  return p.getFuture();
-}
 
 int connectMode(const std::string& address) {
   ContextOptions o;
@@ -45,14 +39,14 @@ int connectMode(const std::string& address) {
   auto pipe = ctx->connect(address);
   Message hello;
   hello.descriptor = "hello";
-  writeMessage(*pipe, hello).wait(std::chrono::seconds(30));
+  writeAsync(*pipe, hello).wait(std::chrono::seconds(30));
   std::printf("ready %s\n", pipe->transportName().c_str());
   std::fflush(stdout);
   std::vector<uint8_t> big(size_t{64} << 20, 0x5a);
   Message m;
   m.descriptor = "big";
   m.payloads.push_back({big.data(), big.size()});
-  auto w = writeMessage(*pipe, m);
+  auto w = writeAsync(*pipe, m);
   // Bounded: the test kills us long before.
   w.waitFor(std::chrono::seconds(60));
   return 3;
@@ -104,7 +98,7 @@ int probeMode() {
   auto pipe = ctx->connect(l->address("uv"));
   Message m;
   m.descriptor = "x";
-  writeMessage(*pipe, m).wait(std::chrono::seconds(30));
+  writeAsync(*pipe, m).wait(std::chrono::seconds(30));
   if (pipe->transportName() != "uv") {
     std::fprintf(stderr, "fell back to '%s'\n", pipe->transportName().c_str());
     return 1;
