@@ -607,11 +607,11 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
   if (const uint64_t ctx = spec.recordAutograd ? tlsAutogradContext : 0;
       ctx != 0) {
     if (d.autograd == nullptr) {
-      return makeErrorFuture<Reply>(Error(
-          Code::kFailedPrecondition,
-          "call of '" + std::string(spec.function) +
-              "' inside a distributed-autograd context, but agent '" +
-              d.me.name + "' has no dist_autograd support linked in"));
+      return makeErrorFuture<Reply>(
+          Error(Code::kFailedPrecondition,
+                "call of '" + std::string(spec.function) +
+                    "' inside a distributed-autograd context, but agent '" +
+                    d.me.name + "' has no dist_autograd support linked in"));
     }
     try {
       env.set_autograd_context_id(ctx);
@@ -619,10 +619,9 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
           d.autograd->recordSend(ctx, to, args.gradTensors()));
     } catch (...) {
       Error e = errorFromCurrentException();
-      return makeErrorFuture<Reply>(
-          Error(e.code(), "rpc of '" + std::string(spec.function) + "' to " +
-                              describeWorker(d.workers[to]) + ": " +
-                              e.message()));
+      return makeErrorFuture<Reply>(Error(
+          e.code(), "rpc of '" + std::string(spec.function) + "' to " +
+                        describeWorker(d.workers[to]) + ": " + e.message()));
     }
   }
 
@@ -770,45 +769,44 @@ void Agent::Impl::onDescriptor(const std::shared_ptr<PipeState>& ps,
                errorFromCurrentException().message());
   }
   const auto arrived = Clock::now();
-  ps->pipe->read(
-      std::move(alloc), [this, ps, env, body, arrived](const Error& e) {
-        if (!e.ok()) {
-          onPipeError(ps, e);
+  ps->pipe->read(std::move(alloc), [this, ps, env, body,
+                                    arrived](const Error& e) {
+    if (!e.ok()) {
+      onPipeError(ps, e);
+      return;
+    }
+    received.fetch_add(1, std::memory_order_relaxed);
+    if (ps->outgoing) {
+      auto pc = takePending(env->request_id(), ps.get());
+      if (!pc) {
+        lateReplies.fetch_add(1, std::memory_order_relaxed);
+        TRELLIS_LOG_DEBUG("rpc agent {}: dropping the late reply {} from {}",
+                          me.name, env->request_id(),
+                          describeWorker(workers[body->from]));
+        return;
+      }
+      if (pc->completeOnLoop) {
+        // A blocked rpcSync waits on this future with no callbacks: setting
+        // it here wakes the caller directly, one thread hop fewer.
+        handleReply(std::move(*pc), *env, std::move(*body));
+        return;
+      }
+      post(*completions,
+           [this, env, body,
+            pc = std::make_shared<PendingCall>(std::move(*pc))](const Error&) {
+             handleReply(std::move(*pc), *env, std::move(*body));
+           });
+    } else {
+      running.fetch_add(1);
+      post(*handlers, [this, ps, env, body, arrived](const Error& pe) {
+        if (!pe.ok()) {  // pool shut down (shutdown(false))
+          running.fetch_sub(1);
           return;
         }
-        received.fetch_add(1, std::memory_order_relaxed);
-        if (ps->outgoing) {
-          auto pc = takePending(env->request_id(), ps.get());
-          if (!pc) {
-            lateReplies.fetch_add(1, std::memory_order_relaxed);
-            TRELLIS_LOG_DEBUG("rpc agent {}: dropping the late reply {} from {}",
-                              me.name, env->request_id(),
-                              describeWorker(workers[body->from]));
-            return;
-          }
-          if (pc->completeOnLoop) {
-            // A blocked rpcSync waits on this future with no callbacks: setting
-            // it here wakes the caller directly, one thread hop fewer.
-            handleReply(std::move(*pc), *env, std::move(*body));
-            return;
-          }
-          post(*completions,
-               [this, env, body,
-                pc = std::make_shared<PendingCall>(std::move(*pc))](
-                   const Error&) {
-                 handleReply(std::move(*pc), *env, std::move(*body));
-               });
-        } else {
-          running.fetch_add(1);
-          post(*handlers, [this, ps, env, body, arrived](const Error& pe) {
-            if (!pe.ok()) {  // pool shut down (shutdown(false))
-              running.fetch_sub(1);
-              return;
-            }
-            handleRequest(ps, env, std::move(*body), arrived);
-          });
-        }
+        handleRequest(ps, env, std::move(*body), arrived);
       });
+    }
+  });
   armRead(ps);
 }
 
@@ -895,8 +893,9 @@ void Agent::Impl::handleRequest(const std::shared_ptr<PipeState>& ps,
                         "'" + env->function() +
                             "' was called inside a distributed-autograd "
                             "context, but worker '" +
-                            me.name + "' has no dist_autograd support linked "
-                                      "in"));
+                            me.name +
+                            "' has no dist_autograd support linked "
+                            "in"));
     }
     try {
       receiver = autograd->recordRecv(autogradContext, body.from,
@@ -1149,10 +1148,33 @@ void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
   };
   std::optional<Round> previous;
   std::vector<std::string> keys(worldSize);
+  // The workers whose entry of this round is missing, for the error.
+  auto missing = [&]() {
+    std::string out;
+    for (int32_t r = 0; r < worldSize; ++r) {
+      bool present = false;
+      try {
+        present = store->check({keys[r]});
+      } catch (const std::exception&) {
+        // Naming them is best effort; the timeout is the error.
+      }
+      if (!present) {
+        out += (out.empty() ? "" : ", ") + describeWorker(workers[r]);
+      }
+    }
+    return out.empty() ? std::string("none") : out;
+  };
+  // Workers with calls in flight in the last round, for the error.
+  std::string busy;
   for (int round = 0;; ++round) {
     if (deadline.expired()) {
       throwError(Error::timeout("rpc shutdown of '" + me.name +
-                                "': the group did not become idle in time"));
+                                "': the group did not become idle "
+                                "within " +
+                                formatDuration(quiesceTimeout) +
+                                (busy.empty()
+                                     ? std::string()
+                                     : "; calls still in flight on " + busy)));
     }
     Round mine;
     {
@@ -1180,21 +1202,39 @@ void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
         throwError(Error::timeout("rpc shutdown of '" + me.name +
                                   "': not every worker entered "
                                   "shutdown within " +
-                                  formatDuration(arrival)));
+                                  formatDuration(arrival) +
+                                  "; missing: " + missing()));
       }
       deadline = Deadline::fromTimeout(quiesceTimeout);
     } else {
-      store->wait(keys, std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::max(deadline.remaining(),
-                                     Duration(std::chrono::milliseconds(1)))));
+      try {
+        store->wait(
+            keys,
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
+                deadline.remaining(), Duration(std::chrono::milliseconds(1)))));
+      } catch (const TimeoutError&) {
+        // A worker that stops taking part (it died, or hangs) stalls the
+        // rounds: name it.
+        throwError(Error::timeout("rpc shutdown of '" + me.name +
+                                  "': the group did not become "
+                                  "idle within " +
+                                  formatDuration(quiesceTimeout) +
+                                  "; no longer taking part: " + missing()));
+      }
     }
     Round total;
-    for (const auto& v : store->multiGet(keys)) {
-      const std::string s(v.begin(), v.end());
+    busy.clear();
+    const auto entries = store->multiGet(keys);
+    for (size_t r = 0; r < entries.size(); ++r) {
+      const std::string s(entries[r].begin(), entries[r].end());
       unsigned long long a = 0, sn = 0, rc = 0;
       if (std::sscanf(s.c_str(), "%llu %llu %llu", &a, &sn, &rc) != 3) {
         throwError(
             Error::protocol("rpc shutdown: malformed round entry '" + s + "'"));
+      }
+      if (a != 0) {
+        busy += (busy.empty() ? "" : ", ") + describeWorker(workers[r]) + " (" +
+                std::to_string(a) + ")";
       }
       total.active += a;
       total.sent += sn;

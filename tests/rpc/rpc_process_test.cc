@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string>
 #include <sys/socket.h>
+#include <thread>
 #include <vector>
 
 #include <climits>
@@ -93,6 +94,31 @@ TEST(RpcProcess, CalleeKilledMidCallFailsTheCallerOnlyForIt) {
   const auto s2 = job[2].wait(20000);
   EXPECT_TRUE(exitedZero(s0)) << job.stderrOf(0);
   EXPECT_TRUE(exitedZero(s2)) << job.stderrOf(2);
+}
+
+TEST(RpcProcess, WorkerDyingDuringGracefulShutdownFailsItNamingTheWorker) {
+  RpcJob job("shutdown-dies", 3, {"{dir}/go"});
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(lineStartingWith(job[r], "entering-shutdown", 60000),
+              "entering-shutdown")
+        << job.stderrOf(r);
+  }
+  // All three are in the quiescence rounds, held there by w0's call to w2.
+  std::this_thread::sleep_for(300ms);
+  ASSERT_EQ(::kill(job[2].pid, SIGKILL), 0);  // a pid this test started
+  const int victim = job[2].wait(10000);
+  EXPECT_TRUE(WIFSIGNALED(victim) && WTERMSIG(victim) == SIGKILL);
+  for (int r = 0; r < 2; ++r) {
+    // shutdownTimeout is 4 s in this scenario; allow generous slack.
+    const std::string err = lineStartingWith(job[r], "TimeoutError", 30000);
+    ASSERT_FALSE(err.empty()) << job.stderrOf(r);
+    EXPECT_NE(err.find("w2"), std::string::npos) << err;
+    std::printf("w%d: %s\n", r, err.c_str());
+  }
+  std::ofstream(job.path("go")) << "go\n";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(exitedZero(job[r].wait(20000))) << job.stderrOf(r);
+  }
 }
 
 TEST(RpcProcess, RRefForkedAcrossThreeProcessesFreedExactlyAfterLastUser) {

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -101,6 +102,18 @@ bool waitFinish(std::chrono::seconds limit) {
   return gFinish.get_future().wait_for(limit) == std::future_status::ready;
 }
 
+// Waits (bounded) until the test creates `path`.
+bool waitForFile(const std::string& path, std::chrono::seconds limit) {
+  const auto start = Clock::now();
+  while (!std::filesystem::exists(path)) {
+    if (Clock::now() - start > limit) {
+      return false;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
 int scenarioPairs(int32_t rank, int32_t world) {
   for (int32_t to = 0; to < world; ++to) {
     if (rpc::rpcSync<whoAmI>(to) != name(to) ||
@@ -154,6 +167,38 @@ int scenarioKill(int32_t rank) {
   rpc::rpcSync<finish>({"w2", 5s});
   rpc::shutdown(false);
   return v == 42 ? 0 : 1;
+}
+
+// A worker dies while the group is in graceful shutdown: w0 has a call in
+// flight to w2 (so the group cannot go idle), everybody enters shutdown, the
+// test SIGKILLs w2. The others' shutdown must fail within shutdownTimeout
+// (or shutdownArrivalTimeout, should w2 die before it arrived) naming w2,
+// not hang. w0 hosts the store, so it stays until the test has read w1's
+// result (`goFile`).
+int scenarioShutdownDies(int32_t rank, const std::string& goFile) {
+  std::optional<trellis::Future<int64_t>> pending;
+  if (rank == 0) {
+    pending = rpc::rpcAsync<sleepMs>("w2", int64_t{60000});
+    // w2 is serving it once it answers a second call.
+    rpc::rpcSync<addInts>("w2", 1, 2);
+  }
+  say("entering-shutdown");
+  const auto t0 = Clock::now();
+  try {
+    rpc::shutdown(true);
+    say("shutdown ok");
+    return 1;
+  } catch (const trellis::TimeoutError& e) {
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0)
+            .count();
+    say("TimeoutError after " + std::to_string(ms) + " ms: " + e.what());
+  }
+  if (rank == 0 && !waitForFile(goFile, 60s)) {
+    say("no go file");
+  }
+  rpc::shutdown(false);
+  return 0;
 }
 
 int scenarioRRef(int32_t rank) {
@@ -238,13 +283,9 @@ int scenarioServe(int32_t rank, const std::string& goFile) {
     rpc::shutdown(true, 30s);
     return told ? 0 : 1;
   }
-  const auto start = Clock::now();
-  while (!std::filesystem::exists(goFile)) {
-    if (Clock::now() - start > 60s) {
-      say("no go file");
-      return 1;
-    }
-    std::this_thread::sleep_for(10ms);
+  if (!waitForFile(goFile, 60s)) {
+    say("no go file");
+    return 1;
   }
   const int64_t v = rpc::rpcSync<addInts>({"w0", 10s}, 40, 2);
   say("after " + std::to_string(v));
@@ -273,6 +314,10 @@ int main(int argc, char** argv) {
     rpc::RpcOptions o;
     o.localAddress = "127.0.0.1";
     o.initTimeout = 60s;
+    if (scenario == "shutdown-dies") {
+      o.shutdownTimeout = 4s;
+      o.shutdownArrivalTimeout = 10s;
+    }
     const auto t0 = Clock::now();
     rpc::init(name(rank), rank, world, o);
     const auto initTook = Clock::now() - t0;
@@ -284,6 +329,9 @@ int main(int argc, char** argv) {
     }
     if (scenario == "rref") {
       return scenarioRRef(rank);
+    }
+    if (scenario == "shutdown-dies") {
+      return scenarioShutdownDies(rank, argc > 2 ? argv[2] : "");
     }
     if (scenario == "many") {
       return scenarioMany(rank, world, t0, initTook);
