@@ -167,19 +167,10 @@ TRELLIS_REMOTE_METHODS(Scaler, forward);
 
 namespace {
 
-// Agents "w0".."w2" in this process. Every call (backward's messages
-// included) is bounded well below the test's timeout, so a hang fails with
-// a message.
-class Group : public rpc::testing::AgentGroup {
- public:
-  explicit Group(int n) : AgentGroup(n, options()) {}
-
- private:
-  static rpc::RpcOptions options() {
-    rpc::RpcOptions o;
-    o.defaultTimeout = 30s;
-    return o;
-  }
+// Agents "w0".."w<n-1>" in this process; every call (backward's messages
+// included) bounded at 30 s.
+struct Group : rpc::testing::AgentGroup {
+  explicit Group(int n) : AgentGroup(n, rpc::testing::callsBoundedBy(30s)) {}
 };
 using rpc::testing::waitUntil;
 

@@ -142,17 +142,10 @@ namespace {
 
 constexpr double kTol = 1e-9;
 
-// Agents "w0".."w<n-1>" in this process; calls bounded at 30 s.
-class Group : public rpc::testing::AgentGroup {
- public:
-  explicit Group(int n) : AgentGroup(n, options()) {}
-
- private:
-  static rpc::RpcOptions options() {
-    rpc::RpcOptions o;
-    o.defaultTimeout = 30s;
-    return o;
-  }
+// Agents "w0".."w<n-1>" in this process; every call (backward's messages
+// included) bounded at 30 s.
+struct Group : rpc::testing::AgentGroup {
+  explicit Group(int n) : AgentGroup(n, rpc::testing::callsBoundedBy(30s)) {}
 };
 
 bool waitUntil(const std::function<bool()>& pred, Duration limit = 20s) {

@@ -64,6 +64,14 @@ class AgentGroup {
   std::vector<std::shared_ptr<Agent>> agents_;
 };
 
+// Options whose calls are bounded by `timeout` (so a hang fails the test
+// with a message instead of running into ctest's limit).
+inline RpcOptions callsBoundedBy(Duration timeout) {
+  RpcOptions o;
+  o.defaultTimeout = timeout;
+  return o;
+}
+
 // Polls `pred` until it holds or `limit` passes; returns its last value.
 inline bool waitUntil(const std::function<bool()>& pred,
                       Duration limit = std::chrono::seconds(10)) {
