@@ -39,52 +39,6 @@ inline int freePort() {
   return port;
 }
 
-// Like peer_process.h's spawnHelper, with `env` added to ours and stderr
-// going to a file the test reads afterwards.
-inline std::unique_ptr<Child> spawnWorker(const std::string& binary,
-                                          std::vector<std::string> args,
-                                          const std::vector<std::string>& env,
-                                          const std::string& stderrPath) {
-  int fds[2];
-  EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_addopen(&fa, 2, stderrPath.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  args.insert(args.begin(), binary);
-  std::vector<char*> argv;
-  for (auto& a : args) {
-    argv.push_back(a.data());
-  }
-  argv.push_back(nullptr);
-  std::vector<std::string> all = env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry(*e);
-    bool overridden = false;
-    for (const auto& mine : env) {
-      overridden =
-          overridden || entry.rfind(mine.substr(0, mine.find('=') + 1), 0) == 0;
-    }
-    if (!overridden) {
-      all.push_back(entry);
-    }
-  }
-  std::vector<char*> envp;
-  for (auto& e : all) {
-    envp.push_back(e.data());
-  }
-  envp.push_back(nullptr);
-  auto child = std::make_unique<Child>();
-  const int rc = posix_spawn(&child->pid, binary.c_str(), &fa, nullptr,
-                             argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(fds[1]);
-  child->out = fds[0];
-  EXPECT_EQ(rc, 0);
-  return child;
-}
-
 inline std::string readFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
@@ -126,7 +80,7 @@ class Job {
         // "{dir}/x": a file in this job's temp dir.
         args.push_back(a.rfind("{dir}/", 0) == 0 ? path(a.substr(6)) : a);
       }
-      children_.push_back(spawnWorker(
+      children_.push_back(transport::testing::spawnHelper(
           binary, args,
           {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(n),
            "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),

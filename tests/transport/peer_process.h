@@ -78,15 +78,21 @@ struct Child {
 };
 
 // Starts `path args...` with this process's environment plus `env`
-// ("NAME=value" entries, which take precedence).
+// ("NAME=value" entries, which take precedence); its stdout is the Child's
+// pipe, its stderr ours or, when `stderrPath` is set, that file.
 inline std::unique_ptr<Child> spawnHelper(const std::string& path,
                                           std::vector<std::string> args,
-                                          std::vector<std::string> env = {}) {
+                                          std::vector<std::string> env = {},
+                                          const std::string& stderrPath = "") {
   int fds[2];
   EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0);
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  if (!stderrPath.empty()) {
+    posix_spawn_file_actions_addopen(&fa, 2, stderrPath.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
   args.insert(args.begin(), path);
   std::vector<char*> argv;
   for (auto& a : args) {
