@@ -6,6 +6,7 @@
 #include <trellis/core/future.h>
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/spin.h>
 
 namespace trellis {
 
@@ -34,6 +35,29 @@ void throwNotCompleted() {
 }
 
 }  // namespace detail
+
+Duration spinBudget() {
+  static const Duration budget = [] {
+    constexpr int64_t kDefaultUs = 50;
+    constexpr int64_t kMaxUs = 100000;
+    const char* env = std::getenv("TRELLIS_SPIN_US");
+    if (env == nullptr || *env == '\0') {
+      return Duration(std::chrono::microseconds(kDefaultUs));
+    }
+    char* end = nullptr;
+    const long long us = std::strtoll(env, &end, 10);
+    if (*end != '\0' || us < 0 || us > kMaxUs) {
+      std::fprintf(stderr,
+                   "trellis: TRELLIS_SPIN_US='%s' is not a number of "
+                   "microseconds in [0, %lld]; using %lld\n",
+                   env, static_cast<long long>(kMaxUs),
+                   static_cast<long long>(kDefaultUs));
+      return Duration(std::chrono::microseconds(kDefaultUs));
+    }
+    return Duration(std::chrono::microseconds(us));
+  }();
+  return budget;
+}
 
 IdAllocator& rootIds() {
   static IdAllocator ids("");

@@ -798,9 +798,13 @@ void Agent::Impl::onDescriptor(const std::shared_ptr<PipeState>& ps,
            });
     } else {
       running.fetch_add(1);
+      // The reply comes back to this loop from a worker thread within
+      // microseconds for most calls: poll for it rather than sleep.
+      ctx->beginExpectedWork();
       post(*handlers, [this, ps, env, body, arrived](const Error& pe) {
         if (!pe.ok()) {  // pool shut down (shutdown(false))
           running.fetch_sub(1);
+          ctx->endExpectedWork();
           return;
         }
         handleRequest(ps, env, std::move(*body), arrived);
@@ -1038,6 +1042,7 @@ void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
              onPipeError(ps, e);
            }
          });
+    ctx->endExpectedWork();
     running.fetch_sub(1);
   });
 }

@@ -826,6 +826,8 @@ std::shared_ptr<Pipe> Context::connect(const std::string& address) {
 }
 
 void Context::close() { impl_->close(); }
+void Context::beginExpectedWork() { impl_->loop().beginExpectedWork(); }
+void Context::endExpectedWork() { impl_->loop().endExpectedWork(); }
 
 bool Context::join(Duration timeout) {
   return impl_->join(Deadline::fromTimeout(timeout));

@@ -94,6 +94,15 @@ class Context {
   std::shared_ptr<Pipe> connect(const std::string& address);
 
   void close();
+
+  // A hint that work will reach this context from another thread within
+  // microseconds, such as a reply a worker thread is computing: until the
+  // matching endExpectedWork(), the context's loop polls briefly
+  // (TRELLIS_SPIN_US, default 50 µs, after each piece of work) instead of
+  // sleeping, which saves a thread wake-up per hand-off. Balanced calls;
+  // thread-safe; never needed for correctness.
+  void beginExpectedWork();
+  void endExpectedWork();
   bool join(Duration timeout = Duration::zero());
 
   const std::string& name() const;

@@ -59,8 +59,11 @@ class Loop {
    public:
     explicit Scope(Loop& loop) : loop_(loop) { ++loop_.scopeDepth_; }
     ~Scope() {
-      if (--loop_.scopeDepth_ == 0 && !loop_.local_.empty()) {
-        loop_.drainLocal();
+      if (--loop_.scopeDepth_ == 0) {
+        if (!loop_.local_.empty()) {
+          loop_.drainLocal();
+        }
+        loop_.markHot();
       }
     }
     Scope(const Scope&) = delete;
@@ -69,6 +72,15 @@ class Loop {
    private:
     Loop& loop_;
   };
+
+  // Work is expected to reach this loop from another thread within
+  // microseconds (say, a reply from the worker thread a request was handed
+  // to). Until the matching endExpectedWork(), the loop polls for up to
+  // spinBudget() (TRELLIS_SPIN_US) after each piece of work instead of
+  // sleeping in epoll, so a task deferred to it (or I/O) is picked up
+  // without a wake-up. Balanced calls; any thread.
+  void beginExpectedWork();
+  void endExpectedWork();
 
   // Loop thread only: closes the loop's own handles; uv_run then returns
   // once every other handle has been closed by its owner.
@@ -81,6 +93,11 @@ class Loop {
   explicit Loop(std::string id);
   static void onAsync(uv_async_t* h);
   static void onIdle(uv_idle_t* h);
+  static void onSpin(uv_idle_t* h);
+  // While work is expected (expecting_ > 0), each piece of work the loop
+  // does keeps it polling for spinBudget() before it sleeps again.
+  void markHot();
+  void runRemote();
   void threadMain();
   void runLocal();
   void drainLocal();
@@ -96,6 +113,7 @@ class Loop {
   std::vector<Task> remote_;  // guarded by mu_
   bool exited_ = false;       // guarded by mu_
   bool asyncClosed_ = false;  // guarded by mu_
+  bool polling_ = false;      // guarded by mu_: the loop polls remote_
   std::mutex joinMu_;
   bool finished_ = false;  // guarded by joinMu_
   std::condition_variable_any joinCv_;
@@ -103,6 +121,11 @@ class Loop {
   // Loop thread only.
   std::vector<Task> local_;
   bool idleActive_ = false;
+  uv_idle_t spin_;
+  bool spinActive_ = false;
+  uint64_t hotUntilNs_ = 0;
+  uint64_t spinNs_ = 0;
+  std::atomic<int> expecting_{0};
   bool stopped_ = false;
   int publicDepth_ = 0;
   int scopeDepth_ = 0;

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sys/resource.h>
 #include <thread>
 #include <vector>
 
@@ -458,6 +459,57 @@ TEST(PerDeviceChannels, WithoutACudaChannelCudaWritesFailAndNothingElse) {
   w3.wait(kWait);
   EXPECT_EQ(r.descriptor, "cpu");
   EXPECT_EQ(r.tensors.at(0), cpu.tensors.at(0));
+}
+
+// ---- expected work: brief polling, never idle polling -----------------------
+
+double processCpuSeconds() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+TEST(ExpectedWorkTest, PollingLoopsLoseNothingAndStopPollingWhenIdle) {
+  auto server = Context::create(uvOnly("server"));
+  auto client = Context::create(uvOnly("client"));
+  auto l = server->listen({"uv://127.0.0.1:0"});
+  auto c = client->connect(l->address("uv"));
+  auto s = acceptOne(*l);
+  // Both loops expect work, as an RPC callee's does while a request runs:
+  // writes from this thread then reach them while they poll, without the
+  // async wake-up. Every message must still arrive, in order.
+  server->beginExpectedWork();
+  client->beginExpectedWork();
+  for (int i = 0; i < 2000; ++i) {
+    const size_t size = i % 7 == 0 ? 70000 : 8;
+    auto m = patterned("m" + std::to_string(i), {size}, {},
+                       static_cast<uint32_t>(i));
+    auto w = writeAsync(*c, m.view());
+    auto r = readAsync(s).wait(kWait);
+    w.wait(kWait);
+    ASSERT_EQ(r.descriptor, m.descriptor);
+    ASSERT_EQ(r.payloads, m.payloads);
+    writeAsync(*s, m.view()).wait(kWait);
+    ASSERT_EQ(readAsync(c).wait(kWait).descriptor, m.descriptor);
+  }
+  // Still expecting, but nothing comes: the loops poll for the budget
+  // (50 µs by default) after their last work and then sleep.
+  auto r1 = readAsync(s);
+  auto r2 = readAsync(c);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const double before = processCpuSeconds();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double used = processCpuSeconds() - before;
+  EXPECT_LT(used, 0.1) << "CPU seconds used over 1 s by loops with nothing "
+                          "to do";
+  // Sleeping loops still wake for work.
+  writeAsync(*c, patterned("wake", {}, {}, 0).view()).wait(kWait);
+  EXPECT_EQ(r1.wait(kWait).descriptor, "wake");
+  server->endExpectedWork();
+  client->endExpectedWork();
+  writeAsync(*s, patterned("wake2", {}, {}, 0).view()).wait(kWait);
+  EXPECT_EQ(r2.wait(kWait).descriptor, "wake2");
 }
 
 }  // namespace
