@@ -256,6 +256,9 @@ TEST(RpcAgent, LargeTensorEcho) {
   at::Tensor big = at::arange(int64_t{4} << 20).to(at::kFloat);  // 16 MiB
   at::Tensor r = rpc::rpcSync<addOneTensor>("w1", big);
   EXPECT_TRUE(r.equal(big.add(1)));
+  // Received into a pooled buffer aligned for 2 MiB huge pages (docs/rpc.md,
+  // "Threads"), which is what lets the kernel back it with them.
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(r.data_ptr()) % (size_t{2} << 20), 0u);
 }
 
 TEST(RRefTest, RemoteToHereAndMethods) {
