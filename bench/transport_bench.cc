@@ -1,23 +1,43 @@
 // Transport benchmark: 8-byte ping-pong round trip and one-way throughput
 // over Trellis pipes, next to baselines measured in the same run (raw TCP
-// and UNIX sockets, memcpy). `--json` prints one JSON object per line.
+// and UNIX sockets, memcpy). `--json` prints one JSON object per line;
+// notes (`# ...`, e.g. a row skipped) go to stderr.
 //
 // Buffers are allocated and touched once before timing: fresh pages fault
 // at a fraction of copy bandwidth and would measure the kernel, not us.
+//
+// The `*_hugepages` rows repeat memcpy and cma with both buffers on 2 MiB
+// transparent huge pages: process_vm_readv walks and pins the source page
+// by page, so on 4 KiB pages it runs at a fraction of memcpy speed while on
+// huge pages it comes close to it. They show what cma can reach when a
+// user's tensors live on huge pages.
+//
+// Built as transport_bench_tensorpipe (TRELLIS_BENCH_TENSORPIPE) it also
+// measures TensorPipe in the same run, the same way: its uv and shm
+// transports with the basic channel (`tensorpipe_uv_*`, `tensorpipe_shm_*`)
+// and its cma channel over shm (`tensorpipe_cma_*`), so that each of our
+// rows has its TensorPipe counterpart next to it.
 
 #include <algorithm>
 #include <arpa/inet.h>
+#include <array>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <thread>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 #ifdef TRELLIS_BENCH_TENSORPIPE
@@ -52,6 +72,126 @@ std::vector<uint8_t> prefaulted(size_t n) {
   }
   return v;
 }
+
+// A line for the reader outside the table and the JSON lines: stderr.
+void note(const std::string& line) {
+  std::fprintf(stderr, "# %s\n", line.c_str());
+}
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// Memory on transparent huge pages, unmapped when dropped. THP here is in
+// `madvise` mode: only advised ranges get huge pages, and only whole 2 MiB
+// aligned pieces of them, so the range is aligned and rounded up to that.
+class HugePageBuffer {
+ public:
+  explicit HugePageBuffer(size_t n)
+      : size_((n + kHugePage - 1) / kHugePage * kHugePage) {
+    // mmap aligns to 4 KiB only: map one huge page more and trim the ends.
+    const size_t span = size_ + kHugePage;
+    void* p = ::mmap(nullptr, span, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::perror("mmap");
+      std::exit(1);
+    }
+    const auto base = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t start = (base + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t end = start + size_;
+    if (start > base) {
+      ::munmap(p, start - base);
+    }
+    if (base + span > end) {
+      ::munmap(reinterpret_cast<void*>(end), base + span - end);
+    }
+    data_ = reinterpret_cast<uint8_t*>(start);
+    if (::madvise(data_, size_, MADV_HUGEPAGE) != 0) {
+      // A kernel without THP: the rows then measure 4 KiB pages; say so.
+      note(std::string("madvise(MADV_HUGEPAGE): ") + std::strerror(errno));
+    }
+    // Fault it in now (one huge page per 2 MiB where granted).
+    for (size_t i = 0; i < size_; i += 4096) {
+      data_[i] = 1;
+    }
+  }
+  HugePageBuffer(HugePageBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
+  HugePageBuffer(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(HugePageBuffer&&) = delete;
+  ~HugePageBuffer() {
+    if (data_ != nullptr) {
+      ::munmap(data_, size_);
+    }
+  }
+
+  uint8_t* data() const { return data_; }
+
+  // The share (0..1) of the mapping holding this buffer that the kernel
+  // backs with huge pages (/proc/self/smaps); -1 if it cannot tell. The
+  // advice is only a request: fragmented memory gets 4 KiB pages.
+  double hugeShare() const {
+    std::FILE* f = std::fopen("/proc/self/smaps", "r");
+    if (f == nullptr) {
+      return -1;
+    }
+    const auto p = reinterpret_cast<uintptr_t>(data_);
+    bool inside = false;
+    double sizeKb = 0;
+    double hugeKb = -1;
+    char line[512];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned long lo = 0;
+      unsigned long hi = 0;
+      double kb = 0;
+      if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+        if (inside) {
+          break;  // past our mapping's fields
+        }
+        inside = p >= lo && p < hi;
+      } else if (inside && std::sscanf(line, "Size: %lf", &kb) == 1) {
+        sizeKb = kb;
+      } else if (inside && std::sscanf(line, "AnonHugePages: %lf", &kb) == 1) {
+        hugeKb = kb;
+      }
+    }
+    std::fclose(f);
+    return sizeKb > 0 && hugeKb >= 0 ? hugeKb / sizeKb : -1;
+  }
+
+ private:
+  uint8_t* data_;
+  size_t size_;
+};
+
+HugePageBuffer hugePageBuffer(size_t n) { return HugePageBuffer(n); }
+
+// Which pages a throughput run's buffers are on.
+enum class Pages { kSmall, kHuge };
+
+// A throughput run's source or destination, mapped before timing. Where
+// the kernel granted fewer huge pages than asked, a note says so: the row
+// then measures a mix.
+class RunBuffer {
+ public:
+  RunBuffer(size_t n, Pages pages, const std::string& row) {
+    if (pages == Pages::kSmall) {
+      small_ = prefaulted(n);
+      return;
+    }
+    huge_.emplace(hugePageBuffer(n));
+    const double share = huge_->hugeShare();
+    if (share < 0.99) {
+      note(row + ": only " + std::to_string(share) +
+           " of a buffer's mapping is on huge pages (-1: unknown)");
+    }
+  }
+  uint8_t* data() { return huge_ ? huge_->data() : small_.data(); }
+
+ private:
+  std::vector<uint8_t> small_;
+  std::optional<HugePageBuffer> huge_;
+};
 
 void addLatency(const std::string& prefix, std::vector<double>& us,
                 const std::string& baselinePrefix) {
@@ -136,18 +276,30 @@ void rawBaselines() {
   ::close(sv[1]);
 }
 
+// One-thread memcpy of n bytes from a to b, repeatedly; GB/s.
+double memcpyRate(uint8_t* a, uint8_t* b, size_t n) {
+  const int reps = 32;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < reps; ++i) {
+    std::memcpy(b, a, n);
+    a[i] = b[n - 1 - i];  // keep the copies observable
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  return reps * n / secs / 1e9;
+}
+
+// The same on huge pages is the baseline of the *_hugepages rows: it shows
+// what the page size does to a plain copy (little) next to what it does to
+// process_vm_readv (a lot).
 void memcpyBaseline() {
   const size_t n = 64 * kMiB;
   auto a = prefaulted(n);
   auto b = prefaulted(n);
-  const int reps = 32;
-  const auto t0 = Clock::now();
-  for (int i = 0; i < reps; ++i) {
-    std::memcpy(b.data(), a.data(), n);
-    a[i] = b[n - 1 - i];  // keep the copies observable
-  }
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  report.add({"memcpy_64MiB", reps * n / secs / 1e9, "GB/s", ""});
+  report.add({"memcpy_64MiB", memcpyRate(a.data(), b.data(), n), "GB/s", ""});
+  RunBuffer ha(n, Pages::kHuge, "memcpy_64MiB_hugepages");
+  RunBuffer hb(n, Pages::kHuge, "memcpy_64MiB_hugepages");
+  report.add({"memcpy_64MiB_hugepages", memcpyRate(ha.data(), hb.data(), n),
+              "GB/s", ""});
 }
 
 // ---- Trellis pipes -------------------------------------------------------
@@ -257,12 +409,14 @@ std::vector<double> pipePingPong(PipeBench& b) {
 }
 
 // One-way throughput; `asTensor` sends the bytes as one CPU tensor (which a
-// cma pipe moves out of band) instead of a payload.
+// cma pipe moves out of band) instead of a payload; `pages` picks the pages
+// of the source and destination.
 double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
-                      size_t total = kBytesPerSize) {
+                      size_t total = kBytesPerSize,
+                      Pages pages = Pages::kSmall) {
   const size_t count = std::max<size_t>(total / size, 4);
-  auto src = prefaulted(size);
-  auto dst = prefaulted(size);
+  RunBuffer src(size, pages, "pipeThroughput");
+  RunBuffer dst(size, pages, "pipeThroughput");
   Promise<void> done;
   size_t received = 0;
   std::function<void()> readNext = [&] {
@@ -371,56 +525,153 @@ void trellisCma() {
     report.add({"cma_throughput_" + n, pipeThroughput(cmaPipe, size, true),
                 "GB/s", "memcpy_64MiB"});
   }
+  for (size_t size : kSizes) {
+    const std::string n = std::to_string(size / kMiB) + "MiB";
+    report.add(
+        {"cma_throughput_" + n + "_hugepages",
+         pipeThroughput(cmaPipe, size, true, kBytesPerSize, Pages::kHuge),
+         "GB/s", "memcpy_64MiB_hugepages"});
+  }
 }
 
 #ifdef TRELLIS_BENCH_TENSORPIPE
-// TensorPipe's uv transport + basic channel, measured the same way: ping-pong
-// from callbacks on its loop, one-way throughput into a reused buffer.
-void tensorpipeUv() {
-  auto server = std::make_shared<tensorpipe::Context>();
-  auto client = std::make_shared<tensorpipe::Context>();
-  for (auto& ctx : {server, client}) {
-    ctx->registerTransport(0, "uv", tensorpipe::transport::uv::create());
-    ctx->registerChannel(0, "basic", tensorpipe::channel::basic::create());
-  }
-  auto listener = server->listen({"uv://127.0.0.1:0"});
-  Promise<std::shared_ptr<tensorpipe::Pipe>> accepted;
-  listener->accept([accepted](const tensorpipe::Error& e,
-                              std::shared_ptr<tensorpipe::Pipe> p) mutable {
-    e ? accepted.setError(Error::connection(e.what())) : accepted.setValue(p);
-  });
-  auto c = client->connect(listener->url("uv"));
-  auto s = accepted.getFuture().wait(std::chrono::seconds(30));
+// ---- TensorPipe, measured the way our pipes are --------------------------
 
+Error tpError(const tensorpipe::Error& e) {
+  return Error::connection(e.what());
+}
+
+// PipeBench for TensorPipe: two contexts in this process, each with one
+// transport and one channel, and a pipe between them. Throws when either is
+// not viable here or the pipe cannot carry a first message, so that the
+// caller can skip its rows with a note instead of hanging or aborting.
+struct TpPipeBench {
+  std::shared_ptr<tensorpipe::Context> server =
+      std::make_shared<tensorpipe::Context>();
+  std::shared_ptr<tensorpipe::Context> client =
+      std::make_shared<tensorpipe::Context>();
+  std::shared_ptr<tensorpipe::Listener> listener;
+  std::shared_ptr<tensorpipe::Pipe> c;
+  std::shared_ptr<tensorpipe::Pipe> s;
+
+  TpPipeBench(const std::string& transport, const std::string& channel,
+              const std::string& address) {
+    for (auto& ctx : {server, client}) {
+      std::shared_ptr<tensorpipe::transport::Context> t =
+          transport == "shm" ? tensorpipe::transport::shm::create()
+                             : tensorpipe::transport::uv::create();
+      std::shared_ptr<tensorpipe::channel::Context> ch =
+          channel == "cma" ? tensorpipe::channel::cma::create()
+                           : tensorpipe::channel::basic::create();
+      // Registering a context that is not viable is silently ignored, and
+      // the pipe would then fail (or fall back) only on the first message.
+      if (!t->isViable()) {
+        throw std::runtime_error("TensorPipe transport " + transport +
+                                 " is not viable here");
+      }
+      if (!ch->isViable()) {
+        throw std::runtime_error("TensorPipe channel " + channel +
+                                 " is not viable here");
+      }
+      ctx->registerTransport(0, transport, t);
+      ctx->registerChannel(0, channel, ch);
+    }
+    listener = server->listen({address});
+    Promise<std::shared_ptr<tensorpipe::Pipe>> accepted;
+    listener->accept([accepted](const tensorpipe::Error& e,
+                                std::shared_ptr<tensorpipe::Pipe> p) mutable {
+      e ? accepted.setError(tpError(e)) : accepted.setValue(p);
+    });
+    c = client->connect(listener->url(transport));
+    s = accepted.getFuture().wait(std::chrono::seconds(30));
+    probe(channel == "cma");
+  }
+
+  ~TpPipeBench() {
+    c->close();
+    s->close();
+    client->close();
+    server->close();
+    client->join();
+    server->join();
+  }
+
+  // One 8-byte message of the kind the rows send. Its callbacks hold only
+  // shared state, so a failure here leaves nothing dangling behind the
+  // exception.
+  void probe(bool asTensor) {
+    auto bytes = std::make_shared<std::array<uint8_t, 16>>();
+    Promise<void> got;
+    tensorpipe::Message m;
+    if (asTensor) {
+      tensorpipe::Message::Tensor t;
+      t.buffer = tensorpipe::CpuBuffer{bytes->data()};
+      t.length = 8;
+      m.tensors.push_back(std::move(t));
+    } else {
+      m.payloads.push_back({bytes->data(), 8, {}});
+    }
+    c->write(std::move(m), [bytes](const tensorpipe::Error&) {});
+    s->readDescriptor(
+        [got, bytes, asTensor, pipe = std::weak_ptr<tensorpipe::Pipe>(s)](
+            const tensorpipe::Error& e, tensorpipe::Descriptor) mutable {
+          auto reader = pipe.lock();
+          if (e || !reader) {
+            got.setError(e ? tpError(e) : Error::connection("pipe gone"));
+            return;
+          }
+          tensorpipe::Allocation a;
+          if (asTensor) {
+            a.tensors.push_back({tensorpipe::CpuBuffer{bytes->data() + 8}});
+          } else {
+            a.payloads.push_back({bytes->data() + 8});
+          }
+          reader->read(std::move(a),
+                       [got, bytes](const tensorpipe::Error& e) mutable {
+                         e ? got.setError(tpError(e)) : got.setValue();
+                       });
+        });
+    got.getFuture().wait(std::chrono::seconds(30));
+  }
+};
+
+// A name of our own in the abstract socket namespace, for the shm listener.
+std::string tpShmAddress(const std::string& tag) {
+  return "shm://trellis-bench-" + std::to_string(::getpid()) + "-" + tag;
+}
+
+// Ping-pong from callbacks on TensorPipe's loop, as pipePingPong does ours.
+std::vector<double> tpPingPong(TpPipeBench& b) {
   uint8_t serverBuf[8];
   uint8_t clientBuf[8] = {1, 2, 3, 4, 5, 6, 7, 8};
   uint8_t clientIn[8];
   Promise<void> served;
   std::function<void()> serve = [&] {
-    s->readDescriptor(
+    b.s->readDescriptor(
         [&](const tensorpipe::Error& e, tensorpipe::Descriptor d) {
           if (e) {
-            Promise<void>(served).setError(Error::connection(e.what()));
+            Promise<void>(served).setError(tpError(e));
             return;
           }
           const bool stop = d.metadata == "stop";
           tensorpipe::Allocation a;
           a.payloads.push_back({serverBuf});
-          s->read(a, [&, stop](const tensorpipe::Error& e) {
+          b.s->read(a, [&, stop](const tensorpipe::Error& e) {
             if (e || stop) {
-              e ? Promise<void>(served).setError(Error::connection(e.what()))
+              e ? Promise<void>(served).setError(tpError(e))
                 : Promise<void>(served).setValue();
               return;
             }
             tensorpipe::Message m;
             m.payloads.push_back({serverBuf, 8});
-            s->write(std::move(m), [](const tensorpipe::Error&) {});
+            b.s->write(std::move(m), [](const tensorpipe::Error&) {});
             serve();
           });
         });
   };
   serve();
   std::vector<double> us;
+  us.reserve(kPings);
   Promise<void> done;
   int i = 0;
   Clock::time_point t0;
@@ -428,90 +679,141 @@ void tensorpipeUv() {
     t0 = Clock::now();
     tensorpipe::Message m;
     m.payloads.push_back({clientBuf, 8});
-    c->write(std::move(m), [](const tensorpipe::Error&) {});
-    c->readDescriptor([&](const tensorpipe::Error& e, tensorpipe::Descriptor) {
-      if (e) {
-        Promise<void>(done).setError(Error::connection(e.what()));
-        return;
-      }
-      tensorpipe::Allocation a;
-      a.payloads.push_back({clientIn});
-      c->read(a, [&](const tensorpipe::Error& e) {
-        if (e) {
-          Promise<void>(done).setError(Error::connection(e.what()));
-          return;
-        }
-        if (i++ >= kPingWarmup) {
-          us.push_back(
-              std::chrono::duration<double, std::micro>(Clock::now() - t0)
-                  .count());
-        }
-        if (i == kPingWarmup + kPings) {
-          Promise<void>(done).setValue();
-        } else {
-          ping();
-        }
-      });
-    });
+    b.c->write(std::move(m), [](const tensorpipe::Error&) {});
+    b.c->readDescriptor(
+        [&](const tensorpipe::Error& e, tensorpipe::Descriptor) {
+          if (e) {
+            Promise<void>(done).setError(tpError(e));
+            return;
+          }
+          tensorpipe::Allocation a;
+          a.payloads.push_back({clientIn});
+          b.c->read(a, [&](const tensorpipe::Error& e) {
+            if (e) {
+              Promise<void>(done).setError(tpError(e));
+              return;
+            }
+            if (i++ >= kPingWarmup) {
+              us.push_back(
+                  std::chrono::duration<double, std::micro>(Clock::now() - t0)
+                      .count());
+            }
+            if (i == kPingWarmup + kPings) {
+              Promise<void>(done).setValue();
+            } else {
+              ping();
+            }
+          });
+        });
   };
   ping();
   done.getFuture().wait(std::chrono::seconds(120));
-  {
-    tensorpipe::Message m;
-    m.metadata = "stop";
-    m.payloads.push_back({clientBuf, 8});
-    c->write(std::move(m), [](const tensorpipe::Error&) {});
-    served.getFuture().wait(std::chrono::seconds(30));
-  }
-  addLatency("tensorpipe_uv", us, "tcp");
+  tensorpipe::Message stop;
+  stop.metadata = "stop";
+  stop.payloads.push_back({clientBuf, 8});
+  b.c->write(std::move(stop), [](const tensorpipe::Error&) {});
+  served.getFuture().wait(std::chrono::seconds(30));
+  return us;
+}
 
-  for (size_t size : kSizes) {
-    const size_t count = std::max<size_t>(kBytesPerSize / size, 4);
-    auto src = prefaulted(size);
-    auto dst = prefaulted(size);
-    Promise<void> all;
-    size_t received = 0;
-    std::function<void()> readNext = [&] {
-      s->readDescriptor(
-          [&](const tensorpipe::Error& e, tensorpipe::Descriptor) {
-            if (e) {
-              Promise<void>(all).setError(Error::connection(e.what()));
-              return;
-            }
-            tensorpipe::Allocation a;
+// One-way throughput into a reused buffer, as pipeThroughput measures ours;
+// `asTensor` sends one CPU tensor (moved by the channel) instead of a
+// payload (moved by the transport).
+double tpThroughput(TpPipeBench& b, size_t size, bool asTensor = false,
+                    size_t total = kBytesPerSize, Pages pages = Pages::kSmall) {
+  const size_t count = std::max<size_t>(total / size, 4);
+  RunBuffer src(size, pages, "tpThroughput");
+  RunBuffer dst(size, pages, "tpThroughput");
+  Promise<void> all;
+  size_t received = 0;
+  std::function<void()> readNext = [&] {
+    b.s->readDescriptor(
+        [&](const tensorpipe::Error& e, tensorpipe::Descriptor) {
+          if (e) {
+            Promise<void>(all).setError(tpError(e));
+            return;
+          }
+          tensorpipe::Allocation a;
+          if (asTensor) {
+            a.tensors.push_back({tensorpipe::CpuBuffer{dst.data()}});
+          } else {
             a.payloads.push_back({dst.data()});
-            s->read(a, [&](const tensorpipe::Error& e) {
-              if (e) {
-                Promise<void>(all).setError(Error::connection(e.what()));
-              } else if (++received == count) {
-                Promise<void>(all).setValue();
-              } else {
-                readNext();
-              }
-            });
+          }
+          b.s->read(std::move(a), [&](const tensorpipe::Error& e) {
+            if (e) {
+              Promise<void>(all).setError(tpError(e));
+            } else if (++received == count) {
+              Promise<void>(all).setValue();
+            } else {
+              readNext();
+            }
           });
-    };
-    readNext();
-    const auto start = Clock::now();
-    for (size_t k = 0; k < count; ++k) {
-      tensorpipe::Message m;
+        });
+  };
+  readNext();
+  const auto t0 = Clock::now();
+  for (size_t k = 0; k < count; ++k) {
+    tensorpipe::Message m;
+    if (asTensor) {
+      tensorpipe::Message::Tensor t;
+      t.buffer = tensorpipe::CpuBuffer{src.data()};
+      t.length = size;
+      m.tensors.push_back(std::move(t));
+    } else {
       m.payloads.push_back({src.data(), size});
-      c->write(std::move(m), [](const tensorpipe::Error&) {});
     }
-    all.getFuture().wait(std::chrono::seconds(120));
-    const double secs =
-        std::chrono::duration<double>(Clock::now() - start).count();
+    b.c->write(std::move(m), [](const tensorpipe::Error&) {});
+  }
+  all.getFuture().wait(std::chrono::seconds(120));
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  return static_cast<double>(count * size) / secs / 1e9;
+}
+
+// TensorPipe's uv transport + basic channel.
+void tensorpipeUv() {
+  TpPipeBench b("uv", "basic", "uv://127.0.0.1:0");
+  auto us = tpPingPong(b);
+  addLatency("tensorpipe_uv", us, "tcp");
+  for (size_t size : kSizes) {
     const std::string n = std::to_string(size / kMiB) + "MiB";
-    report.add({"tensorpipe_uv_throughput_" + n,
-                static_cast<double>(count * size) / secs / 1e9, "GB/s",
+    report.add({"tensorpipe_uv_throughput_" + n, tpThroughput(b, size), "GB/s",
                 "tcp_throughput_" + n});
   }
-  c->close();
-  s->close();
-  client->close();
-  server->close();
-  client->join();
-  server->join();
+}
+
+// TensorPipe's shm transport + basic channel, next to our shm_* rows.
+void tensorpipeShm() {
+  try {
+    TpPipeBench b("shm", "basic", tpShmAddress("shm"));
+    auto us = tpPingPong(b);
+    addLatency("tensorpipe_shm", us, "tcp");
+    for (size_t size : kSizes) {
+      const std::string n = std::to_string(size / kMiB) + "MiB";
+      report.add({"tensorpipe_shm_throughput_" + n, tpThroughput(b, size),
+                  "GB/s", "tcp_throughput_" + n});
+    }
+  } catch (const std::exception& e) {
+    note(std::string("tensorpipe_shm_* skipped: ") + e.what());
+  }
+}
+
+// TensorPipe's cma channel over its shm transport, one CPU tensor per
+// message, next to our cma_throughput_* rows (same sizes and baselines).
+// Both contexts are in this process, as for ours: cma reads its own pid.
+void tensorpipeCma() {
+  try {
+    TpPipeBench b("shm", "cma", tpShmAddress("cma"));
+    for (size_t size : kSizes) {
+      const std::string n = std::to_string(size / kMiB) + "MiB";
+      report.add({"tensorpipe_cma_throughput_" + n, tpThroughput(b, size, true),
+                  "GB/s", "memcpy_64MiB"});
+    }
+    report.add({"tensorpipe_cma_throughput_64MiB_hugepages",
+                tpThroughput(b, 64 * kMiB, true, kBytesPerSize, Pages::kHuge),
+                "GB/s", "memcpy_64MiB_hugepages"});
+  } catch (const std::exception& e) {
+    note(std::string("tensorpipe_cma_* skipped: ") + e.what());
+  }
 }
 #endif
 
@@ -534,6 +836,8 @@ int main(int argc, char** argv) {
   trellisCma();
 #ifdef TRELLIS_BENCH_TENSORPIPE
   tensorpipeUv();
+  tensorpipeShm();
+  tensorpipeCma();
 #endif
   report.print(json);
   return 0;
