@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sys/resource.h>
 #include <thread>
 #include <vector>
 
@@ -462,13 +461,6 @@ TEST(PerDeviceChannels, WithoutACudaChannelCudaWritesFailAndNothingElse) {
 }
 
 // ---- expected work: brief polling, never idle polling -----------------------
-
-double processCpuSeconds() {
-  rusage ru{};
-  ::getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
-}
 
 TEST(ExpectedWorkTest, PollingLoopsLoseNothingAndStopPollingWhenIdle) {
   auto server = Context::create(uvOnly("server"));

@@ -13,7 +13,6 @@
 #include <spawn.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -511,13 +510,6 @@ TEST(ShmTransport, NotViableIsReportedAndContextsFallBack) {
 }
 
 // ---- idle costs nothing ----------------------------------------------------
-
-double processCpuSeconds() {
-  rusage ru{};
-  ::getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
-}
 
 TEST(ShmTransport, IdleConnectionsBurnNoCpu) {
   auto pp =

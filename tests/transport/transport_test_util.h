@@ -136,4 +136,8 @@ std::vector<uint8_t> rawFrameHead(size_t descriptorLen,
 // True once the peer has closed `fd` (EOF or reset) within `timeout`.
 bool rawPeerClosed(int fd, std::chrono::milliseconds timeout);
 
+// User plus system CPU time of this process so far, in seconds: for tests
+// that check an idle process burns no CPU.
+double processCpuSeconds();
+
 }  // namespace trellis::transport::testing
