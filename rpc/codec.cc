@@ -202,8 +202,9 @@ at::Tensor Decoder::tensor(uint32_t index, const TensorMeta& meta) {
   // First byte past the last element reached (or the offset alone when the
   // tensor is empty: nothing is read then, but it must still be in range).
   int64_t end = 0;
-  const int64_t endElements = numel > 0 ? last + 1 : meta.offset;
-  if (mulOverflows(endElements, itemsize, &end) || end > spanBytes ||
+  int64_t endElements = meta.offset;
+  if ((numel > 0 && addOverflows(last, 1, &endElements)) ||
+      mulOverflows(endElements, itemsize, &end) || end > spanBytes ||
       numelBytes > spanBytes) {
     fail("Tensor.strides", "sizes/strides/offset reach outside the " +
                                std::to_string(spanBytes) + "-byte span");

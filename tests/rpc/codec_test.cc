@@ -542,6 +542,14 @@ TEST(CodecMalformedTest, LayoutOutsideTheSpan) {
       decodeError<at::Tensor>(tensorBytes(kFloatCode, {2, 2}, {1, 1}, 0, 0),
                               span()),
       "Tensor.strides");
+  // An element at the very top of int64: one past it overflows (found by
+  // rpc_codec_fuzz; the input is in its corpus too).
+  expectProtocolError(
+      decodeError<at::Tensor>(
+          tensorBytes(kFloatCode, {1}, {1},
+                      uint64_t{std::numeric_limits<int64_t>::max()}, 0),
+          span()),
+      "Tensor.strides");
   // Strides above int64.
   expectProtocolError(
       decodeError<at::Tensor>(
