@@ -94,6 +94,7 @@ class Context {
   std::shared_ptr<Pipe> connect(const std::string& address);
 
   void close();
+  bool join(Duration timeout = Duration::zero());
 
   // A hint that work will reach this context from another thread within
   // microseconds, such as a reply a worker thread is computing: until the
@@ -103,7 +104,6 @@ class Context {
   // thread-safe; never needed for correctness.
   void beginExpectedWork();
   void endExpectedWork();
-  bool join(Duration timeout = Duration::zero());
 
   const std::string& name() const;
   // Transports / channels usable after the option and environment filters,

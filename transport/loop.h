@@ -110,10 +110,11 @@ class Loop {
   std::atomic<std::thread::id> threadId_;
 
   std::mutex mu_;
-  std::vector<Task> remote_;  // guarded by mu_
-  bool exited_ = false;       // guarded by mu_
-  bool asyncClosed_ = false;  // guarded by mu_
-  bool polling_ = false;      // guarded by mu_: the loop polls remote_
+  std::vector<Task> remote_;       // guarded by mu_
+  bool exited_ = false;            // guarded by mu_
+  bool asyncClosed_ = false;       // guarded by mu_
+  bool polling_ = false;           // guarded by mu_: the loop polls remote_
+  std::atomic<int> expecting_{0};  // any thread: begin/endExpectedWork
   std::mutex joinMu_;
   bool finished_ = false;  // guarded by joinMu_
   std::condition_variable_any joinCv_;
@@ -125,7 +126,6 @@ class Loop {
   bool spinActive_ = false;
   uint64_t hotUntilNs_ = 0;
   uint64_t spinNs_ = 0;
-  std::atomic<int> expecting_{0};
   bool stopped_ = false;
   int publicDepth_ = 0;
   int scopeDepth_ = 0;
