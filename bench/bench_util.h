@@ -2,15 +2,20 @@
 
 // What every benchmark program in bench/ shares: the result table and the
 // JSON-lines format of DESIGN.md ("Benchmarks"), percentiles, and the raw
-// loopback-socket plumbing its baselines are measured with. Failures exit
+// loopback-socket plumbing its baselines are measured with, and buffers on
+// transparent huge pages. Failures exit
 // the program: a benchmark with a broken baseline has nothing to report.
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <string>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <utility>
@@ -136,5 +141,92 @@ inline std::pair<int, int> loopbackTcpPair() {
   ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   return {c, s};
 }
+
+inline constexpr size_t kHugePage = size_t{2} << 20;
+
+// Memory on transparent huge pages, unmapped when dropped. THP here is in
+// `madvise` mode: only advised ranges get huge pages, and only whole 2 MiB
+// aligned pieces of them, so the range is aligned and rounded up to that.
+class HugePageBuffer {
+ public:
+  explicit HugePageBuffer(size_t n)
+      : size_((n + kHugePage - 1) / kHugePage * kHugePage) {
+    // mmap aligns to 4 KiB only: map one huge page more and trim the ends.
+    const size_t span = size_ + kHugePage;
+    void* p = ::mmap(nullptr, span, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::perror("mmap");
+      std::exit(1);
+    }
+    const auto base = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t start = (base + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t end = start + size_;
+    if (start > base) {
+      ::munmap(p, start - base);
+    }
+    if (base + span > end) {
+      ::munmap(reinterpret_cast<void*>(end), base + span - end);
+    }
+    data_ = reinterpret_cast<uint8_t*>(start);
+    if (::madvise(data_, size_, MADV_HUGEPAGE) != 0) {
+      // A kernel without THP: the rows then measure 4 KiB pages; say so.
+      std::fprintf(stderr, "# madvise(MADV_HUGEPAGE): %s\n",
+                   std::strerror(errno));
+    }
+    // Fault it in now (one huge page per 2 MiB where granted).
+    for (size_t i = 0; i < size_; i += 4096) {
+      data_[i] = 1;
+    }
+  }
+  HugePageBuffer(HugePageBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
+  HugePageBuffer(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(HugePageBuffer&&) = delete;
+  ~HugePageBuffer() {
+    if (data_ != nullptr) {
+      ::munmap(data_, size_);
+    }
+  }
+
+  uint8_t* data() const { return data_; }
+
+  // The share (0..1) of the mapping holding this buffer that the kernel
+  // backs with huge pages (/proc/self/smaps); -1 if it cannot tell. The
+  // advice is only a request: fragmented memory gets 4 KiB pages.
+  double hugeShare() const {
+    std::FILE* f = std::fopen("/proc/self/smaps", "r");
+    if (f == nullptr) {
+      return -1;
+    }
+    const auto p = reinterpret_cast<uintptr_t>(data_);
+    bool inside = false;
+    double sizeKb = 0;
+    double hugeKb = -1;
+    char line[512];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned long lo = 0;
+      unsigned long hi = 0;
+      double kb = 0;
+      if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+        if (inside) {
+          break;  // past our mapping's fields
+        }
+        inside = p >= lo && p < hi;
+      } else if (inside && std::sscanf(line, "Size: %lf", &kb) == 1) {
+        sizeKb = kb;
+      } else if (inside && std::sscanf(line, "AnonHugePages: %lf", &kb) == 1) {
+        hugeKb = kb;
+      }
+    }
+    std::fclose(f);
+    return sizeKb > 0 && hugeKb >= 0 ? hugeKb / sizeKb : -1;
+  }
+
+ private:
+  uint8_t* data_;
+  size_t size_;
+};
 
 }  // namespace trellis::bench

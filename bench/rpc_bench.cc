@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <semaphore>
 #include <spawn.h>
 #include <string>
@@ -110,6 +111,28 @@ std::vector<uint8_t> prefaulted(size_t n) {
   }
   return v;
 }
+
+// A receive buffer on the pages the RPC agent's receive pool uses: huge
+// pages from 2 MiB up (rpc/agent.cc), 4 KiB below. The transport echo reads
+// into these, so that it and the RPC echo move the same kind of memory (the
+// page size sets the speed of cma's process_vm_readv; docs/benchmarks.md).
+class ReceiveBuffer {
+ public:
+  explicit ReceiveBuffer(size_t n) : size_(n) {
+    if (n >= bench::kHugePage) {
+      huge_.emplace(n);
+    } else {
+      small_ = prefaulted(n);
+    }
+  }
+  uint8_t* data() { return huge_ ? huge_->data() : small_.data(); }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_;
+  std::vector<uint8_t> small_;
+  std::optional<bench::HugePageBuffer> huge_;
+};
 
 double micros(Clock::duration d) {
   return std::chrono::duration<double, std::micro>(d).count();
@@ -292,11 +315,11 @@ class EchoServer {
     }
     for (size_t i = 0; i < d.tensors.size(); ++i) {
       auto& buf = tensors_[i];
-      if (buf.size() < d.tensors[i].length) {
-        buf = prefaulted(d.tensors[i].length);
+      if (buf == nullptr || buf->size() < d.tensors[i].length) {
+        buf = std::make_unique<ReceiveBuffer>(d.tensors[i].length);
       }
-      a.tensors.push_back({buf.data(), d.tensors[i].length});
-      reply->tensors.push_back({buf.data(), d.tensors[i].length, {}});
+      a.tensors.push_back({buf->data(), d.tensors[i].length});
+      reply->tensors.push_back({buf->data(), d.tensors[i].length, {}});
     }
     // The caller sends its next message only after this echo arrived, so
     // the buffers are free again by the next read.
@@ -312,7 +335,7 @@ class EchoServer {
 
   std::shared_ptr<tp::Pipe> pipe_;
   std::vector<std::vector<uint8_t>> payloads_;
-  std::vector<std::vector<uint8_t>> tensors_;
+  std::vector<std::unique_ptr<ReceiveBuffer>> tensors_;
   Promise<void> done_;
 };
 
@@ -335,11 +358,13 @@ void transportCallee(const Phase& p, store::Store& st) {
 
 // Caller: `reps` sequential echoes of one message (a payload or a tensor
 // of `size` bytes), driven from callbacks on the loop thread as an RPC
-// layer would be; returns each round trip in µs.
+// layer would be; returns each round trip in µs. The source is on 4 KiB
+// pages, like a tensor from libtorch's allocator; the destination on the
+// pages the RPC agent would receive into.
 std::vector<double> transportEcho(tp::Pipe& pipe, size_t size, bool tensor,
                                   int reps) {
   auto src = prefaulted(size);
-  auto dst = prefaulted(size);
+  ReceiveBuffer dst(size);
   std::vector<double> us;
   us.reserve(reps);
   Promise<void> done;
