@@ -14,6 +14,7 @@
 #include <cstring>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <optional>
 #include <string>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -142,6 +143,21 @@ inline std::pair<int, int> loopbackTcpPair() {
   return {c, s};
 }
 
+// A line for the reader outside the table and the JSON lines: stderr.
+inline void note(const std::string& line) {
+  std::fprintf(stderr, "# %s\n", line.c_str());
+}
+
+// n bytes with every page touched once: fresh pages fault at a fraction of
+// copy bandwidth and would measure the kernel, not the code.
+inline std::vector<uint8_t> prefaulted(size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; i += 4096) {
+    v[i] = 1;
+  }
+  return v;
+}
+
 inline constexpr size_t kHugePage = size_t{2} << 20;
 
 // Memory on transparent huge pages, unmapped when dropped. THP here is in
@@ -171,8 +187,7 @@ class HugePageBuffer {
     data_ = reinterpret_cast<uint8_t*>(start);
     if (::madvise(data_, size_, MADV_HUGEPAGE) != 0) {
       // A kernel without THP: the rows then measure 4 KiB pages; say so.
-      std::fprintf(stderr, "# madvise(MADV_HUGEPAGE): %s\n",
-                   std::strerror(errno));
+      note(std::string("madvise(MADV_HUGEPAGE): ") + std::strerror(errno));
     }
     // Fault it in now (one huge page per 2 MiB where granted).
     for (size_t i = 0; i < size_; i += 4096) {
@@ -227,6 +242,29 @@ class HugePageBuffer {
  private:
   uint8_t* data_;
   size_t size_;
+};
+
+// A benchmark buffer of n bytes, mapped before timing, on 4 KiB pages or on
+// huge pages: the page size sets the speed of process_vm_readv (cma), so
+// the benches say which one a row used.
+class Buffer {
+ public:
+  Buffer(size_t n, bool hugePages) : size_(n) {
+    if (hugePages) {
+      huge_.emplace(n);
+    } else {
+      small_ = prefaulted(n);
+    }
+  }
+  uint8_t* data() { return huge_ ? huge_->data() : small_.data(); }
+  size_t size() const { return size_; }
+  // For a huge-page buffer, HugePageBuffer::hugeShare(); 0 otherwise.
+  double hugeShare() const { return huge_ ? huge_->hugeShare() : 0; }
+
+ private:
+  size_t size_;
+  std::vector<uint8_t> small_;
+  std::optional<HugePageBuffer> huge_;
 };
 
 }  // namespace trellis::bench

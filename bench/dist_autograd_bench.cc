@@ -365,9 +365,7 @@ void runModel(const ModelSize& m) {
              m.name + "_rpc_forward_no_context_median");
 }
 
-void noteLine(const std::string& line) {
-  std::fprintf(stderr, "# %s\n", line.c_str());
-}
+using bench::note;
 
 std::shared_ptr<store::Store> connectStore() {
   store::TCPStoreOptions o;
@@ -474,10 +472,10 @@ int runTrainer(const char* self) {
   for (const auto& m : models) {
     const auto tm = Clock::now();
     runModel(m);
-    noteLine(m.name + ": " +
-             std::to_string(
-                 std::chrono::duration<double>(Clock::now() - tm).count()) +
-             " s");
+    note(m.name + ": " +
+         std::to_string(
+             std::chrono::duration<double>(Clock::now() - tm).count()) +
+         " s");
     if (m.name == "tiny") {
       // The fixed cost in round trips.
       report.add("tiny_dist_iter_median_in_rtts",
@@ -485,12 +483,12 @@ int runTrainer(const char* self) {
                  "rpc_noop_rtt_median");
     }
   }
-  noteLine("live contexts here after the run: " +
-           std::to_string(da::liveContextCount()));
+  note("live contexts here after the run: " +
+       std::to_string(da::liveContextCount()));
   st->set("done", "1");
   rpc::shutdown(true, std::chrono::seconds(60));
   const int rc = reapPs(ps);
-  noteLine(
+  note(
       "total " +
       std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
       " s");

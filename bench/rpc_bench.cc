@@ -104,35 +104,16 @@ int echoReps(size_t size) {
       std::clamp<size_t>(flags.echoBytes / size, 3, size_t(flags.iters)));
 }
 
-std::vector<uint8_t> prefaulted(size_t n) {
-  std::vector<uint8_t> v(n);
-  for (size_t i = 0; i < n; i += 4096) {
-    v[i] = 1;
-  }
-  return v;
-}
+using bench::note;
+using bench::prefaulted;
 
 // A receive buffer on the pages the RPC agent's receive pool uses: huge
 // pages from 2 MiB up (rpc/agent.cc), 4 KiB below. The transport echo reads
 // into these, so that it and the RPC echo move the same kind of memory (the
 // page size sets the speed of cma's process_vm_readv; docs/benchmarks.md).
-class ReceiveBuffer {
- public:
-  explicit ReceiveBuffer(size_t n) : size_(n) {
-    if (n >= bench::kHugePage) {
-      huge_.emplace(n);
-    } else {
-      small_ = prefaulted(n);
-    }
-  }
-  uint8_t* data() { return huge_ ? huge_->data() : small_.data(); }
-  size_t size() const { return size_; }
-
- private:
-  size_t size_;
-  std::vector<uint8_t> small_;
-  std::optional<bench::HugePageBuffer> huge_;
-};
+bench::Buffer receiveBuffer(size_t n) {
+  return bench::Buffer(n, n >= bench::kHugePage);
+}
 
 double micros(Clock::duration d) {
   return std::chrono::duration<double, std::micro>(d).count();
@@ -198,9 +179,6 @@ std::string switchesPerCall(const std::map<std::string, double>& before,
 }
 
 // Diagnostics go to stderr, so that stdout stays one JSON object per line.
-void note(const std::string& line) {
-  std::fprintf(stderr, "# %s\n", line.c_str());
-}
 
 std::shared_ptr<store::Store> connectStore(const std::string& prefix) {
   store::TCPStoreOptions o;
@@ -316,7 +294,8 @@ class EchoServer {
     for (size_t i = 0; i < d.tensors.size(); ++i) {
       auto& buf = tensors_[i];
       if (buf == nullptr || buf->size() < d.tensors[i].length) {
-        buf = std::make_unique<ReceiveBuffer>(d.tensors[i].length);
+        buf =
+            std::make_unique<bench::Buffer>(receiveBuffer(d.tensors[i].length));
       }
       a.tensors.push_back({buf->data(), d.tensors[i].length});
       reply->tensors.push_back({buf->data(), d.tensors[i].length, {}});
@@ -335,7 +314,7 @@ class EchoServer {
 
   std::shared_ptr<tp::Pipe> pipe_;
   std::vector<std::vector<uint8_t>> payloads_;
-  std::vector<std::unique_ptr<ReceiveBuffer>> tensors_;
+  std::vector<std::unique_ptr<bench::Buffer>> tensors_;
   Promise<void> done_;
 };
 
@@ -364,7 +343,7 @@ void transportCallee(const Phase& p, store::Store& st) {
 std::vector<double> transportEcho(tp::Pipe& pipe, size_t size, bool tensor,
                                   int reps) {
   auto src = prefaulted(size);
-  ReceiveBuffer dst(size);
+  auto dst = receiveBuffer(size);
   std::vector<double> us;
   us.reserve(reps);
   Promise<void> done;

@@ -65,50 +65,26 @@ constexpr size_t kBytesPerSize = size_t{2} << 30;  // per throughput run
 
 bench::Report report("transport");
 
-std::vector<uint8_t> prefaulted(size_t n) {
-  std::vector<uint8_t> v(n);
-  for (size_t i = 0; i < n; i += 4096) {
-    v[i] = 1;
-  }
-  return v;
-}
-
-// A line for the reader outside the table and the JSON lines: stderr.
-void note(const std::string& line) {
-  std::fprintf(stderr, "# %s\n", line.c_str());
-}
-
-using bench::HugePageBuffer;
 using bench::kHugePage;
-
-HugePageBuffer hugePageBuffer(size_t n) { return HugePageBuffer(n); }
+using bench::note;
+using bench::prefaulted;
 
 // Which pages a throughput run's buffers are on.
 enum class Pages { kSmall, kHuge };
 
-// A throughput run's source or destination, mapped before timing. Where
-// the kernel granted fewer huge pages than asked, a note says so: the row
-// then measures a mix.
-class RunBuffer {
- public:
-  RunBuffer(size_t n, Pages pages, const std::string& row) {
-    if (pages == Pages::kSmall) {
-      small_ = prefaulted(n);
-      return;
-    }
-    huge_.emplace(hugePageBuffer(n));
-    const double share = huge_->hugeShare();
+// A throughput run's source or destination. Where the kernel granted fewer
+// huge pages than asked, a note says so: the row then measures a mix.
+bench::Buffer runBuffer(size_t n, Pages pages, const std::string& row) {
+  bench::Buffer b(n, pages == Pages::kHuge);
+  if (pages == Pages::kHuge) {
+    const double share = b.hugeShare();
     if (share < 0.99) {
       note(row + ": only " + std::to_string(share) +
            " of a buffer's mapping is on huge pages (-1: unknown)");
     }
   }
-  uint8_t* data() { return huge_ ? huge_->data() : small_.data(); }
-
- private:
-  std::vector<uint8_t> small_;
-  std::optional<HugePageBuffer> huge_;
-};
+  return b;
+}
 
 void addLatency(const std::string& prefix, std::vector<double>& us,
                 const std::string& baselinePrefix) {
@@ -213,8 +189,8 @@ void memcpyBaseline() {
   auto a = prefaulted(n);
   auto b = prefaulted(n);
   report.add({"memcpy_64MiB", memcpyRate(a.data(), b.data(), n), "GB/s", ""});
-  RunBuffer ha(n, Pages::kHuge, "memcpy_64MiB_hugepages");
-  RunBuffer hb(n, Pages::kHuge, "memcpy_64MiB_hugepages");
+  auto ha = runBuffer(n, Pages::kHuge, "memcpy_64MiB_hugepages");
+  auto hb = runBuffer(n, Pages::kHuge, "memcpy_64MiB_hugepages");
   report.add({"memcpy_64MiB_hugepages", memcpyRate(ha.data(), hb.data(), n),
               "GB/s", ""});
 }
@@ -332,8 +308,8 @@ double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
                       size_t total = kBytesPerSize,
                       Pages pages = Pages::kSmall) {
   const size_t count = std::max<size_t>(total / size, 4);
-  RunBuffer src(size, pages, "pipeThroughput");
-  RunBuffer dst(size, pages, "pipeThroughput");
+  auto src = runBuffer(size, pages, "pipeThroughput");
+  auto dst = runBuffer(size, pages, "pipeThroughput");
   Promise<void> done;
   size_t received = 0;
   std::function<void()> readNext = [&] {
@@ -639,8 +615,8 @@ std::vector<double> tpPingPong(TpPipeBench& b) {
 double tpThroughput(TpPipeBench& b, size_t size, bool asTensor = false,
                     size_t total = kBytesPerSize, Pages pages = Pages::kSmall) {
   const size_t count = std::max<size_t>(total / size, 4);
-  RunBuffer src(size, pages, "tpThroughput");
-  RunBuffer dst(size, pages, "tpThroughput");
+  auto src = runBuffer(size, pages, "tpThroughput");
+  auto dst = runBuffer(size, pages, "tpThroughput");
   Promise<void> all;
   size_t received = 0;
   std::function<void()> readNext = [&] {
