@@ -156,8 +156,7 @@ void Loop::markHot() {
     return;
   }
   hotUntilNs_ = uv_hrtime() + spinNs_;
-  if (!spinActive_) {
-    spinActive_ = true;
+  if (!polling_) {  // only this thread writes it: no lock to read
     {
       std::lock_guard<std::mutex> lock(mu_);
       polling_ = true;
@@ -175,7 +174,6 @@ void Loop::onSpin(uv_idle_t* h) {
     if (!work && uv_hrtime() >= self->hotUntilNs_) {
       // Cold: sleep in epoll again; from now on defer() wakes us.
       self->polling_ = false;
-      self->spinActive_ = false;
       uv_idle_stop(&self->spin_);
       return;
     }
@@ -231,7 +229,6 @@ void Loop::stopFromLoop() {
   idleActive_ = false;
   uv_close(reinterpret_cast<uv_handle_t*>(&idle_), nullptr);
   uv_idle_stop(&spin_);
-  spinActive_ = false;
   uv_close(reinterpret_cast<uv_handle_t*>(&spin_), nullptr);
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -110,10 +110,13 @@ class Loop {
   std::atomic<std::thread::id> threadId_;
 
   std::mutex mu_;
-  std::vector<Task> remote_;       // guarded by mu_
-  bool exited_ = false;            // guarded by mu_
-  bool asyncClosed_ = false;       // guarded by mu_
-  bool polling_ = false;           // guarded by mu_: the loop polls remote_
+  std::vector<Task> remote_;  // guarded by mu_
+  bool exited_ = false;       // guarded by mu_
+  bool asyncClosed_ = false;  // guarded by mu_
+  // The loop polls remote_ (its spin_ handle is active), so defer() need
+  // not wake it. Written by the loop thread under mu_; read under mu_
+  // elsewhere, without it on the loop thread.
+  bool polling_ = false;
   std::atomic<int> expecting_{0};  // any thread: begin/endExpectedWork
   std::mutex joinMu_;
   bool finished_ = false;  // guarded by joinMu_
@@ -123,7 +126,6 @@ class Loop {
   std::vector<Task> local_;
   bool idleActive_ = false;
   uv_idle_t spin_;
-  bool spinActive_ = false;
   uint64_t hotUntilNs_ = 0;
   uint64_t spinNs_ = 0;
   bool stopped_ = false;
