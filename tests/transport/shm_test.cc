@@ -3,7 +3,9 @@
 // hostile peer in the shared memory and in the setup, a peer process
 // killed mid-message, viability failure, and no CPU burned while idle.
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <fcntl.h>
 #include <functional>
@@ -90,6 +92,57 @@ TEST(ShmRing, FullRingStopsTheWriter) {
   EXPECT_EQ(w.write(big.data(), 1), 0u);
 }
 
+
+// Copies larger than the publishing chunk (128 KiB) and than the ring
+// itself, with the two ends on two threads as in two processes: the chunked
+// publishing of head and tail must keep every byte in order across wraps.
+TEST(ShmRing, ConcurrentEndsStreamCopiesLargerThanTheRing) {
+  constexpr size_t kCap = size_t{1} << 20;
+  constexpr size_t kTotal = size_t{40} << 20;
+  LocalRing ring(kCap);
+  RingWriter w(&ring.control, ring.data.data(), kCap);
+  RingReader r(&ring.control, ring.data.data(), kCap);
+  std::vector<uint8_t> src(kTotal);
+  fillPattern(src.data(), src.size(), 11);
+  std::vector<uint8_t> dst(kTotal);
+  const auto deadline = std::chrono::steady_clock::now() + kWait;
+  std::atomic<bool> failed{false};
+  std::thread writer([&] {
+    size_t done = 0;
+    size_t step = 3 * kCap + 12345;  // more than the ring, odd offsets
+    while (done < kTotal && std::chrono::steady_clock::now() < deadline) {
+      size_t free = 0;
+      if (!w.space(&free).ok()) {
+        failed = true;
+        return;
+      }
+      done += w.write(src.data() + done, std::min(step, kTotal - done));
+      step = step % (5 * kCap) + 777777;
+      if (free == 0) {
+        std::this_thread::yield();
+      }
+    }
+  });
+  size_t got = 0;
+  size_t step = 200001;
+  while (got < kTotal && std::chrono::steady_clock::now() < deadline) {
+    size_t avail = 0;
+    ASSERT_TRUE(r.available(&avail).ok());
+    ASSERT_LE(avail, kCap);
+    if (avail == 0) {
+      std::this_thread::yield();
+      continue;
+    }
+    got += r.read(dst.data() + got, std::min(step, kTotal - got));
+    step = step % (3 * kCap) + 654321;
+  }
+  writer.join();
+  ASSERT_FALSE(failed);
+  ASSERT_EQ(got, kTotal) << "timed out";
+  EXPECT_EQ(w.head(), kTotal);
+  EXPECT_EQ(r.tail(), kTotal);
+  EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin()));
+}
 TEST(ShmRing, CorruptIndicesAreProtocolErrors) {
   constexpr size_t kCap = 4096;
   {
