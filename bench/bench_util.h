@@ -104,10 +104,11 @@ inline void sendAll(int fd, const void* data, size_t n) {
   }
 }
 
-inline void recvAll(int fd, void* data, size_t n) {
+// `maxRead` caps each recv() call (0: no cap).
+inline void recvAll(int fd, void* data, size_t n, size_t maxRead = 0) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, 0);
+    const ssize_t r = ::recv(fd, p, maxRead == 0 ? n : std::min(n, maxRead), 0);
     if (r <= 0) {
       std::perror("recv");
       std::exit(1);

@@ -92,7 +92,6 @@ TEST(ShmRing, FullRingStopsTheWriter) {
   EXPECT_EQ(w.write(big.data(), 1), 0u);
 }
 
-
 // Copies larger than the publishing chunk (128 KiB) and than the ring
 // itself, with the two ends on two threads as in two processes: the chunked
 // publishing of head and tail must keep every byte in order across wraps.
