@@ -428,6 +428,11 @@ void trellisCma() {
     report.add({"cma_throughput_" + n, pipeThroughput(cmaPipe, size, true),
                 "GB/s", "memcpy_64MiB"});
   }
+  // The same 64 MiB tensor through the shm ring instead (two copies, one
+  // per loop thread): what cma is up against at the top size.
+  report.add({"shm_basic_tensor_64MiB",
+              pipeThroughput(basicPipe, 64 * kMiB, true), "GB/s",
+              "cma_throughput_64MiB"});
   for (size_t size : kSizes) {
     const std::string n = std::to_string(size / kMiB) + "MiB";
     report.add(
