@@ -728,6 +728,16 @@ void tensorpipeCma() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::pair<const char*, void (*)()> sections[] = {
+      {"uv", trellisUv},
+      {"shm", trellisShm},
+      {"cma", trellisCma},
+#ifdef TRELLIS_BENCH_TENSORPIPE
+      {"tensorpipe_uv", tensorpipeUv},
+      {"tensorpipe_shm", tensorpipeShm},
+      {"tensorpipe_cma", tensorpipeCma},
+#endif
+  };
   bool json = false;
   // --only uv,shm,...: the sections to run after the baselines (for
   // profiling one of them); all by default.
@@ -738,40 +748,24 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
       only = "," + std::string(argv[++i]) + ",";
     } else {
+      std::string names;
+      for (const auto& [name, run] : sections) {
+        names = names + " " + name;
+      }
       std::fprintf(stderr,
-                   "usage: %s [--json] [--only SECTION,...]\n"
-                   "sections: uv shm cma tensorpipe_uv tensorpipe_shm "
-                   "tensorpipe_cma\n",
-                   argv[0]);
+                   "usage: %s [--json] [--only SECTION,...]\nsections:%s\n",
+                   argv[0], names.c_str());
       return 2;
     }
   }
-  const auto want = [&](const char* section) {
-    return only.empty() ||
-           only.find("," + std::string(section) + ",") != std::string::npos;
-  };
   rawBaselines();
   memcpyBaseline();
-  if (want("uv")) {
-    trellisUv();
+  for (const auto& [name, run] : sections) {
+    if (only.empty() ||
+        only.find("," + std::string(name) + ",") != std::string::npos) {
+      run();
+    }
   }
-  if (want("shm")) {
-    trellisShm();
-  }
-  if (want("cma")) {
-    trellisCma();
-  }
-#ifdef TRELLIS_BENCH_TENSORPIPE
-  if (want("tensorpipe_uv")) {
-    tensorpipeUv();
-  }
-  if (want("tensorpipe_shm")) {
-    tensorpipeShm();
-  }
-  if (want("tensorpipe_cma")) {
-    tensorpipeCma();
-  }
-#endif
   report.print(json);
   return 0;
 }
