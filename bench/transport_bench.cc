@@ -98,6 +98,29 @@ void addLatency(const std::string& prefix, std::vector<double>& us,
               baselinePrefix.empty() ? "" : baselinePrefix + "_rtt_8B_p99"});
 }
 
+// Times the round trips of one ping-pong run: start() as a ping goes out,
+// finish() when its reply is in; finish() keeps the times past the warm-up
+// and says whether that reply was the last of the run.
+class PingClock {
+ public:
+  PingClock() { us_.reserve(kPings); }
+  void start() { t0_ = Clock::now(); }
+  bool finish() {
+    if (count_++ >= kPingWarmup) {
+      us_.push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - t0_)
+              .count());
+    }
+    return count_ == kPingWarmup + kPings;
+  }
+  std::vector<double>& times() { return us_; }
+
+ private:
+  std::vector<double> us_;
+  Clock::time_point t0_;
+  int count_ = 0;
+};
+
 // ---- raw socket baselines ----------------------------------------------
 
 using bench::loopbackTcpPair;
@@ -112,19 +135,15 @@ std::vector<double> socketPingPong(int c, int s) {
       sendAll(s, b, 8);
     }
   });
-  std::vector<double> us;
+  PingClock clock;
   uint8_t b[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-  for (int i = 0; i < kPingWarmup + kPings; ++i) {
-    const auto t0 = Clock::now();
+  do {
+    clock.start();
     sendAll(c, b, 8);
     recvAll(c, b, 8);
-    if (i >= kPingWarmup) {
-      us.push_back(
-          std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-    }
-  }
+  } while (!clock.finish());
   echo.join();
-  return us;
+  return std::move(clock.times());
 }
 
 double socketThroughput(int c, int s, size_t size, size_t maxRead = 0) {
@@ -268,13 +287,10 @@ std::vector<double> pipePingPong(PipeBench& b) {
     });
   };
   serve();
-  std::vector<double> us;
-  us.reserve(kPings);
+  PingClock clock;
   Promise<void> done;
-  int i = 0;
-  Clock::time_point t0;
   std::function<void()> ping = [&] {
-    t0 = Clock::now();
+    clock.start();
     Message m;
     m.payloads.push_back({clientBuf, 8});
     b.c->write(std::move(m), [](const Error&) {});
@@ -288,12 +304,7 @@ std::vector<double> pipePingPong(PipeBench& b) {
           Promise<void>(done).setError(e);
           return;
         }
-        if (i++ >= kPingWarmup) {
-          us.push_back(
-              std::chrono::duration<double, std::micro>(Clock::now() - t0)
-                  .count());
-        }
-        if (i == kPingWarmup + kPings) {
+        if (clock.finish()) {
           Promise<void>(done).setValue();
         } else {
           ping();
@@ -308,7 +319,7 @@ std::vector<double> pipePingPong(PipeBench& b) {
   stop.payloads.push_back({clientBuf, 8});
   b.c->write(std::move(stop), [](const Error&) {});
   served.getFuture().wait(std::chrono::seconds(30));
-  return us;
+  return std::move(clock.times());
 }
 
 // One-way throughput; `asTensor` sends the bytes as one CPU tensor (which a
@@ -578,13 +589,10 @@ std::vector<double> tpPingPong(TpPipeBench& b) {
         });
   };
   serve();
-  std::vector<double> us;
-  us.reserve(kPings);
+  PingClock clock;
   Promise<void> done;
-  int i = 0;
-  Clock::time_point t0;
   std::function<void()> ping = [&] {
-    t0 = Clock::now();
+    clock.start();
     tensorpipe::Message m;
     m.payloads.push_back({clientBuf, 8});
     b.c->write(std::move(m), [](const tensorpipe::Error&) {});
@@ -601,12 +609,7 @@ std::vector<double> tpPingPong(TpPipeBench& b) {
               Promise<void>(done).setError(tpError(e));
               return;
             }
-            if (i++ >= kPingWarmup) {
-              us.push_back(
-                  std::chrono::duration<double, std::micro>(Clock::now() - t0)
-                      .count());
-            }
-            if (i == kPingWarmup + kPings) {
+            if (clock.finish()) {
               Promise<void>(done).setValue();
             } else {
               ping();
@@ -621,7 +624,7 @@ std::vector<double> tpPingPong(TpPipeBench& b) {
   stop.payloads.push_back({clientBuf, 8});
   b.c->write(std::move(stop), [](const tensorpipe::Error&) {});
   served.getFuture().wait(std::chrono::seconds(30));
-  return us;
+  return std::move(clock.times());
 }
 
 // One-way throughput into a reused buffer, as pipeThroughput measures ours;
