@@ -1,10 +1,10 @@
 #pragma once
 
 // What every benchmark program in bench/ shares: the result table and the
-// JSON-lines format of DESIGN.md ("Benchmarks"), percentiles, and the raw
+// JSON-lines format of DESIGN.md ("Benchmarks"), percentiles, the raw
 // loopback-socket plumbing its baselines are measured with, and buffers on
-// transparent huge pages. Failures exit
-// the program: a benchmark with a broken baseline has nothing to report.
+// transparent huge pages. Failures exit the program: a benchmark with a
+// broken baseline has nothing to report.
 
 #include <algorithm>
 #include <cerrno>

@@ -104,6 +104,7 @@ int echoReps(size_t size) {
       std::clamp<size_t>(flags.echoBytes / size, 3, size_t(flags.iters)));
 }
 
+// Diagnostics go to stderr, so that stdout stays one JSON object per line.
 using bench::note;
 using bench::prefaulted;
 
@@ -177,8 +178,6 @@ std::string switchesPerCall(const std::map<std::string, double>& before,
   }
   return out;
 }
-
-// Diagnostics go to stderr, so that stdout stays one JSON object per line.
 
 std::shared_ptr<store::Store> connectStore(const std::string& prefix) {
   store::TCPStoreOptions o;
