@@ -105,14 +105,18 @@ TEST(ShmRing, ConcurrentEndsStreamCopiesLargerThanTheRing) {
   fillPattern(src.data(), src.size(), 11);
   std::vector<uint8_t> dst(kTotal);
   const auto deadline = std::chrono::steady_clock::now() + kWait;
-  std::atomic<bool> failed{false};
+  // Either end stops at the other's failure, so the test fails with both
+  // threads joined instead of waiting out the deadline.
+  std::atomic<bool> writerFailed{false};
+  std::atomic<bool> readerFailed{false};
   std::thread writer([&] {
     size_t done = 0;
     size_t step = 3 * kCap + 12345;  // more than the ring, odd offsets
-    while (done < kTotal && std::chrono::steady_clock::now() < deadline) {
+    while (done < kTotal && !readerFailed &&
+           std::chrono::steady_clock::now() < deadline) {
       size_t free = 0;
       if (!w.space(&free).ok()) {
-        failed = true;
+        writerFailed = true;
         return;
       }
       done += w.write(src.data() + done, std::min(step, kTotal - done));
@@ -124,10 +128,13 @@ TEST(ShmRing, ConcurrentEndsStreamCopiesLargerThanTheRing) {
   });
   size_t got = 0;
   size_t step = 200001;
-  while (got < kTotal && std::chrono::steady_clock::now() < deadline) {
+  while (got < kTotal && !writerFailed &&
+         std::chrono::steady_clock::now() < deadline) {
     size_t avail = 0;
-    ASSERT_TRUE(r.available(&avail).ok());
-    ASSERT_LE(avail, kCap);
+    if (!r.available(&avail).ok() || avail > kCap) {
+      readerFailed = true;
+      break;
+    }
     if (avail == 0) {
       std::this_thread::yield();
       continue;
@@ -136,12 +143,14 @@ TEST(ShmRing, ConcurrentEndsStreamCopiesLargerThanTheRing) {
     step = step % (3 * kCap) + 654321;
   }
   writer.join();
-  ASSERT_FALSE(failed);
+  ASSERT_FALSE(writerFailed) << "the writer saw a tail outside its range";
+  ASSERT_FALSE(readerFailed) << "the reader saw a head outside its range";
   ASSERT_EQ(got, kTotal) << "timed out";
   EXPECT_EQ(w.head(), kTotal);
   EXPECT_EQ(r.tail(), kTotal);
   EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin()));
 }
+
 TEST(ShmRing, CorruptIndicesAreProtocolErrors) {
   constexpr size_t kCap = 4096;
   {
