@@ -9,7 +9,9 @@
 // sleeps, and never polls while idle. The budget is `TRELLIS_SPIN_US`
 // (microseconds, default 50, at most 100000; 0 turns such polling off),
 // read once per process. An invalid value is reported on stderr and the
-// default is used.
+// default is used. Users: the transport loop's expected-work polling, and
+// the shm transport's ring polling (twice the budget unless its options set
+// one; transport/shm/factory.h).
 
 #include <trellis/core/deadline.h>
 

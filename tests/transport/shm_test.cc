@@ -268,6 +268,43 @@ TEST(ShmTransport, BadOptionsMakeItNotViable) {
   EXPECT_TRUE(shm::create()->viable().ok());
 }
 
+// The rings' polling follows TRELLIS_SPIN_US unless Options::spin is set,
+// so TRELLIS_SPIN_US=0 turns off every poll in the process, these included.
+// Each case runs in a freshly executed child ("threadsafe" death tests): the
+// budget is read once per process, and a forked child would inherit the
+// value read by earlier tests' contexts.
+TEST(ShmTransport, PollingFollowsTheProcessSpinBudgetUnlessSet) {
+  using std::chrono::microseconds;
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  struct Case {
+    const char* env;  // nullptr: unset
+    int64_t wantUnsetUs;
+  };
+  for (const Case& c : {Case{nullptr, 100}, Case{"0", 0}, Case{"30", 60},
+                        Case{"bogus", 100}}) {
+    EXPECT_EXIT(
+        {
+          if (c.env == nullptr) {
+            ::unsetenv("TRELLIS_SPIN_US");
+          } else {
+            ::setenv("TRELLIS_SPIN_US", c.env, 1);
+          }
+          shm::Options unset;
+          shm::Options set;
+          set.spin = microseconds(7);
+          shm::Options negative;
+          negative.spin = microseconds(-5);
+          const bool ok =
+              shm::pollingTime(unset) == microseconds(c.wantUnsetUs) &&
+              shm::pollingTime(set) == microseconds(7) &&
+              shm::pollingTime(negative) == microseconds(0);
+          std::_Exit(ok ? 0 : 1);
+        },
+        ::testing::ExitedWithCode(0), "")
+        << "TRELLIS_SPIN_US=" << (c.env == nullptr ? "(unset)" : c.env);
+  }
+}
+
 // ---- a hostile peer speaking the setup by hand -----------------------------
 
 int connectRaw(const std::string& address) {

@@ -13,7 +13,9 @@
 //
 // After activity a connection polls its rings for `spin` before it sleeps
 // on its eventfd: a wake-up through the kernel costs tens of microseconds,
-// a poll well under one. An idle connection costs no CPU.
+// a poll well under one. An idle connection costs no CPU. Unless set, the
+// polling follows the process's budget (TRELLIS_SPIN_US, core/spin.h), so
+// TRELLIS_SPIN_US=0 turns it off with every other poll in Trellis.
 //
 // viable() probes memfd_create, sealing, mmap and eventfd once and reports
 // why shm cannot work here instead of failing later.
@@ -21,6 +23,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <optional>
 
 namespace trellis::transport {
 class Transport;
@@ -33,12 +36,20 @@ struct Options {
   // takes the connector's choice if it is within those bounds.
   size_t ringBytes = size_t{4} << 20;
   // How long a connection keeps polling after its last activity; 0 sleeps
-  // at once (every message then costs a kernel wake-up).
-  std::chrono::microseconds spin{100};
+  // at once (every message then costs a kernel wake-up). Unset: twice
+  // spinBudget(), i.e. 100 µs by default and 0 with TRELLIS_SPIN_US=0.
+  // Twice, because a ring waits out a round trip through the peer process
+  // (its loop, often its worker), where the loop's budget covers a hand-off
+  // between two threads of this process.
+  std::optional<std::chrono::microseconds> spin;
   // Bound on the descriptor exchange of one connection, on either side.
   std::chrono::milliseconds setupTimeout{10000};
 };
 
 std::shared_ptr<Transport> create(Options options = {});
+
+// How long connections made with `options` poll: `options.spin` if set,
+// else 2 × spinBudget(). Thread-safe.
+std::chrono::microseconds pollingTime(const Options& options);
 
 }  // namespace trellis::transport::shm

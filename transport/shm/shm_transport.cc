@@ -21,6 +21,7 @@
 #include <uv.h>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/spin.h>
 #include <trellis/transport/connection.h>
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/shm/ring.h>
@@ -160,8 +161,8 @@ class ShmConnection : public Connection,
         opts_(opts),
         connector_(connector),
         peer_(std::move(peer)) {
-    spinNs_ = static_cast<uint64_t>(
-        std::max<int64_t>(0, std::chrono::nanoseconds(opts.spin).count()));
+    spinNs_ = static_cast<uint64_t>(std::max<int64_t>(
+        0, std::chrono::nanoseconds(pollingTime(opts)).count()));
     uv_idle_init(loop.uv(), &idle_);
     idle_.data = this;
     ++openHandles_;
@@ -1153,6 +1154,14 @@ class ShmTransport : public Transport {
 
 std::shared_ptr<Transport> create(Options options) {
   return std::make_shared<ShmTransport>(options);
+}
+
+std::chrono::microseconds pollingTime(const Options& options) {
+  if (options.spin.has_value()) {
+    return std::max(*options.spin, std::chrono::microseconds(0));
+  }
+  return 2 * std::chrono::duration_cast<std::chrono::microseconds>(
+                 spinBudget());
 }
 
 }  // namespace trellis::transport::shm
