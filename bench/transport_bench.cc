@@ -11,7 +11,10 @@
 // transparent huge pages: process_vm_readv walks and pins the source page
 // by page, so on 4 KiB pages it runs at a fraction of memcpy speed while on
 // huge pages it comes close to it. They show what cma can reach when a
-// user's tensors live on huge pages.
+// user's tensors live on huge pages. `process_vm_readv_64MiB_2threads` is
+// that system call alone, from and to 4 KiB pages on two threads as the
+// channel copies: the kernel's ceiling for `cma_throughput_64MiB`, which
+// `cma_throughput_64MiB_vs_readv` quotes against it.
 //
 // Built as transport_bench_tensorpipe (TRELLIS_BENCH_TENSORPIPE) it also
 // measures TensorPipe in the same run, the same way: its uv and shm
@@ -36,6 +39,7 @@
 #include <string>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <thread>
 #include <unistd.h>
 #include <utility>
@@ -210,6 +214,51 @@ double memcpyRate(uint8_t* a, uint8_t* b, size_t n) {
   return reps * n / secs / 1e9;
 }
 
+// process_vm_readv of n bytes of this process from a to b, split into
+// `threads` page-aligned pieces copied at once, as the cma channel does;
+// repeatedly; GB/s. The kernel's own rate with no pipe around it.
+//
+// The first read of pages is far slower than later ones (0.7 against 5-9
+// GB/s on one thread here, for source and destination pages alike, though
+// user code had written them all): `firstRead` gets the rate of the first
+// rep, which runs on pages no process_vm_readv has touched yet, and the
+// timed reps follow it.
+double readvRate(uint8_t* a, uint8_t* b, size_t n, size_t threads,
+                 double* firstRead) {
+  const int reps = 8;
+  const size_t step = (n / threads + 4095) / 4096 * 4096;
+  std::atomic<bool> failed{false};
+  auto t0 = Clock::now();
+  for (int i = -1; i < reps; ++i) {
+    if (i == 0) {
+      *firstRead = n / std::chrono::duration<double>(Clock::now() - t0).count() /
+                   1e9;
+      t0 = Clock::now();
+    }
+    std::vector<std::thread> copiers;
+    for (size_t off = 0; off < n; off += step) {
+      copiers.emplace_back([&, off] {
+        const size_t len = std::min(step, n - off);
+        iovec local{b + off, len};
+        iovec remote{a + off, len};
+        if (process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) !=
+            static_cast<ssize_t>(len)) {
+          failed = true;
+        }
+      });
+    }
+    for (auto& t : copiers) {
+      t.join();
+    }
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (failed) {
+    throw std::runtime_error(std::string("process_vm_readv: ") +
+                             std::strerror(errno));
+  }
+  return reps * n / secs / 1e9;
+}
+
 // The same on huge pages is the baseline of the *_hugepages rows: it shows
 // what the page size does to a plain copy (little) next to what it does to
 // process_vm_readv (a lot).
@@ -222,6 +271,19 @@ void memcpyBaseline() {
   auto hb = runBuffer(n, Pages::kHuge, "memcpy_64MiB_hugepages");
   report.add({"memcpy_64MiB_hugepages", memcpyRate(ha.data(), hb.data(), n),
               "GB/s", ""});
+  // What the kernel's cross-memory copy reaches from and to 4 KiB pages on
+  // two threads (cma::Options::copyThreads), with no pipe: the ceiling of
+  // cma_throughput_64MiB, which is also quoted against it.
+  try {
+    double first = 0;
+    const double steady = readvRate(a.data(), b.data(), n, 2, &first);
+    report.add({"process_vm_readv_64MiB_2threads_first_read", first, "GB/s",
+                "memcpy_64MiB"});
+    report.add({"process_vm_readv_64MiB_2threads", steady, "GB/s",
+                "memcpy_64MiB"});
+  } catch (const std::exception& e) {
+    note(std::string("process_vm_readv_64MiB_2threads skipped: ") + e.what());
+  }
 }
 
 // ---- Trellis pipes -------------------------------------------------------
@@ -325,11 +387,17 @@ std::vector<double> pipePingPong(PipeBench& b) {
 // One-way throughput; `asTensor` sends the bytes as one CPU tensor (which a
 // cma pipe moves out of band) instead of a payload; `pages` picks the pages
 // of the source and destination.
+// `sources` distinct source buffers, used in turn: with as many as there
+// are messages, every message is sent from memory no earlier message used
+// (the "first read" rows: a fresh tensor per step).
 double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
                       size_t total = kBytesPerSize,
-                      Pages pages = Pages::kSmall) {
+                      Pages pages = Pages::kSmall, size_t sources = 1) {
   const size_t count = std::max<size_t>(total / size, 4);
-  auto src = runBuffer(size, pages, "pipeThroughput");
+  std::vector<bench::Buffer> srcs;
+  for (size_t i = 0; i < sources; ++i) {
+    srcs.push_back(runBuffer(size, pages, "pipeThroughput"));
+  }
   auto dst = runBuffer(size, pages, "pipeThroughput");
   Promise<void> done;
   size_t received = 0;
@@ -356,10 +424,11 @@ double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
   const auto t0 = Clock::now();
   for (size_t i = 0; i < count; ++i) {
     Message m;
+    uint8_t* src = srcs[i % sources].data();
     if (asTensor) {
-      m.tensors.push_back({src.data(), size, Device{}});
+      m.tensors.push_back({src, size, Device{}});
     } else {
-      m.payloads.push_back({src.data(), size});
+      m.payloads.push_back({src, size});
     }
     b.c->write(std::move(m), [](const Error&) {});
   }
@@ -439,11 +508,27 @@ void trellisCma() {
     report.add({"cma_throughput_" + n, pipeThroughput(cmaPipe, size, true),
                 "GB/s", "memcpy_64MiB"});
   }
+  if (const double cma64 = report.valueOf("cma_throughput_64MiB"); cma64 > 0) {
+    report.add({"cma_throughput_64MiB_vs_readv", cma64, "GB/s",
+                "process_vm_readv_64MiB_2threads"});
+  }
   // The same 64 MiB tensor through the shm ring instead (two copies, one
   // per loop thread): what cma is up against at the top size.
   report.add({"shm_basic_tensor_64MiB",
               pipeThroughput(basicPipe, 64 * kMiB, true), "GB/s",
               "cma_throughput_64MiB"});
+  // Both again with every message from a buffer no earlier message was sent
+  // from (written by user code, never read by the kernel): a fresh tensor
+  // per step, as a trainer sends.
+  constexpr size_t kFresh = 6;
+  report.add({"cma_throughput_64MiB_first_read",
+              pipeThroughput(cmaPipe, 64 * kMiB, true, kFresh * 64 * kMiB,
+                             Pages::kSmall, kFresh),
+              "GB/s", "memcpy_64MiB"});
+  report.add({"shm_basic_tensor_64MiB_first_read",
+              pipeThroughput(basicPipe, 64 * kMiB, true, kFresh * 64 * kMiB,
+                             Pages::kSmall, kFresh),
+              "GB/s", "cma_throughput_64MiB_first_read"});
   for (size_t size : kSizes) {
     const std::string n = std::to_string(size / kMiB) + "MiB";
     report.add(
