@@ -218,9 +218,9 @@ double memcpyRate(uint8_t* a, uint8_t* b, size_t n) {
 // `threads` page-aligned pieces copied at once, as the cma channel does;
 // repeatedly; GB/s. The kernel's own rate with no pipe around it.
 //
-// The first read of pages is far slower than later ones (0.7 against 5-9
-// GB/s on one thread here, for source and destination pages alike, though
-// user code had written them all): `firstRead` gets the rate of the first
+// The first read of pages is far slower than later ones on the 2-core VM
+// (0.7 against 5-9 GB/s on one thread, for source and destination pages
+// alike, though user code had written them all): `firstRead` gets the rate of the first
 // rep, which runs on pages no process_vm_readv has touched yet, and the
 // timed reps follow it.
 double readvRate(uint8_t* a, uint8_t* b, size_t n, size_t threads,
