@@ -220,14 +220,14 @@ double memcpyRate(uint8_t* a, uint8_t* b, size_t n) {
 //
 // The first read of pages is far slower than later ones on the 2-core VM
 // (0.7 against 5-9 GB/s on one thread, for source and destination pages
-// alike, though user code had written them all): `firstRead` gets the rate of the first
-// rep, which runs on pages no process_vm_readv has touched yet, and the
-// timed reps follow it.
+// alike, though user code had written them all): `firstRead` gets the rate
+// of the first rep, which runs on pages no process_vm_readv has touched
+// yet, and the timed reps follow it.
 double readvRate(uint8_t* a, uint8_t* b, size_t n, size_t threads,
                  double* firstRead) {
   const int reps = 8;
   const size_t step = (n / threads + 4095) / 4096 * 4096;
-  std::atomic<bool> failed{false};
+  std::atomic<int> failedErrno{0};  // errno is per thread: the copier's
   auto t0 = Clock::now();
   for (int i = -1; i < reps; ++i) {
     if (i == 0) {
@@ -241,9 +241,10 @@ double readvRate(uint8_t* a, uint8_t* b, size_t n, size_t threads,
         const size_t len = std::min(step, n - off);
         iovec local{b + off, len};
         iovec remote{a + off, len};
-        if (process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) !=
-            static_cast<ssize_t>(len)) {
-          failed = true;
+        const ssize_t got =
+            process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
+        if (got != static_cast<ssize_t>(len)) {
+          failedErrno = got < 0 ? errno : EFAULT;  // EFAULT: a short read
         }
       });
     }
@@ -252,9 +253,9 @@ double readvRate(uint8_t* a, uint8_t* b, size_t n, size_t threads,
     }
   }
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (failed) {
+  if (const int err = failedErrno.load(); err != 0) {
     throw std::runtime_error(std::string("process_vm_readv: ") +
-                             std::strerror(errno));
+                             std::strerror(err));
   }
   return reps * n / secs / 1e9;
 }
@@ -386,10 +387,10 @@ std::vector<double> pipePingPong(PipeBench& b) {
 
 // One-way throughput; `asTensor` sends the bytes as one CPU tensor (which a
 // cma pipe moves out of band) instead of a payload; `pages` picks the pages
-// of the source and destination.
-// `sources` distinct source buffers, used in turn: with as many as there
-// are messages, every message is sent from memory no earlier message used
-// (the "first read" rows: a fresh tensor per step).
+// of the source and destination; `sources` distinct source buffers are
+// used in turn: with as many as there are messages, every message is sent
+// from memory no earlier message used (the "first read" rows: a fresh
+// tensor per step).
 double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
                       size_t total = kBytesPerSize,
                       Pages pages = Pages::kSmall, size_t sources = 1) {
