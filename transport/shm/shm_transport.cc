@@ -161,8 +161,8 @@ class ShmConnection : public Connection,
         opts_(opts),
         connector_(connector),
         peer_(std::move(peer)) {
-    spinNs_ = static_cast<uint64_t>(std::max<int64_t>(
-        0, std::chrono::nanoseconds(pollingTime(opts)).count()));
+    spinNs_ = static_cast<uint64_t>(
+        std::chrono::nanoseconds(pollingTime(opts)).count());  // never < 0
     uv_idle_init(loop.uv(), &idle_);
     idle_.data = this;
     ++openHandles_;
