@@ -1,4 +1,3 @@
-#include <algorithm>
 #include <pthread.h>
 
 #include <trellis/core/check.h>
@@ -7,6 +6,13 @@
 
 namespace trellis {
 
+namespace {
+// The pool whose worker this thread is (thread ids are reused once a thread
+// has exited, so they cannot tell a pool's workers apart from later
+// threads).
+thread_local const ThreadPool* tWorkerOf = nullptr;
+}  // namespace
+
 ThreadPool::ThreadPool(size_t numThreads, std::string name)
     : name_(std::move(name)) {
   if (numThreads == 0) {
@@ -14,10 +20,8 @@ ThreadPool::ThreadPool(size_t numThreads, std::string name)
         "ThreadPool '" + name_ + "' needs at least one thread"));
   }
   threads_.reserve(numThreads);
-  threadIds_.resize(numThreads);
   for (size_t i = 0; i < numThreads; ++i) {
     threads_.emplace_back([this, i] { workerLoop(i); });
-    threadIds_[i] = threads_.back().get_id();
   }
 }
 
@@ -68,11 +72,7 @@ void ThreadPool::join() {
   }
 }
 
-bool ThreadPool::inPool() const {
-  const auto self = std::this_thread::get_id();
-  return std::find(threadIds_.begin(), threadIds_.end(), self) !=
-         threadIds_.end();
-}
+bool ThreadPool::inPool() const { return tWorkerOf == this; }
 
 size_t ThreadPool::queued() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -84,6 +84,7 @@ void ThreadPool::workerLoop(size_t index) {
   const std::string threadName =
       (name_ + "/" + std::to_string(index)).substr(0, 15);
   pthread_setname_np(pthread_self(), threadName.c_str());
+  tWorkerOf = this;
   for (;;) {
     Task task;
     {

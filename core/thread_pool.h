@@ -77,7 +77,6 @@ class ThreadPool {
   std::deque<Task> queue_;  // GUARDED_BY(mu_)
   bool stopping_ = false;   // GUARDED_BY(mu_)
   std::vector<std::thread> threads_;
-  std::vector<std::thread::id> threadIds_;
   std::mutex joinMu_;
 };
 

@@ -459,8 +459,7 @@ Future<void> runGraph(Container& container,
     auto reply = rpc::detail::sendCall<&detail::propagateGradients>(
         agent, o.node->peer(), spec, state->id, o.node->messageId(),
         retainGraph, std::move(o.grads));
-    replies.push_back(rpc::detail::decodeReply<bool>(std::move(reply),
-                                                     agent.shared_from_this()));
+    replies.push_back(rpc::detail::decodeReply<bool>(std::move(reply), agent));
   }
   return whenAllSucceed(replies);
 }

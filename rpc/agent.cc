@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "envelope.h"
+#include "quiescence.h"
 #include <trellis/core/deadline.h>
 #include <trellis/core/logging.h>
 #include <trellis/core/net.h>
@@ -38,6 +39,8 @@ constexpr int32_t kMaxWorldSize = 65535;  // ids keep the worker in 16 bits
 const std::string kKeyPrefix = "trellis/rpc/";
 
 thread_local Agent* tCurrentAgent = nullptr;
+// The agent whose timer thread this is.
+thread_local const void* tTimerOf = nullptr;
 std::mutex gProcessMu;
 std::atomic<Agent::RRefHooksFactory> gHooksFactory{nullptr};
 std::atomic<Agent::AutogradHooksFactory> gAutogradFactory{nullptr};
@@ -61,6 +64,25 @@ int64_t toMicros(Duration d) {
 std::string describeWorker(const WorkerInfo& w) {
   return "worker '" + w.name + "' (rank " + std::to_string(w.rank) + ")";
 }
+
+// Graceful shutdown's liveness probe (quiescence.h): no arguments, no
+// result, answered on the transport loop.
+constexpr std::string_view kPingFunction = "trellis.rpc.ping";
+uint64_t pingSignature() {
+  return signatureFingerprint<std::monostate>(kPingFunction);
+}
+Future<AnyValue> answerPing(Decoder& args, void*) {
+  Error e = args.finish();
+  return e.ok() ? makeReadyFuture(AnyValue{}) : makeErrorFuture<AnyValue>(e);
+}
+[[maybe_unused]] const bool kPingRegistered = [] {
+  FunctionEntry e;
+  e.name = std::string(kPingFunction);
+  e.signature = pingSignature();
+  e.invoke = &answerPing;
+  e.runOnLoop = true;
+  return Registry::global().add(std::move(e));
+}();
 
 }  // namespace
 
@@ -216,6 +238,13 @@ struct Agent::Impl {
   std::atomic<uint64_t> running{0};
   std::atomic<uint64_t> lateReplies{0};
   std::mutex shutdownMu;
+  // Graceful shutdown: set while the protocol runs, so that the end of a
+  // call or a request wakes its waitIdle().
+  std::atomic<bool> quiescing{false};
+  std::condition_variable idleCv;
+  // The store was made here from MASTER_ADDR/PORT (ours to re-time).
+  bool ownStore = false;
+  std::string storeDescription = "the rendezvous store";
 
   // ---- start -------------------------------------------------------------
   void rendezvous();
@@ -243,8 +272,14 @@ struct Agent::Impl {
   void failLater(PendingCall&& pc, Error error);
   void handleReply(PendingCall&& pc, const pb::Envelope& env, Reply body);
   // ---- timers / shutdown --------------------------------------------------
+  // True on a thread this agent owns and joins when it closes: its worker
+  // and completion pools, its timer thread, its transport loop.
+  bool onOwnThread() const;
   void timerLoop();
+  class Participant;
   void gracefulQuiesce(Duration quiesceTimeout);
+  // Wakes a graceful shutdown waiting for this worker to go idle.
+  void notifyIdle();
   void closeAll(const Error& reason);
 
   template <typename F>
@@ -263,11 +298,22 @@ CurrentAgentScope::CurrentAgentScope(Agent* agent) : previous_(tCurrentAgent) {
 }
 CurrentAgentScope::~CurrentAgentScope() { tCurrentAgent = previous_; }
 
-Agent& Agent::current() { return *currentShared(); }
+Agent& Agent::current() {
+  if (tCurrentAgent != nullptr) {
+    return *tCurrentAgent;
+  }
+  return *currentShared();
+}
 
 std::shared_ptr<Agent> Agent::currentShared() {
   if (tCurrentAgent != nullptr) {
-    return tCurrentAgent->shared_from_this();
+    auto agent = tCurrentAgent->weak_from_this().lock();
+    if (agent == nullptr) {
+      // A callback running while the agent is torn down.
+      throwError(Error::cancelled("rpc agent '" + tCurrentAgent->self().name +
+                                  "' is shutting down"));
+    }
+    return agent;
   }
   std::lock_guard<std::mutex> lock(gProcessMu);
   if (gProcessAgent == nullptr) {
@@ -314,7 +360,7 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
   if (!impl->options.token) {
     impl->options.token = auth::JobToken::fromEnvironment();
   }
-  std::shared_ptr<Agent> agent(new Agent(std::move(impl)));
+  std::shared_ptr<Agent> agent(new Agent(std::move(impl)), &Agent::destroy);
   Impl& d = *agent->impl_;
   d.self = agent.get();
   d.handlers =
@@ -339,6 +385,31 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
 }
 
 Agent::Agent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+bool Agent::Impl::onOwnThread() const {
+  return (handlers != nullptr && handlers->inPool()) ||
+         (completions != nullptr && completions->inPool()) ||
+         tTimerOf == this ||
+         (ctx != nullptr && ctx->inLoop());
+}
+
+// The last reference to an agent may drop on any thread, also in a user
+// function or a future callback that runs on one of the agent's own
+// threads and held an RRef, a dist_autograd::Context or the result of
+// currentShared() while the user let go of the agent elsewhere. Teardown
+// joins every one of those threads, and a thread cannot join itself, so
+// there the teardown moves to a thread kept for this; the agent (and what
+// its threads touch on their way out) lives until it is done.
+void Agent::destroy(Agent* agent) {
+  if (!agent->impl_->onOwnThread()) {
+    delete agent;
+    return;
+  }
+  // Leaked on purpose, like the transport's late pool: an agent may be
+  // released during static destruction.
+  static ThreadPool* teardown = new ThreadPool(1, "rpc-teardown");
+  teardown->post([agent](const Error&) { delete agent; });
+}
 
 Agent::~Agent() {
   try {
@@ -404,6 +475,9 @@ void Agent::Impl::rendezvous() {
     co.timeout = ms;
     co.connectTimeout = ms;
     store = std::make_shared<store::TCPStore>(co);
+    ownStore = true;
+    storeDescription = "the rendezvous store at " + net::bracketIfIpv6(addr) +
+                       ":" + std::to_string(p) + " (served by rank 0)";
   }
   store->set(kKeyPrefix + "worker/" + std::to_string(me.rank),
              me.name + "\n" + me.address);
@@ -822,10 +896,16 @@ void Agent::Impl::onDescriptor(const std::shared_ptr<PipeState>& ps,
       // The reply comes back to this loop from a worker thread within
       // microseconds for most calls: poll for it rather than sleep.
       ctx->beginExpectedWork();
+      if (const FunctionEntry* entry = Registry::global().find(env->function());
+          entry != nullptr && entry->runOnLoop) {
+        handleRequest(ps, env, std::move(*body), arrived);
+        return;
+      }
       post(*handlers, [this, ps, env, body, arrived](const Error& pe) {
         if (!pe.ok()) {  // pool shut down (shutdown(false))
           running.fetch_sub(1);
           ctx->endExpectedWork();
+          notifyIdle();
           return;
         }
         handleRequest(ps, env, std::move(*body), arrived);
@@ -1065,6 +1145,7 @@ void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
          });
     ctx->endExpectedWork();
     running.fetch_sub(1);
+    notifyIdle();
   });
 }
 
@@ -1080,6 +1161,9 @@ std::optional<PendingCall> Agent::Impl::takePending(uint64_t id,
   }
   std::optional<PendingCall> pc(std::move(it->second));
   pending.erase(it);
+  if (quiescing.load(std::memory_order_acquire)) {
+    idleCv.notify_all();  // under mu
+  }
   return pc;
 }
 
@@ -1117,6 +1201,7 @@ void Agent::Impl::handleReply(PendingCall&& pc, const pb::Envelope& env,
 // ---- timers ----------------------------------------------------------------
 
 void Agent::Impl::timerLoop() {
+  tTimerOf = this;
   std::unique_lock<std::mutex> lock(mu);
   while (!closed) {
     if (timers.empty()) {
@@ -1142,6 +1227,9 @@ void Agent::Impl::timerLoop() {
         pending.erase(it);
       }
     }
+    if (!expired.empty() && quiescing.load(std::memory_order_acquire)) {
+      idleCv.notify_all();  // under mu
+    }
     lock.unlock();
     for (auto& pc : expired) {
       Error e = Error::timeout(
@@ -1155,127 +1243,99 @@ void Agent::Impl::timerLoop() {
 
 // ---- shutdown --------------------------------------------------------------
 
-// Graceful shutdown waits for global quiescence with the four-counter
-// method: in rounds through the store, each worker publishes its count of
-// calls in flight (sent and not answered, received and not finished) and
-// its running totals of messages sent and received. The group is quiet
-// when two consecutive rounds both show nothing in flight and the same
-// totals with sent == received: no message can then be travelling, nor
-// have been sent between the two snapshots of any worker.
+// What the group protocol (quiescence.h) needs from this worker.
+class Agent::Impl::Participant : public detail::QuiescenceParticipant {
+ public:
+  Participant(Impl& d, Duration probeTimeout)
+      : d_(d), probeTimeout_(probeTimeout) {}
+
+  detail::QuiescenceCounts counts() override {
+    detail::QuiescenceCounts c;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      c.active = d_.pending.size();
+    }
+    c.active += d_.running.load();
+    c.sent = d_.sent.load();
+    c.received = d_.received.load();
+    return c;
+  }
+
+  void waitIdle(Deadline deadline) override {
+    std::unique_lock<std::mutex> lock(d_.mu);
+    auto idle = [&] { return d_.pending.empty() && d_.running.load() == 0; };
+    if (deadline.isNever()) {
+      d_.idleCv.wait(lock, idle);
+    } else {
+      d_.idleCv.wait_until(lock, deadline.timePoint(), idle);
+    }
+  }
+
+  // A ping answered on the peer's transport loop: a worker whose user
+  // functions are all busy still answers at once; one that is gone fails
+  // it with UNAVAILABLE, one that is stopped or hangs with a timeout.
+  Future<void> probe(int32_t rank) override {
+    CallSpec spec;
+    spec.function = kPingFunction;
+    spec.signature = pingSignature();
+    spec.timeout = probeTimeout_;
+    spec.recordAutograd = false;
+    return d_.self->call(rank, spec, Encoder()).then([](const Reply&) {});
+  }
+
+  std::string describe(int32_t rank) override {
+    return describeWorker(d_.workers[rank]);
+  }
+
+ private:
+  Impl& d_;
+  const Duration probeTimeout_;
+};
+
+void Agent::Impl::notifyIdle() {
+  if (quiescing.load(std::memory_order_acquire)) {
+    // Taken and released so that a waiter between its check and its wait
+    // cannot miss this notification.
+    { std::lock_guard<std::mutex> lock(mu); }
+    idleCv.notify_all();
+  }
+}
+
 void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
-  Deadline deadline = Deadline::never();
   if (hooks != nullptr) {
     hooks->releaseUsers();
   }
-  struct Round {
-    uint64_t active = 0;
-    uint64_t sent = 0;
-    uint64_t received = 0;
-  };
-  std::optional<Round> previous;
-  std::vector<std::string> keys(worldSize);
-  // The workers whose entry of this round is missing, for the error.
-  auto missing = [&]() {
-    std::string out;
-    for (int32_t r = 0; r < worldSize; ++r) {
-      bool present = false;
-      try {
-        present = store->check({keys[r]});
-      } catch (const std::exception&) {
-        // Naming them is best effort; the timeout is the error.
-      }
-      if (!present) {
-        out += (out.empty() ? "" : ", ") + describeWorker(workers[r]);
-      }
-    }
-    return out.empty() ? std::string("none") : out;
-  };
-  // Workers with calls in flight in the last round, for the error.
-  std::string busy;
-  for (int round = 0;; ++round) {
-    if (deadline.expired()) {
-      throwError(Error::timeout("rpc shutdown of '" + me.name +
-                                "': the group did not become idle "
-                                "within " +
-                                formatDuration(quiesceTimeout) +
-                                (busy.empty()
-                                     ? std::string()
-                                     : "; calls still in flight on " + busy)));
-    }
-    Round mine;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      mine.active = pending.size();
-    }
-    mine.active += running.load();
-    mine.sent = sent.load();
-    mine.received = received.load();
-    const std::string base =
-        kKeyPrefix + "shutdown/" + std::to_string(round) + "/";
-    store->set(base + std::to_string(me.rank),
-               std::to_string(mine.active) + " " + std::to_string(mine.sent) +
-                   " " + std::to_string(mine.received));
-    for (int32_t r = 0; r < worldSize; ++r) {
-      keys[r] = base + std::to_string(r);
-    }
-    if (round == 0) {
-      // Wait for everyone to arrive, then start the quiescence clock.
-      const auto arrival = options.shutdownArrivalTimeout;
-      try {
-        store->wait(keys, std::chrono::duration_cast<std::chrono::milliseconds>(
-                              arrival));
-      } catch (const TimeoutError&) {
-        throwError(Error::timeout("rpc shutdown of '" + me.name +
-                                  "': not every worker entered "
-                                  "shutdown within " +
-                                  formatDuration(arrival) +
-                                  "; missing: " + missing()));
-      }
-      deadline = Deadline::fromTimeout(quiesceTimeout);
-    } else {
-      try {
-        store->wait(
-            keys,
-            std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
-                deadline.remaining(), Duration(std::chrono::milliseconds(1)))));
-      } catch (const TimeoutError&) {
-        // A worker that stops taking part (it died, or hangs) stalls the
-        // rounds: name it.
-        throwError(Error::timeout("rpc shutdown of '" + me.name +
-                                  "': the group did not become "
-                                  "idle within " +
-                                  formatDuration(quiesceTimeout) +
-                                  "; no longer taking part: " + missing()));
-      }
-    }
-    Round total;
-    busy.clear();
-    const auto entries = store->multiGet(keys);
-    for (size_t r = 0; r < entries.size(); ++r) {
-      const std::string s(entries[r].begin(), entries[r].end());
-      unsigned long long a = 0, sn = 0, rc = 0;
-      if (std::sscanf(s.c_str(), "%llu %llu %llu", &a, &sn, &rc) != 3) {
-        throwError(
-            Error::protocol("rpc shutdown: malformed round entry '" + s + "'"));
-      }
-      if (a != 0) {
-        busy += (busy.empty() ? "" : ", ") + describeWorker(workers[r]) + " (" +
-                std::to_string(a) + ")";
-      }
-      total.active += a;
-      total.sent += sn;
-      total.received += rc;
-    }
-    const bool quiet = total.active == 0 && total.sent == total.received;
-    if (quiet && previous && previous->active == 0 &&
-        previous->sent == total.sent && previous->received == total.received) {
-      break;
-    }
-    previous = quiet ? std::optional<Round>(total) : std::nullopt;
-    if (!quiet) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
+  // Every store operation of the protocol gets the shutdown's bound: a
+  // store whose server stopped answering (its host is stopped or hangs)
+  // must fail the shutdown in time, not after the store's own timeout. Only
+  // for the store this agent made; a user's store keeps its timeout.
+  if (ownStore && quiesceTimeout > Duration::zero()) {
+    store->setTimeout(
+        std::chrono::duration_cast<std::chrono::milliseconds>(quiesceTimeout));
   }
+  detail::QuiescenceOptions o;
+  o.keyPrefix = kKeyPrefix + "shutdown/";
+  o.name = me.name;
+  o.rank = me.rank;
+  o.worldSize = worldSize;
+  o.arrivalTimeout = options.shutdownArrivalTimeout;
+  o.quiesceTimeout = quiesceTimeout;
+  o.hostsStore = storeServer != nullptr;
+  Participant participant(*this, quiesceTimeout);
+  quiescing.store(true, std::memory_order_release);
+  try {
+    detail::runQuiescence(*store, participant, o);
+  } catch (const Exception& e) {
+    quiescing.store(false);
+    const std::string& msg = e.error().message();
+    if (msg.rfind("rpc shutdown of", 0) == 0) {
+      throw;
+    }
+    // The store's own error: say which store, and who serves it.
+    throwError(Error(e.code(), "rpc shutdown of '" + me.name + "': " +
+                                   storeDescription + ": " + msg));
+  }
+  quiescing.store(false);
   if (hooks != nullptr) {
     auto leaks = hooks->leaks();
     if (!leaks.empty()) {
@@ -1287,17 +1347,6 @@ void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
           "rpc agent {}: {} RRef value(s) still held at "
           "shutdown: {}",
           me.name, leaks.size(), list);
-    }
-  }
-  // Rank 0 may host the store: it waits until everyone is past the rounds.
-  store->add(kKeyPrefix + "shutdown/exit", 1);
-  if (storeServer != nullptr) {
-    const Deadline d = deadline;
-    while (!d.expired()) {
-      if (store->add(kKeyPrefix + "shutdown/exit", 0) >= worldSize) {
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   }
 }
@@ -1342,6 +1391,17 @@ void Agent::Impl::closeAll(const Error& reason) {
 
 void Agent::shutdown(bool graceful, Duration timeout) {
   Impl& d = *impl_;
+  if (isShutDown()) {
+    return;
+  }
+  if (d.onOwnThread()) {
+    // It would wait for the very thread it runs on.
+    throwError(Error(Code::kFailedPrecondition,
+                     "rpc shutdown of '" + d.me.name +
+                         "' called from one of its own threads (a user "
+                         "function or a future callback): call it from "
+                         "another thread"));
+  }
   std::lock_guard<std::mutex> once(d.shutdownMu);
   {
     std::lock_guard<std::mutex> lock(d.mu);

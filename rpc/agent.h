@@ -22,7 +22,13 @@
 //    no call or RRef message is in flight anywhere, then closes; a clean
 //    shutdown logs nothing above info. shutdown(false) closes at once and
 //    fails what is pending with CANCELLED. Both are idempotent; the
-//    destructor does shutdown(false).
+//    destructor does shutdown(false). Called from one of the agent's own
+//    threads (a user function, a future callback) shutdown throws
+//    FailedPreconditionError: it would wait for itself.
+//  - Lifetime: futures and pending calls do not keep the agent alive; it
+//    lives while a user holds it (rpc::init's process agent, a
+//    shared_ptr). The last reference may be dropped on any thread; where
+//    that is one of the agent's own, the teardown runs on another thread.
 //  - Agent::current() is the agent of the calling thread: the one whose
 //    user function or completion it is running, else the process agent set
 //    by rpc::init(). Several agents may live in one process (tests).
@@ -73,10 +79,11 @@ struct RpcOptions {
   // none).
   Duration shutdownTimeout = std::chrono::seconds(60);
   // graceful shutdown(): how long to wait for the other workers to enter
-  // shutdown at all. 0 = no limit, like torch: a server typically calls
-  // shutdown() right after init() and waits for its trainers to finish.
-  // A dead worker is the launcher's business (trellis-launch, elastic-run
-  // end the group when one fails).
+  // shutdown at all. 0 = no limit while they are alive, like torch: a
+  // server typically calls shutdown() right after init() and waits for its
+  // trainers. A worker that is gone (refuses the shutdown's liveness probe)
+  // or does not answer it within shutdownTimeout fails the wait at once,
+  // named in the error, whatever this is set to.
   Duration shutdownArrivalTimeout = Duration::zero();
   // Rendezvous store. When null, MASTER_ADDR / MASTER_PORT are read (like
   // torch's env://): rank 0 serves a TCPStore there, every rank connects.
@@ -222,6 +229,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
  private:
   explicit Agent(std::unique_ptr<Impl> impl);
+  // The shared_ptr's deleter (see agent.cc).
+  static void destroy(Agent* agent);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -64,6 +64,9 @@ struct FunctionEntry {
   // Decodes the arguments and runs the function (for a method: on `self`,
   // a Class*). Never throws: an exception becomes the future's error.
   Future<AnyValue> (*invoke)(Decoder& args, void* self) = nullptr;
+  // Internal protocol messages that never block (the shutdown's ping) are
+  // answered on the transport loop thread instead of a worker thread.
+  bool runOnLoop = false;
 };
 
 class Registry {

@@ -106,9 +106,16 @@ R decodeReplyHere(const Reply& r, Agent& agent) {
   }
 }
 
+// The callback does not own the agent. It decodes only a successful reply,
+// which the agent delivers on its own threads before its teardown has
+// joined them; an agent torn down first fails the reply with CANCELLED and
+// the callback never touches it. Owning it here made a cycle (agent ->
+// pending call -> promise -> callback -> agent): an agent whose user had
+// let go lived on until a late reply or timeout dropped the last reference
+// on the agent's own completion thread, which then had to join itself.
 template <typename R>
-Future<R> decodeReply(Future<Reply> reply, std::shared_ptr<Agent> agent) {
-  return reply.then([agent = std::move(agent)](const Reply& r) -> R {
+Future<R> decodeReply(Future<Reply> reply, Agent& agent) {
+  return reply.then([agent = &agent](const Reply& r) -> R {
     return decodeReplyHere<R>(r, *agent);
   });
 }
@@ -138,8 +145,7 @@ Future<detail::ResultOf<Fn>> rpcAsync(const Callee& to, A&&... args) {
   const int32_t rank = to.resolve(*agent);
   auto reply = detail::sendCall<Fn>(*agent, rank, detail::functionSpec<Fn>(to),
                                     std::forward<A>(args)...);
-  return detail::decodeReply<detail::ResultOf<Fn>>(std::move(reply),
-                                                   std::move(agent));
+  return detail::decodeReply<detail::ResultOf<Fn>>(std::move(reply), *agent);
 }
 
 template <auto Fn, typename... A>

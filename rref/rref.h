@@ -161,7 +161,7 @@ class RRef {
   Future<detail::ResultOf<M>> rpcAsync(A&&... args) const {
     return detail::decodeReply<detail::ResultOf<M>>(
         sendMethod<M>(methodSpec<M>(), std::forward<A>(args)...),
-        state_->agent());
+        *state_->agent());
   }
 
   template <auto M, typename... A>

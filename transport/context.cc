@@ -826,6 +826,7 @@ std::shared_ptr<Pipe> Context::connect(const std::string& address) {
 }
 
 void Context::close() { impl_->close(); }
+bool Context::inLoop() const { return impl_->loop().inLoop(); }
 void Context::beginExpectedWork() { impl_->loop().beginExpectedWork(); }
 void Context::endExpectedWork() { impl_->loop().endExpectedWork(); }
 

@@ -94,7 +94,12 @@ class Context {
   std::shared_ptr<Pipe> connect(const std::string& address);
 
   void close();
+  // Waits for the loop thread to exit; false when `timeout` passed first,
+  // or when called on the loop thread itself (which cannot join itself).
   bool join(Duration timeout = Duration::zero());
+  // True on this context's loop thread (callbacks of its pipes and
+  // listeners run there).
+  bool inLoop() const;
 
   // A hint that work will reach this context from another thread within
   // microseconds, such as a reply a worker thread is computing: until the

@@ -79,6 +79,7 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   ~ContextImpl();
 
   Loop& loop() { return *loop_; }
+  const Loop& loop() const { return *loop_; }
   // For callbacks from other threads (channel copies) that must hop back.
   std::shared_ptr<Loop> sharedLoop() const { return loop_; }
   const ContextOptions& options() const { return options_; }

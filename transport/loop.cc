@@ -71,6 +71,9 @@ void Loop::threadMain() {
   if (rc != 0) {
     TRELLIS_LOG_ERROR("{}: uv_loop_close: {}", id_, uv_strerror(rc));
   }
+  // This thread's id may be given to another thread once it has exited:
+  // from here on inLoop() is false everywhere.
+  threadId_.store(std::thread::id(), std::memory_order_release);
   {
     std::lock_guard<std::mutex> lock(joinMu_);
     finished_ = true;

@@ -44,6 +44,8 @@ class AgentGroup {
   AgentGroup& operator=(const AgentGroup&) = delete;
 
   Agent& operator[](int i) { return *agents_[i]; }
+  // Hands agent i's reference to the caller (the group forgets it).
+  std::shared_ptr<Agent> take(int i) { return std::move(agents_[i]); }
   int size() const { return static_cast<int>(agents_.size()); }
 
   // Shuts every agent down at once (graceful shutdown needs all of them).

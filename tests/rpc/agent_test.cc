@@ -7,6 +7,7 @@
 #include <ATen/ops/zeros.h>
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <map>
 #include <optional>
 #include <string>
@@ -100,6 +101,24 @@ void dropHeld() {
 }
 at::Tensor makeTensor(int64_t n) { return at::arange(n).to(at::kFloat); }
 
+// Holds a reference to the agent it runs on until the test lets it go.
+std::promise<void> gHolding;
+std::promise<void> gLetGo;
+int64_t holdOwnAgent() {
+  auto self = rpc::Agent::currentShared();
+  gHolding.set_value();
+  gLetGo.get_future().wait_for(30s);
+  return self->self().rank;  // `self` is the last reference when it goes
+}
+std::string shutDownFromHandler() {
+  try {
+    rpc::Agent::current().shutdown(false);
+  } catch (const trellis::FailedPreconditionError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 TRELLIS_REMOTE_FUNCTION(addInts);
 TRELLIS_REMOTE_FUNCTION(greet);
 TRELLIS_REMOTE_FUNCTION(doNothing);
@@ -116,6 +135,8 @@ TRELLIS_REMOTE_FUNCTION(readThrough);
 TRELLIS_REMOTE_FUNCTION(holdRRef);
 TRELLIS_REMOTE_FUNCTION(dropHeld);
 TRELLIS_REMOTE_FUNCTION(makeTensor);
+TRELLIS_REMOTE_FUNCTION(holdOwnAgent);
+TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
 TRELLIS_SERIALIZABLE(Delta, by, note);
 TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
@@ -352,6 +373,138 @@ TEST(RpcAgent, ShutdownNowFailsPendingCalls) {
   EXPECT_THROW(f.wait(5s), trellis::CancelledError);
   rpc::CurrentAgentScope scope(&g[0]);
   EXPECT_THROW(rpc::rpcSync<addInts>("w1", 1, 2), trellis::CancelledError);
+}
+
+// Regression (issue 14): the callback decoding a reply owned the agent, so
+// a pending call kept an agent its user had dropped alive until the call
+// timed out; the completion thread then dropped the last reference and the
+// teardown tried to join that very thread (SIGABRT in ThreadPool::join).
+TEST(RpcAgent, DroppedAgentIsTornDownAtOnceAndFailsItsPendingCalls) {
+  Group g(2);
+  std::shared_ptr<rpc::Agent> caller = g.take(0);
+  Future<int64_t> pending;
+  Future<int64_t> chained;
+  {
+    rpc::CurrentAgentScope scope(caller.get());
+    pending = rpc::rpcAsync<sleepMs>({"w1", 300ms}, int64_t{1000});
+    chained = pending.then([](int64_t v) { return v + 1; });
+  }
+  std::weak_ptr<rpc::Agent> weak = caller;
+  caller.reset();
+  EXPECT_TRUE(weak.expired()) << "a pending call kept the agent alive";
+  EXPECT_THROW(pending.wait(5s), trellis::CancelledError);
+  EXPECT_THROW(chained.wait(5s), trellis::CancelledError);
+}
+
+// The last reference dropped by a user function on the agent's own worker
+// thread: the teardown runs elsewhere and the process goes on.
+TEST(RpcAgent, LastReferenceDroppedOnTheAgentsOwnThread) {
+  Group g(2);
+  std::shared_ptr<rpc::Agent> callee = g.take(1);
+  Future<int64_t> f;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    f = rpc::rpcAsync<holdOwnAgent>({"w1", 10s});
+  }
+  ASSERT_EQ(gHolding.get_future().wait_for(10s), std::future_status::ready);
+  std::weak_ptr<rpc::Agent> weak = callee;
+  callee.reset();
+  EXPECT_FALSE(weak.expired());  // the user function still holds it
+  gLetGo.set_value();
+  EXPECT_TRUE(waitUntil([&] { return weak.expired(); }));
+  // Its reply may or may not have left before the teardown closed the pipe.
+  try {
+    EXPECT_EQ(f.wait(10s), 1);
+  } catch (const trellis::ConnectionError&) {
+    // the pipe closed first
+  }
+}
+
+// Graceful shutdown of the others when one worker leaves without it
+// (issue 14): they fail at once, naming it, instead of waiting forever.
+TEST(RpcAgent, GracefulShutdownFailsPromptlyNamingAWorkerThatLeft) {
+  Group g(3);
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    EXPECT_EQ(rpc::rpcSync<addInts>("w2", 1, 2), 3);  // a pipe to w2 exists
+  }
+  g.take(2).reset();  // w2 goes without shutdown (its destructor closes it)
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(2);
+  std::vector<Duration> took(2);
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        g[r].shutdown(true, 30s);
+        errors[r] = "no error";
+      } catch (const trellis::ConnectionError& e) {
+        errors[r] = e.what();
+      } catch (const std::exception& e) {
+        errors[r] = std::string("wrong type: ") + e.what();
+      }
+      took[r] = std::chrono::steady_clock::now() - start;
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("worker 'w2' (rank 2) has not entered shutdown "
+                             "and is gone"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_LT(took[r], 5s);
+    EXPECT_TRUE(g[r].isShutDown());
+  }
+}
+
+// The liveness probe is answered on the transport loop: a worker whose only
+// worker thread is busy still counts as alive while the others wait for it
+// to enter shutdown.
+TEST(RpcAgent, BusyWorkerAnswersShutdownProbes) {
+  rpc::RpcOptions o;
+  o.numWorkerThreads = 1;
+  Group g(3, o);
+  Future<int64_t> busy;
+  {
+    rpc::CurrentAgentScope scope(&g[2]);
+    busy = rpc::rpcAsync<sleepMs>("w1", int64_t{1800});
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(3);
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        if (r == 0) {
+          // Probes time out after 1 s: a probe queued behind w1's 1.8 s
+          // call would fail this shutdown.
+          g[r].shutdown(true, 1s);
+        } else {
+          std::this_thread::sleep_for(1500ms);  // w0 probes them meanwhile
+          g[r].shutdown(true, 5s);
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "") << "w" << r;
+  }
+  EXPECT_EQ(busy.wait(1s), 1800);
+}
+
+TEST(RpcAgent, ShutdownFromTheAgentsOwnThreadIsAnError) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const std::string what = rpc::rpcSync<shutDownFromHandler>("w1");
+  EXPECT_NE(what.find("called from one of its own threads"), std::string::npos)
+      << what;
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 1, 2), 3);  // w1 still serves
 }
 
 }  // namespace
