@@ -20,38 +20,31 @@ test-dev: build
 # AddressSanitizer + UBSan pass over the components' tests and fuzz replays.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay dist_autograd_test dist_optimizer_test
-	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd' -E 'rpc_process|dist_autograd_process'
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker
+	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd' -E 'rpc_process|DistAutogradProcess.WorkerKilled'
 
 # ThreadSanitizer pass over the components with threads and loops.
 test-tsan: deps
 	cmake --preset tsan
-	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test dist_autograd_test dist_optimizer_test
-	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc|dist_autograd' -E 'rpc_process|rpc_codec|dist_autograd_process'
+	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker
+	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc|dist_autograd' -E 'rpc_process|rpc_codec|DistAutogradProcess.WorkerKilled'
 
-# libFuzzer targets, a bounded number of iterations each.
+# libFuzzer targets, a bounded number of iterations each: name and
+# -max_len. Each grows its corpus in build/fuzz/corpus/<name> from the seeds
+# in tests/fuzz/corpus/<name>.
+FUZZERS := wire:512 store_request:512 store_handshake:128 \
+    transport_frame:1024 transport_record:512 shm_ring:512 \
+    rpc_envelope:1024 rpc_codec:1024 rpc_protocol:1024
+
 test-fuzz: deps
 	cmake --preset fuzz
-	cmake --build --preset fuzz -j $(JOBS) --target wire_fuzz
-	mkdir -p build/fuzz/corpus/wire
-	build/fuzz/tests/fuzz/wire_fuzz -runs=$(FUZZ_RUNS) -max_len=512 \
-	    build/fuzz/corpus/wire tests/fuzz/corpus/wire
-	cmake --build --preset fuzz -j $(JOBS) --target store_request_fuzz
-	mkdir -p build/fuzz/corpus/store_request
-	build/fuzz/tests/fuzz/store_request_fuzz -runs=$(FUZZ_RUNS) -max_len=512 \
-	    build/fuzz/corpus/store_request tests/fuzz/corpus/store_request
-	cmake --build --preset fuzz -j $(JOBS) --target transport_frame_fuzz
-	mkdir -p build/fuzz/corpus/transport_frame
-	build/fuzz/tests/fuzz/transport_frame_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
-	    build/fuzz/corpus/transport_frame tests/fuzz/corpus/transport_frame
-	cmake --build --preset fuzz -j $(JOBS) --target rpc_envelope_fuzz
-	mkdir -p build/fuzz/corpus/rpc_envelope
-	build/fuzz/tests/fuzz/rpc_envelope_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
-	    build/fuzz/corpus/rpc_envelope tests/fuzz/corpus/rpc_envelope
-	cmake --build --preset fuzz -j $(JOBS) --target rpc_codec_fuzz
-	mkdir -p build/fuzz/corpus/rpc_codec
-	build/fuzz/tests/fuzz/rpc_codec_fuzz -runs=$(FUZZ_RUNS) -max_len=1024 \
-	    build/fuzz/corpus/rpc_codec tests/fuzz/corpus/rpc_codec
+	cmake --build --preset fuzz -j $(JOBS) --target $(foreach f,$(FUZZERS),$(word 1,$(subst :, ,$(f)))_fuzz)
+	set -e; for f in $(FUZZERS); do \
+	  name=$${f%%:*}; len=$${f##*:}; \
+	  mkdir -p build/fuzz/corpus/$$name; \
+	  build/fuzz/tests/fuzz/$${name}_fuzz -runs=$(FUZZ_RUNS) -max_len=$$len \
+	      build/fuzz/corpus/$$name tests/fuzz/corpus/$$name; \
+	done
 
 test: build test-asan test-tsan test-fuzz
 	ctest --preset dev -j $(JOBS)

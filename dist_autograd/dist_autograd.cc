@@ -15,6 +15,7 @@
 #include <trellis/core/error.h>
 #include <trellis/core/logging.h>
 #include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/dist_autograd/messages.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/rpc.h>
@@ -39,29 +40,21 @@ namespace {
 namespace ag = torch::autograd;
 using rpc::Agent;
 
-constexpr uint64_t kCounterBits = 48;
-constexpr uint64_t kCounterMask = (uint64_t{1} << kCounterBits) - 1;
+using detail::checkContextId;
+using detail::contextName;
+using detail::kCounterBits;
+using detail::kCounterMask;
 // Released context ids remembered per worker, so that a message that
 // trails its context's release is refused instead of re-creating it.
 constexpr size_t kMaxTombstones = 1 << 16;
-
-std::string contextName(uint64_t id) {
-  return "context " + std::to_string(id >> kCounterBits) + ":" +
-         std::to_string(id & kCounterMask);
-}
 
 // The sender's end of one message: the gradients of the tensors it carried
 // (that required grad) enter the local graph here. apply() passes them on
 // to the tensors' own grad_fns / accumulators.
 class SendRpcBackward : public ag::Node {
  public:
-  SendRpcBackward(ag::edge_list&& next, int32_t peer,
-                  std::vector<std::vector<int64_t>> sizes,
-                  std::vector<at::ScalarType> dtypes)
-      : Node(std::move(next)),
-        peer_(peer),
-        sizes_(std::move(sizes)),
-        dtypes_(std::move(dtypes)) {}
+  SendRpcBackward(ag::edge_list&& next, int32_t peer, detail::SentTensors sent)
+      : Node(std::move(next)), peer_(peer), sent_(std::move(sent)) {}
 
   ag::variable_list apply(ag::variable_list&& grads) override {
     return std::move(grads);
@@ -73,33 +66,12 @@ class SendRpcBackward : public ag::Node {
   int32_t peer() const { return peer_; }
   // Checks gradients that arrived from the network against what was sent.
   Error check(const std::vector<at::Tensor>& grads) const {
-    if (grads.size() != sizes_.size()) {
-      return Error::invalidArgument(
-          std::to_string(grads.size()) + " gradients for a message that sent " +
-          std::to_string(sizes_.size()) + " tensors requiring grad");
-    }
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const auto& g = grads[i];
-      if (!g.defined()) {
-        continue;
-      }
-      if (g.sizes() != at::IntArrayRef(sizes_[i]) ||
-          g.scalar_type() != dtypes_[i] || g.is_sparse()) {
-        return Error::invalidArgument(
-            "gradient " + std::to_string(i) + " has shape " +
-            c10::str(g.sizes()) + " and dtype " +
-            std::string(c10::toString(g.scalar_type())) +
-            ", the tensor sent had " + c10::str(at::IntArrayRef(sizes_[i])) +
-            " and " + std::string(c10::toString(dtypes_[i])));
-      }
-    }
-    return Error();
+    return detail::checkGradients(sent_, grads);
   }
 
  private:
   int32_t peer_;
-  std::vector<std::vector<int64_t>> sizes_;
-  std::vector<at::ScalarType> dtypes_;
+  detail::SentTensors sent_;
 };
 
 // The receiver's end: grad_fn of the tensors a message brought. The
@@ -221,15 +193,14 @@ class Container : public rpc::AutogradHooks {
       return 0;
     }
     ag::edge_list next;
-    std::vector<std::vector<int64_t>> sizes;
-    std::vector<at::ScalarType> dtypes;
+    detail::SentTensors sent;
     for (const auto& t : tensors) {
       next.push_back(ag::impl::gradient_edge(t));
-      sizes.push_back(t.sizes().vec());
-      dtypes.push_back(t.scalar_type());
+      sent.sizes.push_back(t.sizes().vec());
+      sent.dtypes.push_back(t.scalar_type());
     }
-    auto node = std::make_shared<SendRpcBackward>(std::move(next), peer,
-                                                  std::move(sizes), dtypes);
+    auto node =
+        std::make_shared<SendRpcBackward>(std::move(next), peer, std::move(sent));
     for (const auto& t : tensors) {
       node->add_input_metadata(t);
     }
@@ -241,6 +212,8 @@ class Container : public rpc::AutogradHooks {
   std::unique_ptr<rpc::GradReceiver> recordRecv(uint64_t contextId,
                                                 int32_t peer,
                                                 uint64_t messageId) override {
+    // A peer's id: it must not make us create a context no worker could.
+    throwIfError(checkContextId(contextId, agent_.worldSize()));
     std::shared_ptr<ContextState> state;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -596,6 +569,7 @@ Future<bool> propagateGradients(uint64_t contextId, uint64_t messageId,
                                 bool retainGraph,
                                 std::vector<at::Tensor> gradients) {
   Agent& agent = Agent::current();
+  throwIfError(checkContextId(contextId, agent.worldSize()));
   Container& container = containerOf(agent);
   auto state = container.find(contextId);
   if (state == nullptr) {
@@ -634,7 +608,14 @@ Future<bool> propagateGradients(uint64_t contextId, uint64_t messageId,
 }
 
 bool releaseContext(uint64_t contextId, int32_t from) {
-  containerOf(Agent::current()).release(contextId, from);
+  Agent& agent = Agent::current();
+  throwIfError(checkContextId(contextId, agent.worldSize()));
+  if (from < 0 || from >= agent.worldSize()) {
+    throwError(Error::protocol("release of " + contextName(contextId) +
+                               " from rank " + std::to_string(from) +
+                               ", outside the group"));
+  }
+  containerOf(agent).release(contextId, from);
   return true;
 }
 

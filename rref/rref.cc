@@ -1,10 +1,12 @@
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
 #include <utility>
 
 #include <trellis/core/logging.h>
+#include <trellis/rref/protocol.h>
 #include <trellis/rref/rref.h>
 
 namespace trellis::rpc {
@@ -17,7 +19,8 @@ std::string str(const RRefId& id) {
   return "(" + std::to_string(id.worker) + "," + std::to_string(id.local) + ")";
 }
 
-constexpr size_t kMaxTypeIdBytes = 512;
+// Deletes remembered for forks not seen yet (see addTombstoneLocked).
+constexpr size_t kMaxTombstones = size_t{1} << 16;
 
 // Names of the protocol's messages; they travel as ordinary requests.
 constexpr std::string_view kForkFn = "trellis.rref.fork";
@@ -134,7 +137,7 @@ class RRefContext : public RRefHooks,
       std::lock_guard<std::mutex> lock(mu_);
       auto it = owners_.find(keyOf(rref));
       if (it == owners_.end() || it->second.forks.erase(keyOf(fork)) == 0) {
-        tombstones_.insert(keyOf(fork));
+        addTombstoneLocked(keyOf(fork));
       }
     }
     maybeFree(keyOf(rref));
@@ -252,6 +255,19 @@ class RRefContext : public RRefHooks,
   }
 
  private:
+  // Bounded: a delete whose fork never arrives (a peer that died between
+  // the two, or one that sends garbage) must not grow this forever. The
+  // oldest go first; a fork arrives within a round trip of its delete.
+  void addTombstoneLocked(const Key& fork) {
+    if (tombstones_.insert(fork).second) {
+      tombstoneOrder_.push_back(fork);
+      if (tombstoneOrder_.size() > kMaxTombstones) {
+        tombstones_.erase(tombstoneOrder_.front());
+        tombstoneOrder_.pop_front();
+      }
+    }
+  }
+
   void addForkLocked(OwnerEntry& e, const Key& fork) {
     if (tombstones_.erase(fork) == 0) {
       e.forks.insert(fork);
@@ -281,6 +297,7 @@ class RRefContext : public RRefHooks,
   // Forks deleted before their addition arrived; fork ids are unique in the
   // group, so the fork alone is the key.
   std::set<Key> tombstones_;
+  std::deque<Key> tombstoneOrder_;
   std::map<Key, std::weak_ptr<RRefState>> users_;
   std::map<Key, std::shared_ptr<RRefState>> pendingChildren_;
 };
@@ -297,58 +314,55 @@ RRefContext& contextOf(Agent& agent) {
 
 // ---- protocol handlers (run on the owner / parent's worker threads) --------
 
-template <typename... A>
-bool decodeProtocolArgs(Decoder& d, std::tuple<A...>* out) {
-  *out = decodeArgs<A...>(d);
-  return d.finish().ok();
-}
-
+// Each runs on the worker a message names, with the ids decoded and
+// checked against the group (protocol.h); a malformed message is the
+// caller's RemoteError and changes nothing here.
 Future<AnyValue> handleFork(Decoder& d, void*) {
-  std::tuple<uint32_t, uint64_t, uint32_t, uint64_t> a;
-  if (!decodeProtocolArgs(d, &a)) {
-    return makeErrorFuture<AnyValue>(d.error());
+  Agent& agent = Agent::current();
+  RRefId rref, fork;
+  if (Error e = decodeTwoIds(d, agent.worldSize(), &rref, &fork); !e.ok()) {
+    return makeErrorFuture<AnyValue>(e);
   }
-  auto [rw, rl, fw, fl] = a;
-  contextOf(Agent::current()).addFork({rw, rl}, {fw, fl});
+  contextOf(agent).addFork(rref, fork);
   return makeReadyFuture(AnyValue{});
 }
 
 Future<AnyValue> handleDelete(Decoder& d, void*) {
-  std::tuple<uint32_t, uint64_t, uint32_t, uint64_t> a;
-  if (!decodeProtocolArgs(d, &a)) {
-    return makeErrorFuture<AnyValue>(d.error());
+  Agent& agent = Agent::current();
+  RRefId rref, fork;
+  if (Error e = decodeTwoIds(d, agent.worldSize(), &rref, &fork); !e.ok()) {
+    return makeErrorFuture<AnyValue>(e);
   }
-  auto [rw, rl, fw, fl] = a;
-  contextOf(Agent::current()).removeFork({rw, rl}, {fw, fl});
+  contextOf(agent).removeFork(rref, fork);
   return makeReadyFuture(AnyValue{});
 }
 
 Future<AnyValue> handleAccept(Decoder& d, void*) {
-  std::tuple<uint32_t, uint64_t, uint32_t, uint64_t> a;
-  if (!decodeProtocolArgs(d, &a)) {
-    return makeErrorFuture<AnyValue>(d.error());
+  Agent& agent = Agent::current();
+  RRefId child, unused;
+  if (Error e = decodeTwoIds(d, agent.worldSize(), &child, &unused);
+      !e.ok()) {
+    return makeErrorFuture<AnyValue>(e);
   }
-  auto [cw, cl, unused1, unused2] = a;
-  contextOf(Agent::current()).childAccepted({cw, cl});
+  contextOf(agent).childAccepted(child);
   return makeReadyFuture(AnyValue{});
 }
 
 Future<AnyValue> handleFetch(Decoder& d, void*) {
-  auto [rw, rl, type] = decodeArgs<uint32_t, uint64_t, std::string>(d);
-  Error e = d.finish();
-  if (!e.ok()) {
+  Agent& agent = Agent::current();
+  RRefId id;
+  std::string type;
+  if (Error e = decodeFetch(d, agent.worldSize(), &id, &type); !e.ok()) {
     return makeErrorFuture<AnyValue>(e);
   }
-  return contextOf(Agent::current())
-      .ownerAny({rw, rl})
-      .then([type](const AnyValue& v) {
-        if (v.typeId == nullptr || type != v.typeId) {
-          throwError(Error::invalidArgument(
-              "toHere(): the RRef's value has another type than the "
-              "caller's RRef<T>"));
-        }
-        return v;
-      });
+  return contextOf(agent).ownerAny(id).then([type](const AnyValue& v) {
+    if (v.typeId == nullptr || type != v.typeId) {
+      throwError(Error::invalidArgument(
+          "toHere(): the RRef's value has another type than the "
+          "caller's RRef<T>"));
+    }
+    return v;
+  });
 }
 
 uint64_t fetchSignature() {
@@ -487,9 +501,20 @@ Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
   spec.function = kFetchFn;
   spec.signature = fetchSignature();
   spec.timeout = timeout;
-  // Keeps this fork alive until the value has arrived.
-  return agent->call(state->owner(), spec, std::move(e))
-      .then([state](const Reply& r) { return r; });
+  // Keeps this fork alive until the value has arrived, and says what the
+  // failed call was for.
+  Promise<Reply> promise;
+  auto out = promise.getFuture();
+  agent->call(state->owner(), spec, std::move(e))
+      .addDoneCallback([state, promise](const Future<Reply>& f) mutable {
+        if (f.hasError()) {
+          promise.setError(
+              f.error().withContext("toHere() of RRef " + str(state->id())));
+        } else {
+          promise.setValue(f.value());
+        }
+      });
+  return out;
 }
 
 void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state) {
@@ -502,13 +527,7 @@ void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state) {
   }
   RRefContext& ctx = *c->ctx;
   const RRefId child = ctx.newId();
-  auto& w = e.wire();
-  w.putVarint(state->id().worker);
-  w.putVarint(state->id().local);
-  w.putVarint(static_cast<uint64_t>(state->owner()));
-  w.putVarint(child.worker);
-  w.putVarint(child.local);
-  w.putString(state->typeId());
+  encodeRRefWire(e, {state->id(), state->owner(), child}, state->typeId());
   if (state->owner() == ctx.rank()) {
     ctx.addFork(state->id(), child);
   } else {
@@ -523,25 +542,13 @@ std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId) {
     return nullptr;
   }
   RRefContext& ctx = *c->ctx;
-  auto& r = d.wire();
-  const int32_t world = ctx.agent().worldSize();
-  RRefId id;
-  id.worker = static_cast<uint32_t>(r.varint(world - 1, "rref.worker"));
-  id.local = r.varint("rref.local");
-  const auto owner = static_cast<int32_t>(r.varint(world - 1, "rref.owner"));
-  RRefId child;
-  child.worker = static_cast<uint32_t>(r.varint(world - 1, "rref.fork.worker"));
-  child.local = r.varint("rref.fork.local");
-  const std::string_view type = r.string(kMaxTypeIdBytes, "rref.type");
-  if (!d.ok()) {
+  RRefWire w;
+  if (!decodeRRefWire(d, ctx.agent().worldSize(), typeId, &w)) {
     return nullptr;
   }
-  if (type != typeId) {
-    d.fail("rref.type",
-           "the RRef holds another type than the receiver's "
-           "RRef<T>");
-    return nullptr;
-  }
+  const RRefId id = w.id;
+  const RRefId child = w.child;
+  const int32_t owner = w.owner;
   const int32_t parent = c->peer;
   const int32_t me = ctx.rank();
   auto state = std::make_shared<RRefState>(ctx.agent().weak_from_this(), id,

@@ -63,6 +63,101 @@ std::array<uint8_t, kServerHelloBytes> encodeServerHello(uint8_t flags,
 
 namespace {
 
+uint32_t fixed32At(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) {
+    v |= static_cast<uint32_t>(p[i]) << (8 * i);
+  }
+  return v;
+}
+
+}  // namespace
+
+ClientHello decodeClientHello(std::span<const uint8_t, kClientHelloBytes> b) {
+  ClientHello h;
+  h.magicOk = std::equal(kMagic.begin(), kMagic.end(), b.begin());
+  h.version = fixed32At(b.data() + 4);
+  h.hasToken = (b[8] & kClientHasToken) != 0;
+  return h;
+}
+
+HelloStatus judgeClientHello(const ClientHello& hello, bool serverHasToken) {
+  if (!hello.magicOk) {
+    return HelloStatus::kBadMagic;
+  }
+  if (hello.version != kVersion) {
+    return HelloStatus::kUnsupportedVersion;
+  }
+  if (hello.hasToken != serverHasToken) {
+    return HelloStatus::kAuthMismatch;
+  }
+  return HelloStatus::kOk;
+}
+
+std::string describeRefusal(const ClientHello& hello, HelloStatus status) {
+  switch (status) {
+    case HelloStatus::kOk:
+      return "";
+    case HelloStatus::kBadMagic:
+      return "bad magic (not a Trellis store client)";
+    case HelloStatus::kUnsupportedVersion:
+      return "unsupported protocol version " + std::to_string(hello.version);
+    case HelloStatus::kAuthMismatch:
+      return "job token mismatch (one side has a token, the other none)";
+  }
+  return "status " + std::to_string(static_cast<int>(status));
+}
+
+Error checkServerHello(std::span<const uint8_t, kServerHelloBytes> b,
+                       bool clientHasToken, const std::string& peer) {
+  if (!std::equal(kMagic.begin(), kMagic.end(), b.begin())) {
+    return Error::protocol("the peer at " + peer +
+                           " is not a Trellis store server (bad magic)");
+  }
+  const uint32_t version = fixed32At(b.data() + 4);
+  const bool serverWantsToken = (b[8] & kServerRequiresToken) != 0;
+  const auto status = static_cast<HelloStatus>(b[9]);
+  if (status == HelloStatus::kUnsupportedVersion || version != kVersion) {
+    return Error::protocol("store server " + peer +
+                           " speaks protocol version " +
+                           std::to_string(version) + "; this client speaks " +
+                           std::to_string(kVersion));
+  }
+  if (status == HelloStatus::kAuthMismatch ||
+      serverWantsToken != clientHasToken) {
+    return Error::auth(
+        serverWantsToken
+            ? "store server " + peer +
+                  " requires a job token but this client has none (set "
+                  "TCPStoreOptions::jobToken, e.g. from TRELLIS_JOB_TOKEN)"
+            : "this client has a job token but store server " + peer +
+                  " was started without one; give both the same token "
+                  "or neither");
+  }
+  if (status != HelloStatus::kOk) {
+    return Error::protocol("store server " + peer +
+                           " rejected the hello (status " +
+                           std::to_string(b[9]) + ")");
+  }
+  return Error();
+}
+
+Error checkClientAnswer(const auth::JobToken& token,
+                        const auth::Nonce& challenge,
+                        std::span<const uint8_t, kClientAnswerBytes> answer,
+                        const std::string& peer, auth::Nonce* clientNonce) {
+  auth::Nonce nonce{};
+  std::copy_n(answer.begin(), auth::kNonceBytes, nonce.begin());
+  Error e = auth::verifyProof(token, "connector", challenge, nonce,
+                              answer.subspan(auth::kNonceBytes), peer);
+  if (e.ok()) {
+    *clientNonce = nonce;
+  }
+  return e;
+}
+
+namespace {
+
 bool hasKeyList(Op op) {
   return op == Op::kWait || op == Op::kCheck || op == Op::kMultiGet ||
          op == Op::kMultiSet;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include <trellis/core/auth.h>
 #include <trellis/core/error.h>
 #include <trellis/store/tcp_store.h>
 
@@ -80,6 +81,34 @@ std::array<uint8_t, kClientHelloBytes> encodeClientHello(uint32_t version,
                                                          uint8_t flags);
 std::array<uint8_t, kServerHelloBytes> encodeServerHello(uint8_t flags,
                                                          HelloStatus status);
+
+// The server's view of a client hello (exactly kClientHelloBytes).
+struct ClientHello {
+  bool magicOk = false;
+  uint32_t version = 0;
+  bool hasToken = false;
+};
+ClientHello decodeClientHello(std::span<const uint8_t, kClientHelloBytes> b);
+// The status the server answers a hello with.
+HelloStatus judgeClientHello(const ClientHello& hello, bool serverHasToken);
+// Why a hello was refused, for the server's log ("" for kOk).
+std::string describeRefusal(const ClientHello& hello, HelloStatus status);
+
+// The client's check of the server's hello: ProtocolError for a peer that is
+// no Trellis store or speaks another version, AuthError when one side has a
+// job token and the other none (the message says what to do), naming
+// `peer`.
+Error checkServerHello(std::span<const uint8_t, kServerHelloBytes> b,
+                       bool clientHasToken, const std::string& peer);
+
+// The client's answer to the server's challenge `challenge`: its own nonce,
+// then its proof (auth::computeProof, role "connector"). On success the
+// client's nonce is stored in `clientNonce`; AuthError otherwise.
+constexpr size_t kClientAnswerBytes = auth::kNonceBytes + auth::kMacBytes;
+Error checkClientAnswer(const auth::JobToken& token,
+                        const auth::Nonce& challenge,
+                        std::span<const uint8_t, kClientAnswerBytes> answer,
+                        const std::string& peer, auth::Nonce* clientNonce);
 
 // Request payloads (without the frame header). decodeRequest never reads
 // outside `payload` and never allocates more than the payload's own size;

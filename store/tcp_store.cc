@@ -198,40 +198,9 @@ struct TCPStore::Impl {
     if (!e.ok()) {
       return e.withContext("store handshake");
     }
-    if (!std::equal(protocol::kMagic.begin(), protocol::kMagic.end(),
-                    reply.begin())) {
-      return Error::protocol("the peer at " + peer() +
-                             " is not a Trellis store server (bad magic)");
-    }
-    uint32_t version = 0;
-    for (int i = 0; i < 4; ++i) {
-      version |= static_cast<uint32_t>(reply[4 + i]) << (8 * i);
-    }
-    const bool serverWantsToken =
-        (reply[8] & protocol::kServerRequiresToken) != 0;
-    const auto status = static_cast<protocol::HelloStatus>(reply[9]);
-    if (status == protocol::HelloStatus::kUnsupportedVersion ||
-        version != protocol::kVersion) {
-      return Error::protocol("store server " + peer() +
-                             " speaks protocol version " +
-                             std::to_string(version) + "; this client speaks " +
-                             std::to_string(protocol::kVersion));
-    }
-    if (status == protocol::HelloStatus::kAuthMismatch ||
-        serverWantsToken != haveToken) {
-      return Error::auth(
-          serverWantsToken
-              ? "store server " + peer() +
-                    " requires a job token but this client has none (set "
-                    "TCPStoreOptions::jobToken, e.g. from TRELLIS_JOB_TOKEN)"
-              : "this client has a job token but store server " + peer() +
-                    " was started without one; give both the same token "
-                    "or neither");
-    }
-    if (status != protocol::HelloStatus::kOk) {
-      return Error::protocol("store server " + peer() +
-                             " rejected the hello (status " +
-                             std::to_string(reply[9]) + ")");
+    if (Error bad = protocol::checkServerHello(reply, haveToken, peer());
+        !bad.ok()) {
+      return bad;
     }
     if (!haveToken) {
       return Error();

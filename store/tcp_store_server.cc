@@ -175,34 +175,18 @@ asio::awaitable<bool> TCPStoreServer::Impl::handshake(tcp::socket& sock,
     ~Done() { *flag = true; }
   } markDone{done};
 
-  std::array<uint8_t, protocol::kClientHelloBytes> hello{};
-  co_await asio::async_read(sock, asio::buffer(hello), asio::use_awaitable);
-  const bool badMagic = !std::equal(protocol::kMagic.begin(),
-                                    protocol::kMagic.end(), hello.begin());
-  uint32_t version = 0;
-  for (int i = 0; i < 4; ++i) {
-    version |= static_cast<uint32_t>(hello[4 + i]) << (8 * i);
-  }
-  const bool clientHasToken = (hello[8] & protocol::kClientHasToken) != 0;
-  HelloStatus status = HelloStatus::kOk;
-  if (badMagic) {
-    status = HelloStatus::kBadMagic;
-  } else if (version != protocol::kVersion) {
-    status = HelloStatus::kUnsupportedVersion;
-  } else if (clientHasToken != opts.jobToken.has_value()) {
-    status = HelloStatus::kAuthMismatch;
-  }
+  std::array<uint8_t, protocol::kClientHelloBytes> helloBytes{};
+  co_await asio::async_read(sock, asio::buffer(helloBytes),
+                            asio::use_awaitable);
+  const protocol::ClientHello hello = protocol::decodeClientHello(helloBytes);
+  const HelloStatus status =
+      protocol::judgeClientHello(hello, opts.jobToken.has_value());
   const auto reply = protocol::encodeServerHello(
       opts.jobToken ? protocol::kServerRequiresToken : 0, status);
   co_await asio::async_write(sock, asio::buffer(reply), asio::use_awaitable);
   if (status != HelloStatus::kOk) {
-    TRELLIS_LOG_WARN(
-        "{}: rejected {} at hello: {}", id, peer,
-        badMagic ? "bad magic (not a Trellis store client)"
-        : status == HelloStatus::kUnsupportedVersion
-            ? "unsupported protocol version " + std::to_string(version)
-            : std::string("job token mismatch (one side has "
-                          "a token, the other none)"));
+    TRELLIS_LOG_WARN("{}: rejected {} at hello: {}", id, peer,
+                     protocol::describeRefusal(hello, status));
     co_return false;
   }
   if (!opts.jobToken) {
@@ -210,13 +194,11 @@ asio::awaitable<bool> TCPStoreServer::Impl::handshake(tcp::socket& sock,
   }
   const auth::Nonce nonceA = auth::randomNonce();
   co_await asio::async_write(sock, asio::buffer(nonceA), asio::use_awaitable);
-  std::array<uint8_t, auth::kNonceBytes + auth::kMacBytes> answer{};
+  std::array<uint8_t, protocol::kClientAnswerBytes> answer{};
   co_await asio::async_read(sock, asio::buffer(answer), asio::use_awaitable);
   auth::Nonce nonceC{};
-  std::copy_n(answer.begin(), auth::kNonceBytes, nonceC.begin());
-  const Error verdict = auth::verifyProof(
-      *opts.jobToken, "connector", nonceA, nonceC,
-      std::span<const uint8_t>(answer).subspan(auth::kNonceBytes), peer);
+  const Error verdict =
+      protocol::checkClientAnswer(*opts.jobToken, nonceA, answer, peer, &nonceC);
   if (!verdict.ok()) {
     const uint8_t rejected = protocol::kAuthRejected;
     co_await asio::async_write(sock, asio::buffer(&rejected, 1),

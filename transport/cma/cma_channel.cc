@@ -16,8 +16,8 @@
 #include <vector>
 
 #include <trellis/core/logging.h>
-#include <trellis/core/wire.h>
 #include <trellis/transport/cma/factory.h>
+#include <trellis/transport/cma/record.h>
 #include <trellis/transport/connection.h>
 
 namespace trellis::transport::cma {
@@ -141,26 +141,6 @@ class CopyPool {
   std::vector<std::thread> workers_;  // guarded by state_->mu
 };
 
-struct Record {
-  uint64_t pid = 0;
-  uint64_t address = 0;
-  uint64_t length = 0;
-};
-
-// fixed64 pid | fixed64 address | varint length (docs/transport.md).
-Error decodeRecord(const std::string& bytes, Record* out) {
-  wire::WireReader r(bytes, "cma record");
-  out->pid = r.fixed64("cma pid");
-  out->address = r.fixed64("cma address");
-  out->length = r.varint("cma length");
-  r.expectEnd();
-  if (r.ok() && (out->pid == 0 || out->pid > 0x7fffffff)) {
-    return Error::protocol("cma record: invalid pid " +
-                           std::to_string(out->pid));
-  }
-  return r.error();
-}
-
 std::string hex(uint64_t v) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));
@@ -264,11 +244,8 @@ class CmaChannel : public Channel {
       return Error::invalidArgument("cma carries CPU tensors only, not " +
                                     t.device.toString());
     }
-    wire::WireWriter w;
-    w.putFixed64(static_cast<uint64_t>(::getpid()));
-    w.putFixed64(reinterpret_cast<uintptr_t>(t.data));
-    w.putVarint(t.length);
-    record->assign(w.bytes().begin(), w.bytes().end());
+    *record = encodeRecord({static_cast<uint64_t>(::getpid()),
+                            reinterpret_cast<uintptr_t>(t.data), t.length});
     return Error();
   }
 

@@ -63,6 +63,82 @@ bool validRingBytes(uint64_t n) {
   return n >= kMinRingBytes && n <= kMaxRingBytes && (n & (n - 1)) == 0;
 }
 
+namespace {
+
+constexpr uint32_t kSetupMagic = 0x50555453;  // "STUP"
+constexpr uint32_t kSetupVersion = 1;
+constexpr uint32_t kReplyMagic = 0x594c5052;  // "RPLY"
+
+uint32_t getU32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+uint64_t getU64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+void putU32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+void putU64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+
+}  // namespace
+
+void encodeSetup(uint64_t ringBytes, uint8_t (&out)[kSetupBytes]) {
+  std::memset(out, 0, kSetupBytes);
+  putU32(out, kSetupMagic);
+  putU32(out + 4, kSetupVersion);
+  putU64(out + 8, ringBytes);
+}
+
+Error decodeSetup(const uint8_t (&msg)[kSetupBytes], const std::string& who,
+                  uint64_t* ringBytes) {
+  if (getU32(msg) != kSetupMagic) {
+    return Error::protocol(who + ": bad magic (not a Trellis shm peer)");
+  }
+  if (getU32(msg + 4) != kSetupVersion) {
+    return Error::protocol(who + ": unsupported version " +
+                           std::to_string(getU32(msg + 4)));
+  }
+  const uint64_t ring = getU64(msg + 8);
+  if (!validRingBytes(ring)) {
+    return Error::protocol(who + ": ring size " + std::to_string(ring) +
+                           " is not a power of two in [" +
+                           std::to_string(kMinRingBytes) + ", " +
+                           std::to_string(kMaxRingBytes) + "]");
+  }
+  *ringBytes = ring;
+  return Error();
+}
+
+void encodeReply(uint8_t (&out)[kReplyBytes]) {
+  std::memset(out, 0, kReplyBytes);
+  putU32(out, kReplyMagic);
+}
+
+Error decodeReply(const uint8_t (&msg)[kReplyBytes], const std::string& who) {
+  if (getU32(msg) != kReplyMagic || getU32(msg + 4) != 0) {
+    return Error::protocol(who + ": bad reply");
+  }
+  return Error();
+}
+
+void writeSegmentHeader(void* segment, uint64_t ringBytes) {
+  const SegmentHeader h{kSegmentMagic, kSegmentVersion, ringBytes};
+  std::memcpy(segment, &h, sizeof(h));
+}
+
+Error checkSegmentHeader(const void* header, uint64_t ringBytes,
+                         const std::string& who) {
+  SegmentHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != kSegmentMagic || h.version != kSegmentVersion ||
+      h.ringBytes != ringBytes) {
+    return Error::protocol(who + ": segment header does not match");
+  }
+  return Error();
+}
+
 RingWriter::RingWriter(RingControl* control, char* data, size_t capacity)
     : control_(control), data_(data), capacity_(capacity) {}
 

@@ -41,6 +41,27 @@ inline size_t ringDataOffset(int ring, size_t ringBytes) {
 // Power of two within [kMinRingBytes, kMaxRingBytes].
 bool validRingBytes(uint64_t ringBytes);
 
+// Setup, over the unix socket, before the segment is mapped. The
+// connector's message, sent with [memfd, connector eventfd]: u32 magic
+// "STUP", u32 version, u64 ring bytes, u64 reserved (zero). The acceptor's
+// reply, with [acceptor eventfd]: u32 magic "RPLY", u32 zero.
+constexpr size_t kSetupBytes = 24;
+constexpr size_t kReplyBytes = 8;
+void encodeSetup(uint64_t ringBytes, uint8_t (&out)[kSetupBytes]);
+// The ring size the connector asks for; a ProtocolError prefixed with `who`
+// for a bad magic, version or size.
+Error decodeSetup(const uint8_t (&msg)[kSetupBytes], const std::string& who,
+                  uint64_t* ringBytes);
+void encodeReply(uint8_t (&out)[kReplyBytes]);
+Error decodeReply(const uint8_t (&msg)[kReplyBytes], const std::string& who);
+
+// The connector writes a SegmentHeader at the segment's start; the acceptor
+// checks it against the setup message (`header` is the segment's first
+// sizeof(SegmentHeader) bytes, copied out of shared memory).
+void writeSegmentHeader(void* segment, uint64_t ringBytes);
+Error checkSegmentHeader(const void* header, uint64_t ringBytes,
+                         const std::string& who);
+
 struct SegmentHeader {
   uint32_t magic;
   uint32_t version;

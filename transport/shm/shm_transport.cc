@@ -33,14 +33,7 @@ namespace {
 constexpr std::string_view kScheme = "shm://";
 constexpr size_t kMaxNameBytes = 100;
 constexpr int kBacklog = 4096;
-// Setup message, connector -> acceptor, with [memfd, connector eventfd]:
-// u32 magic, u32 version, u64 ring bytes, u64 reserved (zero).
-constexpr uint32_t kSetupMagic = 0x50555453;  // "STUP"
-constexpr uint32_t kSetupVersion = 1;
-constexpr size_t kSetupBytes = 24;
-// Reply, acceptor -> connector, with [acceptor eventfd]: u32 magic, u32 0.
-constexpr uint32_t kReplyMagic = 0x594c5052;  // "RPLY"
-constexpr size_t kReplyBytes = 8;
+// Setup and reply messages: ring.h.
 constexpr size_t kMaxFds = 4;
 // Bytes one connection moves per direction per loop iteration, so that a
 // stream of large messages does not starve the loop's other handles.
@@ -56,19 +49,6 @@ void closeFd(int& fd) {
     fd = -1;
   }
 }
-
-uint32_t getU32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-uint64_t getU64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-void putU32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
-void putU64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
 
 bool validName(std::string_view name) {
   if (name.empty() || name.size() > kMaxNameBytes) {
@@ -333,10 +313,8 @@ class ShmConnection : public Connection,
       failSetup(e);
       return;
     }
-    uint8_t msg[kSetupBytes] = {0};
-    putU32(msg, kSetupMagic);
-    putU32(msg + 4, kSetupVersion);
-    putU64(msg + 8, opts_.ringBytes);
+    uint8_t msg[kSetupBytes];
+    encodeSetup(opts_.ringBytes, msg);
     const int fds[2] = {memfd_, myEfd_};
     Error e = sendWithFds(sock_, msg, sizeof(msg), fds, 2);
     closeFd(memfd_);  // the mapping and the peer's copy keep it alive
@@ -371,8 +349,7 @@ class ShmConnection : public Connection,
     map_ = static_cast<char*>(p);
     mapBytes_ = total;
     ringBytes_ = opts_.ringBytes;
-    SegmentHeader h{kSegmentMagic, kSegmentVersion, opts_.ringBytes};
-    std::memcpy(map_, &h, sizeof(h));
+    writeSegmentHeader(map_, opts_.ringBytes);
     myEfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (myEfd_ < 0) {
       return Error::fromErrno(errno, "shm: eventfd");
@@ -475,19 +452,9 @@ class ShmConnection : public Connection,
   // Everything here comes from an untrusted process.
   Error finishAccept() {
     const std::string who = "shm setup from " + peer_;
-    if (getU32(setupBuf_) != kSetupMagic) {
-      return Error::protocol(who + ": bad magic (not a Trellis shm peer)");
-    }
-    if (getU32(setupBuf_ + 4) != kSetupVersion) {
-      return Error::protocol(who + ": unsupported version " +
-                             std::to_string(getU32(setupBuf_ + 4)));
-    }
-    const uint64_t ring = getU64(setupBuf_ + 8);
-    if (!validRingBytes(ring)) {
-      return Error::protocol(who + ": ring size " + std::to_string(ring) +
-                             " is not a power of two in [" +
-                             std::to_string(kMinRingBytes) + ", " +
-                             std::to_string(kMaxRingBytes) + "]");
+    uint64_t ring = 0;
+    if (Error e = decodeSetup(setupBuf_, who, &ring); !e.ok()) {
+      return e;
     }
     if (rxFds_.size() != 2) {
       return Error::protocol(who + ": expected 2 descriptors, got " +
@@ -524,11 +491,8 @@ class ShmConnection : public Connection,
     map_ = static_cast<char*>(p);
     mapBytes_ = total;
     ringBytes_ = static_cast<size_t>(ring);
-    SegmentHeader h;
-    std::memcpy(&h, map_, sizeof(h));
-    if (h.magic != kSegmentMagic || h.version != kSegmentVersion ||
-        h.ringBytes != ring) {
-      return Error::protocol(who + ": segment header does not match");
+    if (Error e = checkSegmentHeader(map_, ring, who); !e.ok()) {
+      return e;
     }
     myEfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (myEfd_ < 0) {
@@ -536,16 +500,18 @@ class ShmConnection : public Connection,
     }
     peerEfd_ = rxFds_[1];
     rxFds_.pop_back();
-    uint8_t reply[kReplyBytes] = {0};
-    putU32(reply, kReplyMagic);
+    uint8_t reply[kReplyBytes];
+    encodeReply(reply);
     return sendWithFds(sock_, reply, sizeof(reply), &myEfd_, 1)
         .withContext(who);
   }
 
   Error finishConnect() {
     const std::string who = "shm setup with " + peer_;
-    if (getU32(setupBuf_) != kReplyMagic || getU32(setupBuf_ + 4) != 0) {
-      return Error::protocol(who + ": bad reply");
+    uint8_t reply[kReplyBytes];
+    std::memcpy(reply, setupBuf_, kReplyBytes);
+    if (Error e = decodeReply(reply, who); !e.ok()) {
+      return e;
     }
     if (rxFds_.size() != 1 || !isEventFd(rxFds_[0])) {
       return Error::protocol(who + ": reply does not carry one eventfd");

@@ -1,0 +1,64 @@
+#include <trellis/rref/protocol.h>
+
+namespace trellis::rpc::detail {
+
+namespace {
+
+// A worker id as the varint the codec wrote for a uint32, within the group.
+uint32_t workerId(Decoder& d, int32_t worldSize, const char* field) {
+  return static_cast<uint32_t>(
+      d.wire().varint(static_cast<uint64_t>(worldSize) - 1, field));
+}
+
+}  // namespace
+
+Error decodeTwoIds(Decoder& d, int32_t worldSize, ProtocolRRefId* a,
+                   ProtocolRRefId* b) {
+  auto& r = d.wire();
+  a->worker = workerId(d, worldSize, "rref.worker");
+  a->local = r.varint("rref.local");
+  b->worker = workerId(d, worldSize, "fork.worker");
+  b->local = r.varint("fork.local");
+  return d.finish();
+}
+
+Error decodeFetch(Decoder& d, int32_t worldSize, ProtocolRRefId* id,
+                  std::string* type) {
+  auto& r = d.wire();
+  id->worker = workerId(d, worldSize, "rref.worker");
+  id->local = r.varint("rref.local");
+  *type = std::string(r.string(kMaxRRefTypeBytes, "rref.type"));
+  return d.finish();
+}
+
+bool decodeRRefWire(Decoder& d, int32_t worldSize, std::string_view wantType,
+                    RRefWire* out) {
+  auto& r = d.wire();
+  out->id.worker = workerId(d, worldSize, "rref.worker");
+  out->id.local = r.varint("rref.local");
+  out->owner = static_cast<int32_t>(workerId(d, worldSize, "rref.owner"));
+  out->child.worker = workerId(d, worldSize, "rref.fork.worker");
+  out->child.local = r.varint("rref.fork.local");
+  const std::string_view type = r.string(kMaxRRefTypeBytes, "rref.type");
+  if (!d.ok()) {
+    return false;
+  }
+  if (type != wantType) {
+    d.fail("rref.type",
+           "the RRef holds another type than the receiver's RRef<T>");
+    return false;
+  }
+  return true;
+}
+
+void encodeRRefWire(Encoder& e, const RRefWire& w, std::string_view type) {
+  auto& out = e.wire();
+  out.putVarint(w.id.worker);
+  out.putVarint(w.id.local);
+  out.putVarint(static_cast<uint64_t>(w.owner));
+  out.putVarint(w.child.worker);
+  out.putVarint(w.child.local);
+  out.putString(type);
+}
+
+}  // namespace trellis::rpc::detail
