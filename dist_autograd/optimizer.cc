@@ -229,6 +229,16 @@ Future<void> withContext(const Future<void>& f, std::string context) {
   return out;
 }
 
+// The waits' deadline: each call already fails at its own timeout, with an
+// error naming the owner and the function; waiting exactly that long raced
+// those timers (the wait's deadline, taken first, won by microseconds and
+// said less). This only bounds a wait whose call could not time out.
+Deadline waitDeadline(Duration callTimeout) {
+  return callTimeout > Duration::zero()
+             ? Deadline::after(callTimeout + std::chrono::seconds(1))
+             : Deadline::never();
+}
+
 // Waits for every owner's future; throws the first error to arrive, or a
 // TimeoutError naming the owners still pending at `deadline`.
 void waitOwners(const std::vector<Future<void>>& futures,
@@ -306,7 +316,7 @@ DistributedOptimizer::DistributedOptimizer(
     byOwner[p.owner()].push_back(std::move(p));
   }
   const detail::OptimizerConfig config = detail::toConfig(spec);
-  const Deadline deadline = Deadline::fromTimeout(impl_->waitLimit);
+  const Deadline deadline = waitDeadline(impl_->waitLimit);
   std::vector<Future<void>> confirmed;
   {
     // The optimizers are the workers' own state, not part of whatever
@@ -333,7 +343,7 @@ DistributedOptimizer::DistributedOptimizer(
 DistributedOptimizer::~DistributedOptimizer() = default;
 
 void DistributedOptimizer::step(uint64_t contextId) {
-  const Deadline deadline = Deadline::fromTimeout(impl_->waitLimit);
+  const Deadline deadline = waitDeadline(impl_->waitLimit);
   std::vector<Future<void>> done;
   done.reserve(impl_->owners.size());
   {

@@ -477,7 +477,7 @@ void Agent::Impl::rendezvous() {
     store = std::make_shared<store::TCPStore>(co);
     ownStore = true;
     storeDescription = "the rendezvous store at " + net::bracketIfIpv6(addr) +
-                       ":" + std::to_string(p) + " (served by rank 0)";
+                       ":" + std::to_string(p);
   }
   store->set(kKeyPrefix + "worker/" + std::to_string(me.rank),
              me.name + "\n" + me.address);
@@ -525,6 +525,9 @@ void Agent::Impl::rendezvous() {
                            " both use the worker name '" + w.name + "'"));
     }
     workers[r] = std::move(w);
+  }
+  if (ownStore) {
+    storeDescription += " (served by " + describeWorker(workers[0]) + ")";
   }
   TRELLIS_LOG_DEBUG("rpc agent {} (rank {}/{}) listening on {}", me.name,
                     me.rank, worldSize, me.address);
@@ -1433,6 +1436,35 @@ int32_t Callee::resolve(const Agent& agent) const {
   return agent.workerInfo(rank).rank;
 }
 
+namespace {
+
+// A process that ends without rpc::shutdown() (an exception out of main, a
+// return) closes its process agent here, at exit, as shutdown(false) would.
+// Registered after the agent started, so it runs before the exit handlers
+// of the libraries the agent initialised (OpenSSL's among them) and before
+// static destruction: the agent's threads never run against torn-down
+// libraries.
+void closeProcessAgentAtExit() {
+  std::shared_ptr<Agent> agent;
+  {
+    std::lock_guard<std::mutex> lock(gProcessMu);
+    agent = std::move(gProcessAgent);
+  }
+  if (agent == nullptr) {
+    return;
+  }
+  try {
+    agent->shutdown(false);
+  } catch (const std::exception& e) {
+    // exit() called on one of the agent's threads: the teardown moves to
+    // its own thread when the reference goes below.
+    TRELLIS_LOG_DEBUG("rpc agent {}: not closed at exit: {}",
+                      agent->self().name, e.what());
+  }
+}
+
+}  // namespace
+
 void init(const std::string& name, int32_t rank, int32_t worldSize,
           RpcOptions options) {
   {
@@ -1445,6 +1477,8 @@ void init(const std::string& name, int32_t rank, int32_t worldSize,
   }
   Agent::setProcessAgent(
       Agent::start(name, rank, worldSize, std::move(options)));
+  static std::once_flag atExit;
+  std::call_once(atExit, [] { std::atexit(&closeProcessAgentAtExit); });
 }
 
 void shutdown(bool graceful, Duration timeout) {

@@ -10,12 +10,29 @@
 //          "failed_at_ns"), that its context was released on w0 and w1
 //          ("released"), and that w0 and w1 still run a new context and
 //          backward between themselves ("second ok").
+//   stopped  2 workers, argv[2] "now", "graceful" or "exit", argv[3] a
+//          file. w1
+//          builds an RRef, a DistributedOptimizer and two contexts whose
+//          forward ran through w0, prints "ready", and once the file
+//          exists (the test has SIGSTOPped w0 by then) runs rpcSync,
+//          rpcAsync, toHere, backward and step against w0 at once; each
+//          must fail with TimeoutError within the 1 s call timeout
+//          ("op <name> <type> <ms> <what>"). It also leaves a call with
+//          a 30 s timeout pending, having given up waiting for it after
+//          200 ms. It then shuts down (shutdown(false), or graceful bounded
+//          by 1 s: "shutdown <type> <what>"), or returns from main with the
+//          call still pending and the agent still up ("exit"); either way
+//          it exits 0, leaving w0 stopped.
 
 #include <ATen/ATen.h>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <vector>
 #include <future>
 #include <mutex>
 #include <string>
@@ -26,6 +43,7 @@
 
 #include <trellis/core/error.h>
 #include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/dist_autograd/optimizer.h>
 #include <trellis/rpc/rpc.h>
 
 namespace rpc = trellis::rpc;
@@ -109,6 +127,16 @@ void finish() {
   std::call_once(gFinishOnce, [] { gFinish.set_value(); });
 }
 
+int64_t addInts(int64_t a, int64_t b) { return a + b; }
+int64_t makeValue() { return 42; }
+// On w0: RRefs to its parameter, for w1's DistributedOptimizer.
+std::vector<rpc::RRef<at::Tensor>> paramRRefs() {
+  return dist::localParameters({param()});
+}
+
+TRELLIS_REMOTE_FUNCTION(addInts);
+TRELLIS_REMOTE_FUNCTION(makeValue);
+TRELLIS_REMOTE_FUNCTION(paramRRefs);
 TRELLIS_REMOTE_FUNCTION(blockingStage);
 TRELLIS_REMOTE_FUNCTION(relay);
 TRELLIS_REMOTE_FUNCTION(hopHere);
@@ -207,6 +235,131 @@ int scenarioKill(int32_t rank) {
   }
 }
 
+constexpr auto kStoppedTimeout = 1s;
+
+bool waitForFile(const std::string& path, std::chrono::seconds limit) {
+  const auto end = Clock::now() + limit;
+  while (!std::filesystem::exists(path)) {
+    if (Clock::now() >= end) {
+      return false;
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+// w1's part of "stopped".
+int driveStopped(const std::string& mode, const std::string& goFile) {
+  // Everything each operation needs is built while w0 still runs: the
+  // threads set up, report, and wait for the go.
+  std::promise<void> go;
+  std::shared_future<void> goSignal = go.get_future().share();
+  std::mutex mu;
+  std::vector<std::string> lines;
+  std::atomic<int> prepared{0};
+  auto report = [&](const std::string& op, const std::function<void()>& fn) {
+    const auto start = Clock::now();
+    std::string line;
+    try {
+      fn();
+      line = "op " + op + " no-error";
+    } catch (const trellis::Exception& e) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          Clock::now() - start)
+                          .count();
+      line = "op " + op + " " + typeName(e) + " " + std::to_string(ms) + " " +
+             e.what();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    lines.push_back(line);
+  };
+  // `setup` returns the operation; what it captures (a context) goes with
+  // it on the same thread.
+  auto opThread = [&](std::function<std::function<void()>()> setup,
+                      std::string name) {
+    return std::thread([&, setup = std::move(setup), name] {
+      std::function<void()> op;
+      try {
+        op = setup();
+      } catch (const std::exception& e) {
+        say(std::string("setup failed: ") + e.what());
+        return;
+      }
+      ++prepared;
+      goSignal.wait();
+      report(name, op);
+      op = nullptr;
+    });
+  };
+  auto rref = rpc::remote<makeValue>("w0");
+  rref.waitConfirmed(10s);
+  dist::DistributedOptimizer opt(dist::SGD{.lr = 0.1},
+                                 rpc::rpcSync<paramRRefs>("w0"));
+  std::vector<std::thread> threads;
+  threads.push_back(opThread(
+      [] { return [] { rpc::rpcSync<addInts>("w0", 1, 2); }; }, "rpcSync"));
+  threads.push_back(opThread(
+      [] {
+        return [] { rpc::rpcAsync<addInts>("w0", 1, 2).wait(); };
+      },
+      "rpcAsync"));
+  threads.push_back(opThread(
+      [&] {
+        return [&] { (void)rref.toHere(); };
+      },
+      "toHere"));
+  // A context belongs to the thread that made it.
+  threads.push_back(opThread(
+      [] {
+        auto ctx = std::make_shared<dist::Context>();
+        at::Tensor loss = rpc::rpcSync<hopHere>("w0", input(0.1)).sum();
+        return [ctx, loss] { ctx->backward({loss}); };
+      },
+      "backward"));
+  threads.push_back(opThread(
+      [&] {
+        auto ctx = std::make_shared<dist::Context>();
+        ctx->backward({rpc::rpcSync<hopHere>("w0", input(0.2)).sum()});
+        return [ctx, &opt] { opt.step(ctx->id()); };
+      },
+      "step"));
+  const auto end = Clock::now() + 30s;
+  while (prepared.load() < static_cast<int>(threads.size()) &&
+         Clock::now() < end) {
+    std::this_thread::sleep_for(5ms);
+  }
+  say(prepared.load() == static_cast<int>(threads.size()) ? "ready"
+                                                          : "not ready");
+  const bool told = waitForFile(goFile, 60s);
+  go.set_value();
+  // The caller gives up on this one long before its own timeout.
+  auto abandoned = rpc::rpcAsync<addInts>({"w0", 30s}, 1, 2);
+  report("abandoned", [&] { abandoned.wait(200ms); });
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (const auto& line : lines) {
+    say(line);
+  }
+  if (mode == "exit") {
+    // The process agent's destructor closes it during static destruction.
+    say("shutdown skipped");
+    return told ? 0 : 1;
+  }
+  try {
+    if (mode == "graceful") {
+      rpc::shutdown(true, kStoppedTimeout);
+      say("shutdown no-error");
+    } else {
+      rpc::shutdown(false);
+      say("shutdown ok");
+    }
+  } catch (const trellis::Exception& e) {
+    say(std::string("shutdown ") + typeName(e) + " " + e.what());
+  }
+  return told ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -228,9 +381,21 @@ int main(int argc, char** argv) {
     o.localAddress = "127.0.0.1";
     o.initTimeout = 60s;
     o.defaultTimeout = 30s;
+    if (scenario == "stopped") {
+      o.defaultTimeout = kStoppedTimeout;
+      o.shutdownTimeout = kStoppedTimeout;
+    }
     rpc::init("w" + std::to_string(rank), rank, world, o);
     if (scenario == "kill") {
       return scenarioKill(rank);
+    }
+    if (scenario == "stopped" && argc >= 4) {
+      if (rank == 0) {
+        say("serving");
+        std::this_thread::sleep_for(120s);  // the test stops and kills it
+        return 1;
+      }
+      return driveStopped(argv[2], argv[3]);
     }
     std::fprintf(stderr, "dist_autograd_worker: unknown scenario %s\n",
                  scenario.c_str());
