@@ -10,6 +10,23 @@ if(NOT EXISTS ${TRELLIS_BUILD_INCLUDE_DIR}/trellis)
 endif()
 
 set(TRELLIS_WARNINGS -Wall -Wextra -Wpedantic -Wno-unused-parameter)
+
+# Installed binaries and libraries find the Trellis libraries relative to
+# themselves ($ORIGIN), so an install prefix works wherever it is, without
+# LD_LIBRARY_PATH; dependencies outside the system's directories (a pip
+# libtorch, CUDA) keep the path they were linked from.
+set(CMAKE_INSTALL_RPATH_USE_LINK_PATH ON)
+# The run path of a binary installed in `destination` (relative to the
+# prefix).
+function(trellis_install_rpath target destination)
+  file(RELATIVE_PATH rel /${destination} /${CMAKE_INSTALL_LIBDIR})
+  set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN/${rel}")
+endfunction()
+# Binaries: bin/ -> libdir. Libraries set their own below ($ORIGIN: one
+# directory for all of them).
+file(RELATIVE_PATH _trellis_bin_to_lib /${CMAKE_INSTALL_BINDIR}
+     /${CMAKE_INSTALL_LIBDIR})
+set(CMAKE_INSTALL_RPATH "$ORIGIN/${_trellis_bin_to_lib}")
 set(TRELLIS_INSTALL_TARGETS "" CACHE INTERNAL "")
 
 # trellis_component(<name> SOURCES ... PUBLIC_HEADERS ... [DEPS ...] [PRIVATE_DEPS ...])
@@ -19,7 +36,8 @@ function(trellis_component name)
   set(tgt trellis_${name})
   add_library(${tgt} ${A_SOURCES})
   add_library(trellis::${name} ALIAS ${tgt})
-  set_target_properties(${tgt} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME trellis_${name})
+  set_target_properties(${tgt} PROPERTIES EXPORT_NAME ${name}
+    OUTPUT_NAME trellis_${name} INSTALL_RPATH "$ORIGIN")
   target_include_directories(${tgt} PUBLIC
     $<BUILD_INTERFACE:${TRELLIS_BUILD_INCLUDE_DIR}>
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)

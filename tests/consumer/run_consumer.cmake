@@ -14,3 +14,11 @@ run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERAT
     -DCMAKE_PREFIX_PATH=${prefix})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+
+# Installed programs run from the prefix as they are: no LD_LIBRARY_PATH.
+set(clean ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH)
+run(${clean} ${prefix}/${BINDIR}/trellis-store --help)
+run(${clean} ${prefix}/${BINDIR}/trellis-launch --nproc 2 --
+    ${CMAKE_COMMAND} -E true)
+run(${clean} ${prefix}/${LIBEXECDIR}/trellis/parameter_server
+    --help)
