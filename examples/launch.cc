@@ -7,7 +7,11 @@
 //
 // Exit status: 0 when every rank exited 0; 1 when one failed or was killed
 // (the launcher then SIGTERMs the others, SIGKILL 5 s later); 124 when
-// --timeout-s passed; 2 for a usage error.
+// --timeout-s passed; 2 for a usage error. A rank that exits 0 while the
+// others still run does not end the job (as with torchrun). A rank that is
+// stopped (SIGSTOP) when another fails is named as the likely cause.
+// Workers die with the launcher (PR_SET_PDEATHSIG), even when it is
+// SIGKILLed.
 
 #include <arpa/inet.h>
 #include <cerrno>
@@ -20,6 +24,7 @@
 #include <optional>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <string>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -93,6 +98,11 @@ struct Rank {
   pid_t pid = -1;
   bool exited = false;
   int status = 0;
+  // Set while the process is stopped (SIGSTOP, SIGTSTP, ...): a stopped
+  // rank makes its peers' calls time out, so it is the likely cause of
+  // their failure.
+  std::optional<Clock::time_point> stoppedSince;
+  int stopSignal = 0;
   Stream out;
   Stream err;
 };
@@ -243,6 +253,7 @@ int main(int argc, char** argv) {
     }
     args.push_back(nullptr);
 
+    const pid_t launcher = ::getpid();
     const pid_t pid = ::fork();
     if (pid < 0) {
       std::perror("trellis-launch: fork");
@@ -252,6 +263,12 @@ int main(int argc, char** argv) {
       // Its own process group: a terminal's Ctrl-C reaches the launcher
       // alone, which forwards it once.
       ::setpgid(0, 0);
+      // No orphan outlives a launcher that is SIGKILLed: the kernel kills
+      // the worker when the launcher's thread that forked it goes.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) {
+        ::_exit(127);  // the launcher died before prctl took effect
+      }
       struct sigaction dfl {};
       dfl.sa_handler = SIG_DFL;
       for (int s : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) {
@@ -280,13 +297,20 @@ int main(int argc, char** argv) {
   bool timedOut = false;
   bool interrupted = false;
   int firstFailed = -1;
+  std::vector<int> stoppedCause;  // ranks stopped when the first one failed
 
   auto signalAll = [&](int sig) {
     for (auto& rk : ranks) {
       if (!rk.exited) {
         ::kill(rk.pid, sig);  // only the pids started above
+        if (rk.stoppedSince && sig != SIGKILL) {
+          ::kill(rk.pid, SIGCONT);  // else it cannot act on `sig`
+        }
       }
     }
+  };
+  auto secondsSinceStart = [&](Clock::time_point t) {
+    return std::chrono::duration<double>(t - start).count();
   };
   auto tearDown = [&](int sig) {
     if (!killAt) {
@@ -344,19 +368,48 @@ int main(int argc, char** argv) {
         continue;
       }
       int status = 0;
-      if (::waitpid(rk.pid, &status, WNOHANG) == rk.pid) {
-        rk.exited = true;
-        rk.status = status;
-        // A rank that fails on its own (not from our teardown) stops the
-        // job.
-        if (failed(status) && !killAt) {
-          firstFailed = rk.rank;
-          std::fprintf(stderr,
-                       "trellis-launch: rank %d %s; stopping the other "
-                       "ranks\n",
-                       rk.rank, describeStatus(status).c_str());
-          tearDown(SIGTERM);
+      if (::waitpid(rk.pid, &status, WNOHANG | WUNTRACED | WCONTINUED) !=
+          rk.pid) {
+        continue;
+      }
+      if (WIFSTOPPED(status)) {
+        rk.stoppedSince = Clock::now();
+        rk.stopSignal = WSTOPSIG(status);
+        continue;
+      }
+      if (WIFCONTINUED(status)) {
+        rk.stoppedSince.reset();
+        continue;
+      }
+      rk.exited = true;
+      rk.status = status;
+      rk.stoppedSince.reset();
+      // A rank that fails on its own (not from our teardown) stops the
+      // job. One that exits 0 while others still run does not: like
+      // torchrun, the launcher waits for the rest (a worker may finish
+      // early; the others' graceful RPC shutdown notices if it left
+      // without one).
+      if (failed(status) && !killAt) {
+        firstFailed = rk.rank;
+        std::fprintf(stderr,
+                     "trellis-launch: rank %d %s; stopping the other "
+                     "ranks\n",
+                     rk.rank, describeStatus(status).c_str());
+        for (const auto& other : ranks) {
+          if (other.stoppedSince) {
+            std::fprintf(stderr,
+                         "trellis-launch: rank %d (pid %d) has been stopped "
+                         "(SIG%s) since %.1f s, before rank %d failed: it "
+                         "is the likely cause\n",
+                         other.rank, static_cast<int>(other.pid),
+                         sigabbrev_np(other.stopSignal) != nullptr
+                             ? sigabbrev_np(other.stopSignal)
+                             : "?",
+                         secondsSinceStart(*other.stoppedSince), rk.rank);
+            stoppedCause.push_back(other.rank);
+          }
         }
+        tearDown(SIGTERM);
       }
     }
     const auto now = Clock::now();
@@ -403,8 +456,19 @@ int main(int argc, char** argv) {
                    static_cast<int>(rk.pid), describeStatus(rk.status).c_str());
     }
     if (firstFailed >= 0) {
-      std::fprintf(stderr, "trellis-launch: first failure: rank %d\n",
-                   firstFailed);
+      std::string stopped;
+      for (int r : stoppedCause) {
+        stopped += (stopped.empty() ? "" : ", ") + std::to_string(r);
+      }
+      if (stopped.empty()) {
+        std::fprintf(stderr, "trellis-launch: first failure: rank %d\n",
+                     firstFailed);
+      } else {
+        std::fprintf(stderr,
+                     "trellis-launch: first failure: rank %d, after rank(s) "
+                     "%s had been stopped (the likely cause)\n",
+                     firstFailed, stopped.c_str());
+      }
     }
   } else {
     std::fprintf(stderr, "trellis-launch: all %d ranks exited 0 after %.1f s\n",

@@ -265,6 +265,7 @@ struct Flags {
   double weightStd = 1.0;
   double zipf = 1.2;
   int64_t seed = 1234;
+  double rpcTimeoutS = 60;
 };
 
 int runTrainer(const Flags& f, int32_t rank) {
@@ -371,6 +372,10 @@ int main(int argc, char** argv) {
   app.add_option("--weight-std", f.weightStd,
                  "hidden model: standard deviation of the item weights");
   app.add_option("--zipf", f.zipf, "hidden model: popularity exponent");
+  app.add_option("--rpc-timeout-s", f.rpcTimeoutS,
+                 "bound on every RPC (and on each step of a graceful "
+                 "shutdown) in seconds")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   const char* rankEnv = std::getenv("RANK");
@@ -394,15 +399,21 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     const auto t0 = Clock::now();
+    rpc::RpcOptions options;
+    options.defaultTimeout =
+        std::chrono::duration_cast<trellis::Duration>(
+            std::chrono::duration<double>(f.rpcTimeoutS));
+    options.shutdownTimeout = options.defaultTimeout;
     rpc::init(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank,
-              worldSize);
+              worldSize, options);
     if (rank != 0) {
       rc = runTrainer(f, rank);
     }
-    // The ps serves until every trainer is done: graceful shutdown is a
-    // barrier across the group, so its bound covers the whole run.
-    rpc::shutdown(true, rank == 0 ? std::chrono::seconds(3600)
-                                  : std::chrono::seconds(120));
+    // The ps serves until every trainer is done: graceful shutdown waits
+    // for all of them to arrive, as long as they are alive, then for the
+    // group to go idle (bounded by the shutdown timeout). A trainer that
+    // is gone or does not answer fails it, named in the error.
+    rpc::shutdown();
     if (rank == 0) {
       std::printf(
           "ps: served %lld forward passes (%lld embedding rows) in %.1f s\n",

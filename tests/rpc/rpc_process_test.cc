@@ -121,6 +121,44 @@ TEST(RpcProcess, WorkerDyingDuringGracefulShutdownFailsItNamingTheWorker) {
   }
 }
 
+// Issue 14: a worker that left without a graceful shutdown (returned from
+// main, or aborted) made the others' graceful shutdown wait silently until
+// something killed them. With the default options it must fail at once,
+// naming the worker that left.
+TEST(RpcProcess, WorkerThatLeavesWithoutShutdownFailsTheOthersNamingIt) {
+  for (const std::string how : {"return", "abort"}) {
+    SCOPED_TRACE(how);
+    RpcJob job("leave", 3, {how, "{dir}/go"});
+    ASSERT_EQ(lineStartingWith(job[2], "leaving", 60000), "leaving")
+        << job.stderrOf(2);
+    const int left = job[2].wait(20000);
+    if (how == "return") {
+      EXPECT_TRUE(exitedZero(left)) << left << job.stderrOf(2);
+    } else {
+      EXPECT_TRUE(WIFSIGNALED(left) && WTERMSIG(left) == SIGABRT) << left;
+    }
+    for (int r = 0; r < 2; ++r) {
+      const std::string line = lineStartingWith(job[r], "shutdown ", 30000);
+      std::printf("w%d: %s\n", r, line.c_str());
+      ASSERT_EQ(line.rfind("shutdown ConnectionError ", 0), 0u)
+          << line << "\n" << job.stderrOf(r);
+      EXPECT_NE(line.find("worker 'w2' (rank 2) has not entered shutdown "
+                          "and is gone"),
+                std::string::npos)
+          << line;
+      // From entering shutdown; w2 may still have been running then.
+      EXPECT_LT(std::stoi(line.substr(25)), 10000) << line;
+    }
+    std::ofstream(job.path("go")) << "go\n";
+    for (int r = 0; r < 2; ++r) {
+      const int status = job[r].wait(20000);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3)
+          << "w" << r << " status " << status << "\n"
+          << job.stderrOf(r);
+    }
+  }
+}
+
 TEST(RpcProcess, RRefForkedAcrossThreeProcessesFreedExactlyAfterLastUser) {
   RpcJob job("rref", 3);
   Child& creator = job[1];

@@ -11,6 +11,11 @@
 //   many    init, one call to the next rank, graceful shutdown
 //   serve   rank 0 prints its address and serves; rank 1 calls it once the
 //           file argv[2] exists (the test's raw pipes are done by then)
+//   leave   3 workers; w2 leaves without shutdown (argv[2] "return": it
+//           returns from main, "abort": it aborts). w0 and w1 enter a
+//           graceful shutdown with the default options, which must fail
+//           at once naming w2 ("shutdown <type> <ms> <what>"; exit 3). w0
+//           serves the store: it stays until the file argv[3] exists.
 
 #include <atomic>
 #include <chrono>
@@ -86,7 +91,11 @@ void dropHeld() {
   }
 }
 
+std::atomic<int> gCalls{0};
+void countCall() { ++gCalls; }
+
 TRELLIS_REMOTE_FUNCTION(addInts);
+TRELLIS_REMOTE_FUNCTION(countCall);
 TRELLIS_REMOTE_FUNCTION(whoAmI);
 TRELLIS_REMOTE_FUNCTION(sleepMs);
 TRELLIS_REMOTE_FUNCTION(finish);
@@ -276,6 +285,43 @@ int scenarioMany(int32_t rank, int32_t world, Clock::time_point initStart,
   return ok ? 0 : 1;
 }
 
+int scenarioLeave(int32_t rank, const std::string& how,
+                  const std::string& goFile) {
+  if (rank == 2) {
+    // Leaves once w0 and w1 have both called it (pipes exist).
+    const auto end = Clock::now() + 30s;
+    while (gCalls.load() < 2 && Clock::now() < end) {
+      std::this_thread::sleep_for(5ms);
+    }
+    say("leaving");
+    if (how == "abort") {
+      std::abort();
+    }
+    return 0;  // no shutdown: the process agent closes at exit
+  }
+  rpc::rpcSync<countCall>("w2");
+  const auto t0 = Clock::now();
+  int rc = 1;
+  try {
+    rpc::shutdown();
+    say("shutdown no-error");
+  } catch (const trellis::Exception& e) {
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0)
+            .count();
+    const bool connection =
+        dynamic_cast<const trellis::ConnectionError*>(&e) != nullptr;
+    say(std::string("shutdown ") +
+        (connection ? "ConnectionError " : "other-error ") +
+        std::to_string(ms) + " " + e.what());
+    rc = connection ? 3 : 1;
+  }
+  if (rank == 0 && !waitForFile(goFile, 60s)) {
+    say("no go file");
+  }
+  return rc;
+}
+
 int scenarioServe(int32_t rank, const std::string& goFile) {
   if (rank == 0) {
     say("addr " + rpc::getWorkerInfo(0).address);
@@ -335,6 +381,9 @@ int main(int argc, char** argv) {
     }
     if (scenario == "many") {
       return scenarioMany(rank, world, t0, initTook);
+    }
+    if (scenario == "leave" && argc > 3) {
+      return scenarioLeave(rank, argv[2], argv[3]);
     }
     if (scenario == "serve") {
       return scenarioServe(rank, argc > 2 ? argv[2] : "");
