@@ -14,6 +14,12 @@ namespace {
 
 // Bytes read ahead of the consumer; also bounds per-pipe memory at rest.
 constexpr size_t kStageBytes = 32 << 10;
+// The stage of a pipe still in its handshake: enough for the header and a
+// typical hello (needBytes grows it for a larger message, within the
+// limits). A peer that connects and never proves the token costs this, not
+// kStageBytes: 1000 such connections held 32 MiB, which glibc kept after
+// they closed (a hostile-client probe grew a job's RSS by 39 MB).
+constexpr size_t kHandshakeStageBytes = 512;
 // A segment at least this long is read straight into its destination.
 constexpr size_t kDirectThreshold = 16 << 10;
 constexpr size_t kNoHeader = static_cast<size_t>(-1);
@@ -154,7 +160,7 @@ void PipeImpl::attach(std::shared_ptr<Connection> conn,
     std::lock_guard<std::mutex> lock(infoMu_);
     peer_ = conn_->peerAddress();
   }
-  stage_.resize(kStageBytes);
+  stage_.resize(kHandshakeStageBytes);
   pendingHandshakeBody_ = kNoHeader;
   updateReading();
 }
@@ -754,6 +760,11 @@ void PipeImpl::upgradeFailed(const std::string& why) {
 
 void PipeImpl::established(const Negotiated& n) {
   state_ = State::kEstablished;
+  // Keeps what is buffered; process(), which runs after this, starts
+  // reading again if the small stage had filled.
+  if (stage_.size() < kStageBytes) {
+    stage_.resize(kStageBytes);
+  }
   if (timer_ != nullptr) {
     timer_->cancel();
     timer_ = nullptr;
