@@ -14,7 +14,7 @@
 //   h = ps.rpcSync<&BenchPs::forward>(ids, offsets);   // table + dense on ps
 //   loss = bce(head(h), labels);                         // local
 //   ctx.backward({loss});                                // both workers
-//   opt.step(ctx.id());                                  // both workers
+//   opt.step(ctx);                                  // both workers
 //   ~Context                                             // release
 //
 // and the local one is the same model in one process: forward, backward()
@@ -301,7 +301,7 @@ class DistRun {
       t1 = Clock::now();
       ctx.backward({loss});
       t2 = Clock::now();
-      opt_->step(ctx.id());
+      opt_->step(ctx);
       t3 = Clock::now();
     }
     const auto t4 = Clock::now();
@@ -401,7 +401,7 @@ int runPs() {
   auto st = connectStore();
   rpc::init("ps", 1, 2, rpcOptions(st));
   st->wait({"done"}, std::chrono::milliseconds(600'000));
-  rpc::shutdown(true, std::chrono::seconds(60));
+  rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
   return 0;
 }
 
@@ -486,7 +486,7 @@ int runTrainer(const char* self) {
   note("live contexts here after the run: " +
        std::to_string(da::liveContextCount()));
   st->set("done", "1");
-  rpc::shutdown(true, std::chrono::seconds(60));
+  rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
   const int rc = reapPs(ps);
   note(
       "total " +

@@ -518,13 +518,13 @@ void rpcCaller(const Phase& p, store::Store& st) {
   addLatency(pre + "_remote_tohere", us, pre + "_noop_rtt");
 
   st.set("rpc/done", "1");
-  rpc::shutdown(true, std::chrono::seconds(60));
+  rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
 }
 
 void rpcCallee(const Phase& p, store::Store& st) {
   rpc::init("callee", 1, 2, rpcOptions(p));
   st.wait({"rpc/done"}, std::chrono::milliseconds(600'000));
-  rpc::shutdown(true, std::chrono::seconds(60));
+  rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
 }
 
 // ---- gRPC unary echo

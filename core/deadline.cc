@@ -22,6 +22,19 @@ Deadline Deadline::fromTimeout(Duration timeout) {
   return timeout == Duration::zero() ? never() : after(timeout);
 }
 
+Duration timeoutOr(const std::optional<Duration>& timeout, Duration fallback,
+                   std::string_view what) {
+  if (!timeout.has_value()) {
+    return fallback;
+  }
+  if (*timeout < Duration::zero()) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        std::string(what) + " must be >= 0 (0 means none; leave it unset " +
+        "for the default), got -" + formatDuration(-*timeout)));
+  }
+  return *timeout;
+}
+
 Duration Deadline::remaining() const {
   if (isNever()) {
     return Duration::max();

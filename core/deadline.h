@@ -7,7 +7,9 @@
 // Convention (torch.distributed's): a timeout of zero means "no timeout".
 
 #include <chrono>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace trellis {
 
@@ -40,6 +42,13 @@ class Deadline {
   explicit Deadline(Clock::time_point tp) : tp_(tp) {}
   Clock::time_point tp_;
 };
+
+// The one timeout model of every user-facing API: an unset timeout means
+// the layer's `fallback` (its option or default), zero means none, and a
+// negative one is the caller's InvalidArgumentError naming `what`
+// ("rpc timeout").
+Duration timeoutOr(const std::optional<Duration>& timeout, Duration fallback,
+                   std::string_view what);
 
 // "250ms", "1.5s", "20us", "2m30s", "none" for zero.
 std::string formatDuration(Duration d);

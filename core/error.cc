@@ -81,10 +81,11 @@ TRELLIS_ERROR_FACTORY(notFound, Code::kNotFound)
 TRELLIS_ERROR_FACTORY(internal, Code::kInternal)
 #undef TRELLIS_ERROR_FACTORY
 
-Error Error::remote(RemoteOrigin origin, std::string message) {
+Error Error::remote(RemoteOrigin origin, std::string message, Code code) {
   Error e;
   e.state_ = std::make_shared<const State>(
-      State{Code::kUnknown, std::move(message), "", 0, std::move(origin)});
+      State{code == Code::kOk ? Code::kUnknown : code, std::move(message), "",
+            0, std::move(origin)});
   return e;
 }
 
@@ -173,9 +174,6 @@ std::string Error::what() const {
     out += ": ";
   }
   out += state_->message;
-  if (state_->line != 0) {
-    out += " [" + where() + "]";
-  }
   return out;
 }
 

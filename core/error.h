@@ -85,7 +85,10 @@ class Error {
                         SourceLocation w = SourceLocation::current());
   static Error internal(std::string message,
                         SourceLocation w = SourceLocation::current());
-  static Error remote(RemoteOrigin origin, std::string message);
+  // A failure another worker raised; `code` is the one it was raised with
+  // (kUnknown for an exception that is not a trellis::Exception).
+  static Error remote(RemoteOrigin origin, std::string message,
+                      Code code = Code::kUnknown);
 
   // errno mapped in one place: ECONNRESET/EPIPE/... -> kUnavailable,
   // ETIMEDOUT -> kDeadlineExceeded, ENOMEM -> kResourceExhausted, ...
@@ -96,13 +99,15 @@ class Error {
   Code code() const { return state_ ? state_->code : Code::kOk; }
   // The message alone; empty on success.
   const std::string& message() const;
-  // "file.cc:42" where the error was first created; empty on success.
+  // "file.cc:42" where the error was first created; empty on success and
+  // for errors from another worker. Not part of what(): for debug logs.
   std::string where() const;
   const RemoteOrigin* remoteOrigin() const {
     return state_ && state_->origin ? &*state_->origin : nullptr;
   }
 
-  // "DEADLINE_EXCEEDED: store get(key) timed out after 30s [store.cc:88]".
+  // "DEADLINE_EXCEEDED: store get(key) timed out after 30s": the code, the
+  // remote origin if any, the message; no source place, no backtrace.
   std::string what() const;
 
   // A copy whose message is "<context>: <message>"; code and origin kept.

@@ -214,14 +214,21 @@ class [[nodiscard]] Future {
     });
   }
 
-  // Chains `fn` on success. `fn` takes `const T&` (nothing for void) and
-  // returns U or Future<U>; the result is Future<U>. An error of this future
-  // skips `fn` and fails the result with the same error; an exception thrown
-  // by `fn` fails the result with that exception's Error.
+  // Chains `fn`. `fn` returns U or Future<U>; the result is Future<U>. It
+  // takes either
+  //  - `const T&` (nothing for void): runs on success only; an error of
+  //    this future skips `fn` and fails the result with the same error;
+  //  - `const Future<T>&`, as torch's Future.then: runs on completion,
+  //    success or error (value() rethrows the error).
+  // An exception thrown by `fn` fails the result with that exception's
+  // Error.
   template <typename F>
   auto then(F&& fn) const;
 
  private:
+  template <typename F>
+  auto thenValue(F&& fn) const;
+
   friend class Promise<T>;
   template <typename U>
   friend class Future;
@@ -334,6 +341,32 @@ struct Unwrap<Future<R>> {
 template <typename T>
 template <typename F>
 auto Future<T>::then(F&& fn) const {
+  constexpr bool kTakesValue =
+      std::is_void_v<T> ? std::is_invocable_v<F&>
+                        : std::is_invocable_v<F&, const detail::Stored<T>&>;
+  constexpr bool kTakesFuture = std::is_invocable_v<F&, const Future<T>&>;
+  static_assert(kTakesValue || kTakesFuture,
+                "then() takes a callback of the value (const T&; no "
+                "parameter for Future<void>) or of the future itself "
+                "(const Future<T>&, as torch's Future.then)");
+  if constexpr (!kTakesValue) {
+    using U = typename detail::Unwrap<
+        std::invoke_result_t<F&, const Future<T>&>>::type;
+    Promise<U> promise;
+    Future<U> out = promise.getFuture();
+    state_->addCallback(
+        [self = *this, promise, fn = std::forward<F>(fn)]() mutable {
+          detail::fulfil(promise, fn, self);
+        });
+    return out;
+  } else {
+    return thenValue(std::forward<F>(fn));
+  }
+}
+
+template <typename T>
+template <typename F>
+auto Future<T>::thenValue(F&& fn) const {
   using R =
       std::conditional_t<std::is_void_v<T>, std::invoke_result<F&>,
                          std::invoke_result<F&, const detail::Stored<T>&>>;

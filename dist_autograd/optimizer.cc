@@ -266,7 +266,7 @@ void waitOwners(const std::vector<Future<void>>& futures,
 }  // namespace
 
 struct DistributedOptimizer::Impl {
-  Duration timeout;    // per call, as given: negative = the agent's default
+  std::optional<Duration> timeout;  // per call, as given
   Duration waitLimit;  // the same resolved (0 = none, as for Deadline)
   std::vector<rpc::RRef<LocalOptimizer>> owners;
   std::vector<std::string> ownerNames;
@@ -286,7 +286,7 @@ std::vector<rpc::RRef<at::Tensor>> localParameters(
 
 DistributedOptimizer::DistributedOptimizer(
     OptimizerSpec spec, std::vector<rpc::RRef<at::Tensor>> parameters,
-    Duration timeout)
+    std::optional<Duration> timeout)
     : impl_(std::make_unique<Impl>()) {
   if (parameters.empty()) {
     throwError(Error::invalidArgument(
@@ -302,8 +302,8 @@ DistributedOptimizer::DistributedOptimizer(
       parameters.front().state()->agent();
   rpc::Agent& agent = *agentPtr;
   impl_->timeout = timeout;
-  impl_->waitLimit =
-      timeout < Duration::zero() ? agent.options().defaultTimeout : timeout;
+  impl_->waitLimit = timeoutOr(timeout, agent.options().defaultTimeout,
+                               "DistributedOptimizer timeout");
   for (const auto& p : parameters) {
     if (p.state()->agent().get() != &agent) {
       throwError(Error::invalidArgument(
@@ -327,8 +327,10 @@ DistributedOptimizer::DistributedOptimizer(
     // local optimizer is built and stepped the same way.
     for (auto& [owner, params] : byOwner) {
       const std::string name = agent.workerInfo(owner).name;
-      auto r = rpc::remote<&detail::makeLocalOptimizer>(
-          rpc::Callee(owner, timeout), config, std::move(params));
+      rpc::Callee callee(owner);
+      callee.timeout = timeout;
+      auto r = rpc::remote<&detail::makeLocalOptimizer>(callee, config,
+                                                        std::move(params));
       confirmed.push_back(withContext(
           r.state()->confirmed(),
           "DistributedOptimizer: building the optimizer on '" + name + "'"));
@@ -342,6 +344,8 @@ DistributedOptimizer::DistributedOptimizer(
 
 DistributedOptimizer::~DistributedOptimizer() = default;
 
+void DistributedOptimizer::step(const Context& context) { step(context.id()); }
+
 void DistributedOptimizer::step(uint64_t contextId) {
   const Deadline deadline = waitDeadline(impl_->waitLimit);
   std::vector<Future<void>> done;
@@ -351,9 +355,9 @@ void DistributedOptimizer::step(uint64_t contextId) {
     // owners join it (and the context's id is an argument anyway).
     rpc::AutogradContextScope noContext(0);
     for (size_t i = 0; i < impl_->owners.size(); ++i) {
+      const auto& owner = impl_->owners[i];
       done.push_back(withContext(
-          impl_->owners[i]
-              .withTimeout(impl_->timeout)
+          (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
               .rpcAsync<&LocalOptimizer::step>(contextId),
           "DistributedOptimizer: step on '" + impl_->ownerNames[i] + "'"));
     }

@@ -9,7 +9,7 @@
 //     Context ctx;
 //     ... forward through RPC ...
 //     ctx.backward({loss});
-//     opt.step(ctx.id());
+//     opt.step(ctx);
 //   }
 //
 // Contract
@@ -32,8 +32,8 @@
 //    gradients; the previous ones (normally undefined) are put back
 //    afterwards, also when the step fails. The step messages are sent
 //    outside the context (they do not join it).
-//  - `timeout` bounds each call and each wait (negative: the agent's
-//    default timeout; zero: none).
+//  - `timeout` bounds each call and each wait (unset: the agent's default
+//    call timeout; zero: none; negative: InvalidArgumentError).
 //  - The update equals torch::optim's for the same gradients: the local
 //    optimizers are torch::optim::SGD / Adagrad / Adam. Sparse gradients
 //    (embedding_bag with sparse=true) work with SGD without momentum or
@@ -47,6 +47,7 @@
 #include <ATen/core/Tensor.h>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <variant>
 #include <vector>
 
@@ -54,6 +55,8 @@
 #include <trellis/rref/rref.h>
 
 namespace trellis::dist_autograd {
+
+class Context;
 
 // Options with torch::optim's names and defaults.
 struct SGD {
@@ -89,11 +92,14 @@ class DistributedOptimizer {
  public:
   DistributedOptimizer(OptimizerSpec spec,
                        std::vector<rpc::RRef<at::Tensor>> parameters,
-                       Duration timeout = Duration(-1));
+                       std::optional<Duration> timeout = std::nullopt);
   ~DistributedOptimizer();
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
 
+  void step(const Context& context);
+  // The same by id (a context made on another thread, or torch-style code
+  // that passes ids around).
   void step(uint64_t contextId);
 
   // Number of owners (local optimizers).

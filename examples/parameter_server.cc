@@ -28,11 +28,7 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
-#include <trellis/core/error.h>
-#include <trellis/dist_autograd/dist_autograd.h>
-#include <trellis/dist_autograd/optimizer.h>
-#include <trellis/rpc/rpc.h>
-#include <trellis/rref/rref.h>
+#include <trellis/rpc.h>
 
 namespace rpc = trellis::rpc;
 namespace da = trellis::dist_autograd;
@@ -295,7 +291,7 @@ int runTrainer(const Flags& f, int32_t rank) {
       auto l = torch::binary_cross_entropy_with_logits(denseForward(in),
                                                        batch.labels);
       ctx.backward({l});
-      opt.step(ctx.id());
+      opt.step(ctx);
       loss = l.item<double>();
     }
     windowLoss += loss;
@@ -378,17 +374,18 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
-  const char* rankEnv = std::getenv("RANK");
-  const char* worldEnv = std::getenv("WORLD_SIZE");
-  if (rankEnv == nullptr || worldEnv == nullptr) {
+  trellis::WorkerEnv env;
+  try {
+    env = trellis::WorkerEnv::fromEnvironment();
+  } catch (const std::exception& e) {
     std::fprintf(stderr,
-                 "parameter_server: RANK and WORLD_SIZE are not set; start "
-                 "it with trellis-launch --nproc 3 -- %s\n",
-                 argv[0]);
+                 "parameter_server: %s\n(start it with trellis-launch "
+                 "--nproc 3 -- %s)\n",
+                 e.what(), argv[0]);
     return 2;
   }
-  const int32_t rank = std::atoi(rankEnv);
-  const int32_t worldSize = std::atoi(worldEnv);
+  const int32_t rank = env.rank;
+  const int32_t worldSize = env.worldSize;
   if (worldSize < 2) {
     std::fprintf(stderr, "parameter_server: needs at least 2 processes\n");
     return 2;
@@ -400,10 +397,9 @@ int main(int argc, char** argv) {
   try {
     const auto t0 = Clock::now();
     rpc::RpcOptions options;
-    options.defaultTimeout =
-        std::chrono::duration_cast<trellis::Duration>(
-            std::chrono::duration<double>(f.rpcTimeoutS));
-    options.shutdownTimeout = options.defaultTimeout;
+    options.defaultTimeout = std::chrono::duration_cast<trellis::Duration>(
+        std::chrono::duration<double>(f.rpcTimeoutS));
+    options.shutdownDrainTimeout = options.defaultTimeout;
     rpc::init(rank == 0 ? "ps" : "trainer" + std::to_string(rank), rank,
               worldSize, options);
     if (rank != 0) {

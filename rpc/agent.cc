@@ -18,6 +18,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/core/net.h>
 #include <trellis/core/thread_pool.h>
+#include <trellis/core/worker_env.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/profiler.h>
 #include <trellis/rpc/rpc.h>
@@ -277,7 +278,7 @@ struct Agent::Impl {
   bool onOwnThread() const;
   void timerLoop();
   class Participant;
-  void gracefulQuiesce(Duration quiesceTimeout);
+  void gracefulQuiesce(Duration arrivalTimeout, Duration quiesceTimeout);
   // Wakes a graceful shutdown waiting for this worker to go idle.
   void notifyIdle();
   void closeAll(const Error& reason);
@@ -389,8 +390,7 @@ Agent::Agent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 bool Agent::Impl::onOwnThread() const {
   return (handlers != nullptr && handlers->inPool()) ||
          (completions != nullptr && completions->inPool()) ||
-         tTimerOf == this ||
-         (ctx != nullptr && ctx->inLoop());
+         tTimerOf == this || (ctx != nullptr && ctx->inLoop());
 }
 
 // The last reference to an agent may drop on any thread, also in a user
@@ -413,7 +413,7 @@ void Agent::destroy(Agent* agent) {
 
 Agent::~Agent() {
   try {
-    shutdown(false);
+    shutdown({.graceful = false});
   } catch (...) {
     TRELLIS_LOG_ERROR("rpc agent {}: shutdown in destructor failed: {}",
                       impl_->me.name, errorFromCurrentException().what());
@@ -421,12 +421,8 @@ Agent::~Agent() {
 }
 
 void Agent::Impl::startTransport() {
-  std::string peerHint;
-  if (const char* m = std::getenv("MASTER_ADDR"); m != nullptr) {
-    peerHint = m;
-  }
-  const std::string host =
-      net::chooseLocalAddress(options.localAddress, peerHint);
+  const std::string host = net::chooseLocalAddress(
+      options.localAddress, masterFromEnvironment().addr);
   tp::ContextOptions co;
   co.name = "rpc." + me.name;
   co.token = options.token;
@@ -446,29 +442,24 @@ void Agent::Impl::rendezvous() {
   }
   const Deadline deadline = Deadline::fromTimeout(options.initTimeout);
   if (store == nullptr) {
-    const char* addr = std::getenv("MASTER_ADDR");
-    const char* port = std::getenv("MASTER_PORT");
-    if (addr == nullptr || *addr == '\0' || port == nullptr || *port == '\0') {
+    const MasterEndpoint master = masterFromEnvironment();
+    if (!master.complete()) {
       throwError(Error::invalidArgument(
           "rpc::init needs a rendezvous store: set RpcOptions::store, or "
           "MASTER_ADDR and MASTER_PORT"));
     }
-    char* end = nullptr;
-    const long p = std::strtol(port, &end, 10);
-    if (end == port || *end != '\0' || p < 1 || p > 65535) {
-      throwError(Error::invalidArgument("MASTER_PORT='" + std::string(port) +
-                                        "' is not a port number (1-65535)"));
-    }
+    const std::string& addr = master.addr;
+    const uint16_t p = master.port;
     if (me.rank == 0) {
       store::TCPStoreServerOptions so;
       so.host = addr;
-      so.port = static_cast<uint16_t>(p);
+      so.port = p;
       so.jobToken = options.token;
       storeServer = std::make_unique<store::TCPStoreServer>(so);
     }
     store::TCPStoreOptions co;
     co.host = addr;
-    co.port = static_cast<uint16_t>(p);
+    co.port = p;
     co.jobToken = options.token;
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
         options.initTimeout);
@@ -677,8 +668,12 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
         "rpc to rank " + std::to_string(to) + ": no such worker (world size " +
         std::to_string(d.worldSize) + ")"));
   }
-  const Duration timeout =
-      spec.timeout < Duration::zero() ? d.options.defaultTimeout : spec.timeout;
+  Duration timeout;
+  try {
+    timeout = timeoutOr(spec.timeout, d.options.defaultTimeout, "rpc timeout");
+  } catch (const Exception& e) {
+    return makeErrorFuture<Reply>(e.error());
+  }
   const uint64_t id = d.nextRequestId.fetch_add(1);
   pb::Envelope env;
   env.set_version(kEnvelopeVersion);
@@ -905,7 +900,7 @@ void Agent::Impl::onDescriptor(const std::shared_ptr<PipeState>& ps,
         return;
       }
       post(*handlers, [this, ps, env, body, arrived](const Error& pe) {
-        if (!pe.ok()) {  // pool shut down (shutdown(false))
+        if (!pe.ok()) {  // pool shut down (closed at once)
           running.fetch_sub(1);
           ctx->endExpectedWork();
           notifyIdle();
@@ -1193,7 +1188,14 @@ void Agent::Impl::handleReply(PendingCall&& pc, const pb::Envelope& env,
     const auto& info = env.error();
     RemoteOrigin origin{info.worker(), info.function(), info.exception_type()};
     std::string msg = info.message();
-    pc.promise.setError(Error::remote(std::move(origin), std::move(msg)));
+    // The code the callee raised with; one this build does not know (a
+    // newer or a hostile peer) reads as UNKNOWN.
+    const uint32_t raw = info.code();
+    const Code code =
+        raw >= 1 && raw <= static_cast<uint32_t>(Code::kUnauthenticated)
+            ? static_cast<Code>(raw)
+            : Code::kUnknown;
+    pc.promise.setError(Error::remote(std::move(origin), std::move(msg), code));
     return;
   }
   body.autogradContextId = env.autograd_context_id();
@@ -1304,7 +1306,8 @@ void Agent::Impl::notifyIdle() {
   }
 }
 
-void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
+void Agent::Impl::gracefulQuiesce(Duration arrivalTimeout,
+                                  Duration quiesceTimeout) {
   if (hooks != nullptr) {
     hooks->releaseUsers();
   }
@@ -1321,7 +1324,7 @@ void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
   o.name = me.name;
   o.rank = me.rank;
   o.worldSize = worldSize;
-  o.arrivalTimeout = options.shutdownArrivalTimeout;
+  o.arrivalTimeout = arrivalTimeout;
   o.quiesceTimeout = quiesceTimeout;
   o.hostsStore = storeServer != nullptr;
   Participant participant(*this, quiesceTimeout);
@@ -1335,8 +1338,8 @@ void Agent::Impl::gracefulQuiesce(Duration quiesceTimeout) {
       throw;
     }
     // The store's own error: say which store, and who serves it.
-    throwError(Error(e.code(), "rpc shutdown of '" + me.name + "': " +
-                                   storeDescription + ": " + msg));
+    throwError(Error(e.code(), "rpc shutdown of '" + me.name +
+                                   "': " + storeDescription + ": " + msg));
   }
   quiescing.store(false);
   if (hooks != nullptr) {
@@ -1392,7 +1395,7 @@ void Agent::Impl::closeAll(const Error& reason) {
   }
 }
 
-void Agent::shutdown(bool graceful, Duration timeout) {
+void Agent::shutdown(ShutdownOptions options) {
   Impl& d = *impl_;
   if (isShutDown()) {
     return;
@@ -1412,13 +1415,17 @@ void Agent::shutdown(bool graceful, Duration timeout) {
       return;
     }
   }
-  if (timeout < Duration::zero()) {
-    timeout = d.options.shutdownTimeout;
-  }
+  // Checked before anything closes: a bad option changes nothing.
+  const Duration drain =
+      timeoutOr(options.drainTimeout, d.options.shutdownDrainTimeout,
+                "shutdown drainTimeout");
+  const Duration arrival =
+      timeoutOr(options.arrivalTimeout, d.options.shutdownArrivalTimeout,
+                "shutdown arrivalTimeout");
   Error failure;
-  if (graceful) {
+  if (options.graceful) {
     try {
-      d.gracefulQuiesce(timeout);
+      d.gracefulQuiesce(arrival, drain);
     } catch (...) {
       failure = errorFromCurrentException();
     }
@@ -1439,7 +1446,7 @@ int32_t Callee::resolve(const Agent& agent) const {
 namespace {
 
 // A process that ends without rpc::shutdown() (an exception out of main, a
-// return) closes its process agent here, at exit, as shutdown(false) would.
+// return) closes its process agent here, at exit, at once.
 // Registered after the agent started, so it runs before the exit handlers
 // of the libraries the agent initialised (OpenSSL's among them) and before
 // static destruction: the agent's threads never run against torn-down
@@ -1454,7 +1461,7 @@ void closeProcessAgentAtExit() {
     return;
   }
   try {
-    agent->shutdown(false);
+    agent->shutdown({.graceful = false});
   } catch (const std::exception& e) {
     // exit() called on one of the agent's threads: the teardown moves to
     // its own thread when the reference goes below.
@@ -1481,7 +1488,7 @@ void init(const std::string& name, int32_t rank, int32_t worldSize,
   std::call_once(atExit, [] { std::atexit(&closeProcessAgentAtExit); });
 }
 
-void shutdown(bool graceful, Duration timeout) {
+void shutdown(ShutdownOptions options) {
   std::shared_ptr<Agent> agent;
   {
     std::lock_guard<std::mutex> lock(gProcessMu);
@@ -1491,9 +1498,13 @@ void shutdown(bool graceful, Duration timeout) {
     return;
   }
   try {
-    agent->shutdown(graceful, timeout);
+    agent->shutdown(options);
   } catch (...) {
-    Agent::setProcessAgent(nullptr);
+    // A failed graceful shutdown has closed the agent; a refused call (a
+    // bad option, the agent's own thread) has changed nothing.
+    if (agent->isShutDown()) {
+      Agent::setProcessAgent(nullptr);
+    }
     throw;
   }
   Agent::setProcessAgent(nullptr);

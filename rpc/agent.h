@@ -18,13 +18,14 @@
 //    fails the calls to it with ConnectionError naming it; calls to other
 //    workers go on. Malformed messages are a ProtocolError that closes that
 //    pipe only.
-//  - shutdown(graceful=true) waits, together with every other worker, until
+//  - shutdown() (graceful) waits, together with every other worker, until
 //    no call or RRef message is in flight anywhere, then closes; a clean
-//    shutdown logs nothing above info. shutdown(false) closes at once and
-//    fails what is pending with CANCELLED. Both are idempotent; the
-//    destructor does shutdown(false). Called from one of the agent's own
+//    shutdown logs nothing above info. shutdown({.graceful = false}) closes
+//    at once and fails what is pending with CANCELLED. Both are idempotent;
+//    the destructor closes at once. Called from one of the agent's own
 //    threads (a user function, a future callback) shutdown throws
-//    FailedPreconditionError: it would wait for itself.
+//    FailedPreconditionError: it would wait for itself. A refused call (that
+//    one, or a negative timeout) changes nothing.
 //  - Lifetime: futures and pending calls do not keep the agent alive; it
 //    lives while a user holds it (rpc::init's process agent, a
 //    shared_ptr). The last reference may be dropped on any thread; where
@@ -74,16 +75,9 @@ struct RpcOptions {
   Duration defaultTimeout = std::chrono::seconds(60);
   // Rendezvous: how long start() waits for the other workers.
   Duration initTimeout = std::chrono::seconds(120);
-  // graceful shutdown(): how long to wait for the group to go idle once
-  // every worker has entered shutdown (default bound when the caller passes
-  // none).
-  Duration shutdownTimeout = std::chrono::seconds(60);
-  // graceful shutdown(): how long to wait for the other workers to enter
-  // shutdown at all. 0 = no limit while they are alive, like torch: a
-  // server typically calls shutdown() right after init() and waits for its
-  // trainers. A worker that is gone (refuses the shutdown's liveness probe)
-  // or does not answer it within shutdownTimeout fails the wait at once,
-  // named in the error, whatever this is set to.
+  // Graceful shutdown's default bounds (ShutdownOptions says what each
+  // bounds; there, unset means these).
+  Duration shutdownDrainTimeout = std::chrono::seconds(60);
   Duration shutdownArrivalTimeout = Duration::zero();
   // Rendezvous store. When null, MASTER_ADDR / MASTER_PORT are read (like
   // torch's env://): rank 0 serves a TCPStore there, every rank connects.
@@ -100,13 +94,34 @@ struct RpcOptions {
   size_t maxMessageBytes = size_t{4} << 30;
 };
 
+// How Agent::shutdown / rpc::shutdown end a worker's part in the group.
+// Timeouts: unset = the RpcOptions default named, zero = no limit.
+struct ShutdownOptions {
+  // true: wait, together with every other worker, until no call or RRef
+  // message is in flight anywhere, then close. false: close at once; what
+  // is pending fails with CANCELLED.
+  bool graceful = true;
+  // Graceful only. How long to wait for the other workers to enter
+  // shutdown (RpcOptions::shutdownArrivalTimeout, no limit by default,
+  // like torch: a server typically calls shutdown() right after init() and
+  // waits there for its trainers). A worker that is gone (refuses the
+  // shutdown's liveness probe, or does not answer it within the drain
+  // timeout) fails the wait at once, named in the error, whatever this is.
+  std::optional<Duration> arrivalTimeout = std::nullopt;
+  // Graceful only. Once every worker has entered shutdown, how long the
+  // group may take to finish what is in flight and close
+  // (RpcOptions::shutdownDrainTimeout, 60 s). Neither bound limits the
+  // training before shutdown() is called.
+  std::optional<Duration> drainTimeout = std::nullopt;
+};
+
 // What a request carries besides its arguments (internal to rpc/ and rref/;
 // users call the templates in rpc.h).
 struct CallSpec {
   std::string_view function;
   uint64_t signature = 0;
-  // Negative: the agent's default timeout. Zero: none.
-  Duration timeout = Duration(-1);
+  // Unset: the agent's default timeout. Zero: none.
+  std::optional<Duration> timeout;
   struct RRefId {
     uint32_t worker = 0;
     uint64_t local = 0;
@@ -194,7 +209,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // Per-peer context for encoding arguments (RRef forks need it).
   std::unique_ptr<CodecContext> codecContext(int32_t peer);
 
-  void shutdown(bool graceful = true, Duration timeout = Duration(-1));
+  // See ShutdownOptions. Throws what a graceful shutdown failed with
+  // (TimeoutError, ConnectionError naming the workers), after closing.
+  void shutdown(ShutdownOptions options = {});
   bool isShutDown() const;
 
   void setRRefHooks(std::shared_ptr<RRefHooks> hooks);
@@ -205,8 +222,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   RRefHooks* rrefHooks() const;
 
   // The same for dist_autograd/.
-  using AutogradHooksFactory =
-      std::shared_ptr<AutogradHooks> (*)(Agent& agent);
+  using AutogradHooksFactory = std::shared_ptr<AutogradHooks> (*)(Agent& agent);
   static void setAutogradHooksFactory(AutogradHooksFactory factory);
   AutogradHooks* autogradHooks() const;
   // The receiver for a reply's tensors that require grad (null when the

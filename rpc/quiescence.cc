@@ -1,3 +1,5 @@
+#include "quiescence.h"
+
 #include <algorithm>
 #include <charconv>
 #include <functional>
@@ -5,7 +7,6 @@
 #include <string_view>
 #include <vector>
 
-#include "quiescence.h"
 #include <trellis/core/error.h>
 #include <trellis/store/store.h>
 
@@ -55,7 +56,16 @@ class Protocol {
       : store_(store), self_(self), o_(o) {}
 
   void run() {
-    arrive();
+    try {
+      arrive();
+    } catch (const Exception&) {
+      markSeen();
+      if (verdict_) {
+        shareVerdict();
+      }
+      throw;
+    }
+    // Everyone arrived: no verdict about arrivals can come any more.
     rounds();
     leave();
   }
@@ -66,6 +76,81 @@ class Protocol {
   }
 
   std::string prefix() const { return "rpc shutdown of '" + o_.name + "': "; }
+
+  // A worker that found another one gone (or not answering) while waiting
+  // for arrivals: what it found, for the others.
+  struct Verdict {
+    Code code;
+    std::string text;  // "worker 'w2' (rank 2) has not entered shutdown ..."
+    int32_t culprit;
+  };
+
+  std::string verdictKey() const { return o_.keyPrefix + "verdict"; }
+  std::string seenKey(int32_t rank) const {
+    return o_.keyPrefix + "seen/" + std::to_string(rank);
+  }
+
+  // This worker will not need a verdict from the host any more.
+  void markSeen() {
+    try {
+      store_.set(seenKey(o_.rank), std::string_view("seen"));
+    } catch (const std::exception&) {
+    }
+  }
+
+  // Publishes verdict_ so that the others fail with the same finding
+  // instead of a closed store's error, and, on the worker that hosts the
+  // store, keeps it up (briefly) until the live workers have read it. Best
+  // effort: the verdict stands whatever the store does.
+  void shareVerdict() {
+    try {
+      store_.set(verdictKey(),
+                 std::to_string(static_cast<int>(verdict_->code)) + " " +
+                     std::to_string(verdict_->culprit) + " " + o_.name + "\n" +
+                     verdict_->text);
+      if (!o_.hostsStore) {
+        return;
+      }
+      std::vector<std::string> live;
+      for (int32_t r = 0; r < o_.worldSize; ++r) {
+        if (r != o_.rank && r != verdict_->culprit) {
+          live.push_back(seenKey(r));
+        }
+      }
+      // The others look for it between two waits (at most probeInterval).
+      if (!live.empty()) {
+        store_.wait(
+            live, atLeastOneMs(o_.probeInterval * 2 + std::chrono::seconds(1)));
+      }
+    } catch (const std::exception&) {
+    }
+  }
+
+  // Throws the verdict another worker published, if there is one.
+  void throwIfVerdict() {
+    if (!store_.check({verdictKey()})) {
+      return;
+    }
+    const auto bytes = store_.get(verdictKey());
+    const std::string v(bytes.begin(), bytes.end());
+    store_.set(seenKey(o_.rank), std::string_view("seen"));
+    // "<code> <culprit> <finder>\n<text>", written by shareVerdict().
+    const size_t nl = v.find('\n');
+    int code = 0;
+    const std::string head = v.substr(0, nl == std::string::npos ? 0 : nl);
+    const size_t sp = head.find(' ');
+    const size_t sp2 =
+        sp == std::string::npos ? std::string::npos : head.find(' ', sp + 1);
+    auto [end, ec] = std::from_chars(head.data(), head.data() + sp, code);
+    if (nl == std::string::npos || sp2 == std::string::npos ||
+        ec != std::errc() || code < 1 ||
+        code > static_cast<int>(Code::kUnauthenticated)) {
+      throwError(Error::protocol(prefix() + "malformed shutdown verdict"));
+    }
+    throwError(Error(static_cast<Code>(code), prefix() + v.substr(nl + 1) +
+                                                  " (found by worker '" +
+                                                  head.substr(sp2 + 1) + "')"));
+  }
 
   // The workers from `from` on whose key of `round` is missing.
   std::vector<int32_t> missing(int round, int32_t from = 0) {
@@ -85,9 +170,9 @@ class Protocol {
   }
 
   // At most ten names, then a count; `extra` adds to each name.
-  std::string names(const std::vector<int32_t>& ranks,
-                    const std::function<std::string(int32_t)>& extra =
-                        nullptr) {
+  std::string names(
+      const std::vector<int32_t>& ranks,
+      const std::function<std::string(int32_t)>& extra = nullptr) {
     std::string out;
     for (size_t i = 0; i < ranks.size() && i < 10; ++i) {
       out += (i ? ", " : "") + self_.describe(ranks[i]) +
@@ -121,24 +206,28 @@ class Protocol {
         slice = kFirstWait;
         continue;
       } catch (const TimeoutError&) {
-        // Not there yet: is it still alive?
+        // Not there yet: is it still alive? Or has another worker already
+        // found one that is not?
+        throwIfVerdict();
       }
       if (arrival.expired()) {
-        throwError(Error::timeout(
-            prefix() + "not every worker entered shutdown within " +
-            formatDuration(o_.arrivalTimeout) +
-            "; missing: " + names(missing(0, r))));
+        throwError(Error::timeout(prefix() +
+                                  "not every worker entered shutdown within " +
+                                  formatDuration(o_.arrivalTimeout) +
+                                  "; missing: " + names(missing(0, r))));
       }
       if (probe && probe->completed()) {
         if (probe->hasError() && !store_.check({key(0, r)})) {
           const Error& e = probe->error();
-          throwError(Error(
-              e.code(), prefix() + self_.describe(r) +
-                            (e.code() == Code::kDeadlineExceeded
-                                 ? " has not entered shutdown and does not "
-                                   "answer: "
-                                 : " has not entered shutdown and is gone: ") +
-                            e.message()));
+          verdict_ = Verdict{
+              e.code(),
+              self_.describe(r) +
+                  (e.code() == Code::kDeadlineExceeded
+                       ? " has not entered shutdown and does not answer: "
+                       : " has not entered shutdown and is gone: ") +
+                  e.message(),
+              r};
+          throwError(Error(e.code(), prefix() + verdict_->text));
         }
         probe.reset();  // it answered: ask again next time
       }
@@ -251,6 +340,7 @@ class Protocol {
   store::Store& store_;
   QuiescenceParticipant& self_;
   const QuiescenceOptions& o_;
+  std::optional<Verdict> verdict_;
 };
 
 }  // namespace

@@ -14,6 +14,13 @@
 // that fails (its connection refused or closed, or no answer within the
 // probe's own timeout) ends the wait with an error naming that worker.
 //
+// The worker that finds another gone (or not answering) publishes what it
+// found under "<prefix>verdict"; the others, between two waits, fail with
+// the same finding ("... (found by worker 'w0')"), and say so under
+// "<prefix>seen/<rank>". The worker that hosts the store waits (about two
+// probe intervals) for the live workers' "seen" before it returns and its
+// store goes down: otherwise they failed with the closed store's error.
+//
 // Rounds. Then, in round r = 1, 2, ..., each worker waits until it has
 // nothing in flight itself (or the deadline), publishes "active sent
 // received" under "<prefix><r>/<rank>" and waits for every worker's entry

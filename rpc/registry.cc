@@ -1,3 +1,4 @@
+#include <c10/util/Exception.h>
 #include <cstdlib>
 #include <cxxabi.h>
 #include <memory>
@@ -5,6 +6,7 @@
 #include <typeinfo>
 #include <unordered_map>
 
+#include <trellis/core/logging.h>
 #include <trellis/rpc/registry.h>
 
 namespace trellis::rpc {
@@ -71,7 +73,17 @@ Error currentExceptionError() {
         abi::__cxa_demangle(t->name(), nullptr, nullptr, &status), std::free);
     type = status == 0 && name ? name.get() : t->name();
   }
-  Error e = errorFromCurrentException();
+  Error e;
+  try {
+    throw;
+  } catch (const c10::Error& c) {
+    // libtorch's what() carries a C++ backtrace: the user wants the first
+    // line, not 18 frames of c10 (the backtrace stays in debug logs).
+    TRELLIS_LOG_DEBUG("remote function raised {}", c.what());
+    e = Error(Code::kUnknown, type + ": " + c.what_without_backtrace());
+  } catch (...) {
+    e = errorFromCurrentException();
+  }
   if (e.remoteOrigin() != nullptr) {
     return e;  // raised by another worker further down: keep its origin
   }
@@ -81,7 +93,7 @@ Error currentExceptionError() {
   if (message.rfind(type + ": ", 0) == 0) {
     message = message.substr(type.size() + 2);
   }
-  return Error::remote(RemoteOrigin{"", "", type}, message);
+  return Error::remote(RemoteOrigin{"", "", type}, message, e.code());
 }
 
 }  // namespace detail

@@ -86,11 +86,12 @@ class Registry {
   Impl& impl() const;
 };
 
-// The registered name of a function or method; specialised by the macros.
-// An error "incomplete type RemoteName<...>" means the function was never
-// registered with TRELLIS_REMOTE_FUNCTION / TRELLIS_REMOTE_METHODS.
+// The registered name of a function or method; specialised by the macros
+// (`kRegistered` tells the calls, which refuse to compile without it).
 template <auto Fn>
-struct RemoteName;
+struct RemoteName {
+  static constexpr bool kRegistered = false;
+};
 
 namespace detail {
 
@@ -194,6 +195,10 @@ struct SignatureOf<std::tuple<A...>> {
 
 template <auto Fn>
 uint64_t fingerprintOf() {
+  static_assert(RemoteName<Fn>::kRegistered,
+                "this function or method is not registered: add "
+                "TRELLIS_REMOTE_FUNCTION(f) or TRELLIS_REMOTE_METHODS(Class, "
+                "m, ...) at global scope, in a header or above this call");
   static const uint64_t value =
       SignatureOf<typename Traits<Fn>::Args>::template fingerprint<
           WireType<ResultOf<Fn>>>(RemoteName<Fn>::value);
@@ -315,6 +320,7 @@ bool registerRemote() {
 #define TRELLIS_REMOTE_FUNCTION(fn)                      \
   template <>                                            \
   struct trellis::rpc::RemoteName<&fn> {                 \
+    static constexpr bool kRegistered = true;            \
     static constexpr std::string_view value = #fn;       \
   };                                                     \
   [[maybe_unused]] static const bool TRELLIS_RPC_CONCAT( \
@@ -324,6 +330,7 @@ bool registerRemote() {
 #define TRELLIS_RPC_METHOD_ONE(Class, method)                      \
   template <>                                                      \
   struct trellis::rpc::RemoteName<&Class::method> {                \
+    static constexpr bool kRegistered = true;                      \
     static constexpr std::string_view value = #Class "::" #method; \
   };                                                               \
   [[maybe_unused]] static const bool TRELLIS_RPC_CONCAT(           \

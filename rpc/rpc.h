@@ -2,10 +2,11 @@
 
 // The RPC API users call (docs/rpc.md).
 //
-//   trellis::rpc::init("trainer1", rank, worldSize);
+//   auto env = trellis::WorkerEnv::fromEnvironment();
+//   trellis::rpc::init("trainer1", env.rank, env.worldSize);
 //   torch::Tensor y = trellis::rpc::rpcSync<addOne>("ps", x);
-//   auto f = trellis::rpc::rpcAsync<addOne>({"ps", std::chrono::seconds(5)},
-//   x); trellis::rpc::shutdown();
+//   auto f = trellis::rpc::rpcAsync<addOne>({"ps", 5s}, x);
+//   trellis::rpc::shutdown();
 //
 // Calls name the function as a template argument, so arguments are checked
 // against its registered signature when the caller compiles. Errors:
@@ -16,6 +17,7 @@
 // ProtocolError (a malformed reply). rpcSync throws them; rpcAsync's future
 // carries them.
 
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -43,7 +45,9 @@ struct Callee {
 
   std::string name;
   int32_t rank = -1;
-  Duration timeout = Duration(-1);  // negative: the agent's default
+  // Unset: RpcOptions::defaultTimeout. Zero: none. Negative: the call
+  // fails with InvalidArgumentError.
+  std::optional<Duration> timeout;
   // The rank on `agent`; throws NotFoundError for an unknown worker.
   int32_t resolve(const Agent& agent) const;
 };
@@ -52,8 +56,11 @@ struct Callee {
 // agent. Throws FailedPreconditionError if one is already running.
 void init(const std::string& name, int32_t rank, int32_t worldSize,
           RpcOptions options = {});
-// Shuts the process agent down (see Agent::shutdown) and clears it.
-void shutdown(bool graceful = true, Duration timeout = Duration(-1));
+// Shuts the process agent down (see Agent::shutdown and ShutdownOptions)
+// and clears it:
+//   trellis::rpc::shutdown();                    // graceful, default bounds
+//   trellis::rpc::shutdown({.graceful = false}); // at once
+void shutdown(ShutdownOptions options = {});
 
 WorkerInfo getWorkerInfo();
 WorkerInfo getWorkerInfo(const std::string& name);
@@ -131,8 +138,8 @@ CallSpec functionSpec(const Callee& to) {
                 "methods are called through an RRef: "
                 "rref.rpcSync / rpcAsync / remote<&C::m>()");
   CallSpec spec;
+  spec.signature = fingerprintOf<Fn>();  // first: says "not registered"
   spec.function = RemoteName<Fn>::value;
-  spec.signature = fingerprintOf<Fn>();
   spec.timeout = to.timeout;
   return spec;
 }

@@ -340,8 +340,7 @@ Future<AnyValue> handleDelete(Decoder& d, void*) {
 Future<AnyValue> handleAccept(Decoder& d, void*) {
   Agent& agent = Agent::current();
   RRefId child, unused;
-  if (Error e = decodeTwoIds(d, agent.worldSize(), &child, &unused);
-      !e.ok()) {
+  if (Error e = decodeTwoIds(d, agent.worldSize(), &child, &unused); !e.ok()) {
     return makeErrorFuture<AnyValue>(e);
   }
   contextOf(agent).childAccepted(child);
@@ -492,7 +491,7 @@ std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout) {
 }
 
 Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
-                         Duration timeout) {
+                         std::optional<Duration> timeout) {
   auto agent = state->agent();
   Encoder e;
   encodeArgs(e, state->id().worker, state->id().local,

@@ -18,8 +18,8 @@
 //    frees the value, exactly then.
 //  - remote() returns at once; the RRef is confirmedByOwner() once the
 //    owner's reply to remote() (or to the fork request) has arrived, which
-//    may be after a toHere() or method call on it has already succeeded. If the function fails, toHere() and method calls fail
-//    with that error.
+//    may be after a toHere() or method call on it has already succeeded. If the
+//    function fails, toHere() and method calls fail with that error.
 //  - toHere(timeout) copies the value here (T must be serializable);
 //    localValue() is the value itself, on the owner only (a
 //    FailedPreconditionError elsewhere).
@@ -34,6 +34,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -93,7 +94,7 @@ std::shared_ptr<RRefState> makeLocalOwnerState(Agent& agent, AnyValue value);
 std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout);
 // Fetches the owner's value encoded; decode as T.
 Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
-                         Duration timeout);
+                         std::optional<Duration> timeout);
 void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state);
 std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId);
 // Installs the RRef hooks on `agent` if it has none yet.
@@ -106,7 +107,7 @@ class RRef {
  public:
   RRef() = default;
   explicit RRef(std::shared_ptr<detail::RRefState> state,
-                Duration timeout = Duration(-1))
+                std::optional<Duration> timeout = std::nullopt)
       : state_(std::move(state)), timeout_(timeout) {}
 
   bool valid() const { return state_ != nullptr; }
@@ -121,8 +122,10 @@ class RRef {
   }
   // Waits until the owner confirmed this reference; throws the creation
   // error (e.g. the RemoteError of a failed remote()).
-  void waitConfirmed(Duration timeout = Duration::zero()) const {
-    state_->confirmed().wait(Deadline::fromTimeout(timeout));
+  // Unset or zero: no limit.
+  void waitConfirmed(std::optional<Duration> timeout = std::nullopt) const {
+    state_->confirmed().wait(Deadline::fromTimeout(
+        timeoutOr(timeout, Duration::zero(), "waitConfirmed timeout")));
   }
   // (creator worker, counter): unique in the group.
   RRefId id() const { return state_->id(); }
@@ -133,10 +136,12 @@ class RRef {
     return RRef(state_, std::chrono::duration_cast<Duration>(timeout));
   }
 
-  T toHere(Duration timeout = Duration(-1)) const {
+  // Copies the value here. `timeout` unset: the handle's (withTimeout),
+  // else the agent's default call timeout; zero: none.
+  T toHere(std::optional<Duration> timeout = std::nullopt) const {
     static_assert(kIsSerializable<T>,
                   "toHere() copies the value: its type needs a Codec");
-    const Duration t = timeout < Duration::zero() ? timeout_ : timeout;
+    const std::optional<Duration> t = timeout.has_value() ? timeout : timeout_;
     if (isOwner()) {
       return *localValue(t);
     }
@@ -151,10 +156,12 @@ class RRef {
     return value;
   }
 
-  // The value itself; owner only.
-  std::shared_ptr<T> localValue(Duration timeout = Duration::zero()) const {
+  // The value itself; owner only. Waits for it to exist (a remote() still
+  // running here) up to `timeout`; unset or zero: no limit.
+  std::shared_ptr<T> localValue(
+      std::optional<Duration> timeout = std::nullopt) const {
     return std::static_pointer_cast<T>(detail::localValueOf(
-        *state_, timeout < Duration::zero() ? Duration::zero() : timeout));
+        *state_, timeoutOr(timeout, Duration::zero(), "localValue timeout")));
   }
 
   template <auto M, typename... A>
@@ -185,8 +192,8 @@ class RRef {
     static_assert(std::is_base_of_v<typename detail::Traits<M>::Class, T>,
                   "this method belongs to another class than the RRef's");
     CallSpec spec;
+    spec.signature = detail::fingerprintOf<M>();  // first: "not registered"
     spec.function = RemoteName<M>::value;
-    spec.signature = detail::fingerprintOf<M>();
     spec.timeout = timeout_;
     spec.methodOnRRef = true;
     spec.target = state_->id();
@@ -201,7 +208,7 @@ class RRef {
   }
 
   std::shared_ptr<detail::RRefState> state_;
-  Duration timeout_ = Duration(-1);
+  std::optional<Duration> timeout_;
 };
 
 namespace detail {

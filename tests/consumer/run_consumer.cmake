@@ -14,6 +14,7 @@ run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERAT
     -DCMAKE_PREFIX_PATH=${prefix})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+run(${WORK_DIR}/build/consumer_rpc)
 
 # Installed programs run from the prefix as they are: no LD_LIBRARY_PATH.
 set(clean ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH)

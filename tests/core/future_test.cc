@@ -204,6 +204,38 @@ TEST(FutureTest, ThenExceptionBecomesError) {
   EXPECT_THROW(g.wait(), NotFoundError);
 }
 
+// torch's Future.then passes the future: accepted too, and then the
+// callback also runs on an error (and can recover from it).
+TEST(FutureTest, ThenTakesTheFutureTorchStyle) {
+  Promise<int> ok;
+  auto doubled =
+      ok.getFuture().then([](const Future<int>& f) { return f.value() * 2; });
+  ok.setValue(21);
+  EXPECT_EQ(doubled.wait(), 42);
+
+  Promise<int> failed;
+  auto recovered = failed.getFuture().then([](const Future<int>& f) {
+    return f.hasError() ? std::string("fallback: ") + f.error().message()
+                        : std::string("value");
+  });
+  failed.setError(Error::connection("ps gone"));
+  EXPECT_EQ(recovered.wait(), "fallback: ps gone");
+
+  Promise<int> rethrown;
+  auto passed = rethrown.getFuture().then(
+      [](const Future<int>& f) { return f.value() + 1; });
+  rethrown.setError(Error::timeout("slow"));
+  EXPECT_THROW(passed.wait(), TimeoutError);
+
+  Promise<void> done;
+  int seen = 0;
+  auto v = done.getFuture().then(
+      [&](const Future<void>& f) { seen = f.hasError() ? -1 : 1; });
+  done.setValue();
+  v.wait();
+  EXPECT_EQ(seen, 1);
+}
+
 TEST(FutureTest, ThenFlattensReturnedFuture) {
   Promise<int> inner;
   auto f = makeReadyFuture(1).then([&](const int& v) {

@@ -10,13 +10,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <thread>
-#include <signal.h>
 #include <memory>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sstream>
 #include <string>
 #include <sys/socket.h>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -91,11 +91,12 @@ bool waitStopped(pid_t pid, std::chrono::milliseconds limit) {
 // ("ThreadPool::join() called from one of its own workers") once their
 // calls timed out, in 2 of 3 runs. Every kind of call to a stopped peer
 // must fail with a TimeoutError naming it and the function, and the caller
-// must shut down and exit 0. Twenty rounds, taking turns: shutdown(false),
+// must shut down and exit 0. Twenty rounds, taking turns: at once,
 // a graceful shutdown bounded by 1 s, and none (the process agent is closed
 // during static destruction with a call still pending): the abort was
 // intermittent.
-TEST(DistAutogradProcess, StoppedPeerTimesOutEveryCallAndTheCallerExitsCleanly) {
+TEST(DistAutogradProcess,
+     StoppedPeerTimesOutEveryCallAndTheCallerExitsCleanly) {
   const std::map<std::string, std::string> function = {
       {"rpcSync", "'addInts' to worker 'w0'"},
       {"rpcAsync", "'addInts' to worker 'w0'"},
@@ -153,8 +154,8 @@ TEST(DistAutogradProcess, StoppedPeerTimesOutEveryCallAndTheCallerExitsCleanly) 
       std::printf("%s\n", shut.c_str());
     }
     const int status = job[1].wait(20000);
-    EXPECT_TRUE(exitedZero(status))
-        << "status " << status << "\n" << job.stderrOf(1);
+    EXPECT_TRUE(exitedZero(status)) << "status " << status << "\n"
+                                    << job.stderrOf(1);
     if (HasFailure()) {
       break;
     }

@@ -19,10 +19,10 @@
 //          must fail with TimeoutError within the 1 s call timeout
 //          ("op <name> <type> <ms> <what>"). It also leaves a call with
 //          a 30 s timeout pending, having given up waiting for it after
-//          200 ms. It then shuts down (shutdown(false), or graceful bounded
-//          by 1 s: "shutdown <type> <what>"), or returns from main with the
-//          call still pending and the agent still up ("exit"); either way
-//          it exits 0, leaving w0 stopped.
+//          200 ms. It then shuts down (shutdown({.graceful = false}), or
+//          graceful bounded by 1 s: "shutdown <type> <what>"), or returns from
+//          main with the call still pending and the agent still up ("exit");
+//          either way it exits 0, leaving w0 stopped.
 
 #include <ATen/ATen.h>
 #include <atomic>
@@ -31,17 +31,18 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
-#include <memory>
-#include <vector>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <trellis/core/error.h>
+#include <trellis/core/worker_env.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/optimizer.h>
 #include <trellis/rpc/rpc.h>
@@ -71,8 +72,7 @@ at::Tensor makeParam(int rank) {
       .requires_grad_(true);
 }
 at::Tensor& param() {
-  static at::Tensor p = makeParam(
-      std::atoi(std::getenv("RANK") != nullptr ? std::getenv("RANK") : "0"));
+  static at::Tensor p = makeParam(trellis::WorkerEnv::fromEnvironment().rank);
   return p;
 }
 
@@ -212,7 +212,7 @@ int driveKill() {
                   (gotW1 - want[1]).abs().max().item<double>() <= 1e-9;
   say(ok ? "second ok" : "second bad");
   rpc::rpcSync<finish>({"w1", 10s});
-  rpc::shutdown(false);
+  rpc::shutdown({.graceful = false});
   return ok && here == 0 && w1 == 0 ? 0 : 1;
 }
 
@@ -224,7 +224,7 @@ int scenarioKill(int32_t rank) {
       const bool told = waitFinish(60s);
       // Gives the reply to finish() time to leave before the pipes close.
       std::this_thread::sleep_for(200ms);
-      rpc::shutdown(false);
+      rpc::shutdown({.graceful = false});
       return told ? 0 : 1;
     }
     default:
@@ -298,16 +298,11 @@ int driveStopped(const std::string& mode, const std::string& goFile) {
   std::vector<std::thread> threads;
   threads.push_back(opThread(
       [] { return [] { rpc::rpcSync<addInts>("w0", 1, 2); }; }, "rpcSync"));
-  threads.push_back(opThread(
-      [] {
-        return [] { rpc::rpcAsync<addInts>("w0", 1, 2).wait(); };
-      },
-      "rpcAsync"));
-  threads.push_back(opThread(
-      [&] {
-        return [&] { (void)rref.toHere(); };
-      },
-      "toHere"));
+  threads.push_back(
+      opThread([] { return [] { rpc::rpcAsync<addInts>("w0", 1, 2).wait(); }; },
+               "rpcAsync"));
+  threads.push_back(
+      opThread([&] { return [&] { (void)rref.toHere(); }; }, "toHere"));
   // A context belongs to the thread that made it.
   threads.push_back(opThread(
       [] {
@@ -348,10 +343,10 @@ int driveStopped(const std::string& mode, const std::string& goFile) {
   }
   try {
     if (mode == "graceful") {
-      rpc::shutdown(true, kStoppedTimeout);
+      rpc::shutdown({.drainTimeout = kStoppedTimeout});
       say("shutdown no-error");
     } else {
-      rpc::shutdown(false);
+      rpc::shutdown({.graceful = false});
       say("shutdown ok");
     }
   } catch (const trellis::Exception& e) {
@@ -368,14 +363,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = argv[1];
-  const char* r = std::getenv("RANK");
-  const char* w = std::getenv("WORLD_SIZE");
-  if (r == nullptr || w == nullptr) {
-    std::fprintf(stderr, "dist_autograd_worker: RANK/WORLD_SIZE unset\n");
-    return 2;
-  }
-  const int32_t rank = std::atoi(r);
-  const int32_t world = std::atoi(w);
+  const auto env = trellis::WorkerEnv::fromEnvironment();
+  const int32_t rank = env.rank;
+  const int32_t world = env.worldSize;
   try {
     rpc::RpcOptions o;
     o.localAddress = "127.0.0.1";
@@ -383,7 +373,7 @@ int main(int argc, char** argv) {
     o.defaultTimeout = 30s;
     if (scenario == "stopped") {
       o.defaultTimeout = kStoppedTimeout;
-      o.shutdownTimeout = kStoppedTimeout;
+      o.shutdownDrainTimeout = kStoppedTimeout;
     }
     rpc::init("w" + std::to_string(rank), rank, world, o);
     if (scenario == "kill") {

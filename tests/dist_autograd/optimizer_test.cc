@@ -241,7 +241,7 @@ TEST_P(OptimizerParity, MatchesTorchOptimEveryStep) {
       at::Tensor out = layer2.rpcSync<&Layer::forward>(h * m);
       at::Tensor loss = (out - y).pow(2).sum();
       ctx.backward({loss});
-      opt.step(ctx.id());
+      opt.step(ctx);
     }
     refOpt->zero_grad();
     at::Tensor rh = at::tanh(x.mm(ref[0]) + ref[1]);
@@ -315,7 +315,7 @@ TEST_P(SparseParity, EmbeddingBagSparseGradients) {
       at::Tensor rows = table.rpcSync<&Table::lookup>(ids, offsets);
       ctx.backward({(rows * c).tanh().sum()});
       EXPECT_TRUE(table.rpcSync<&Table::gradientIsSparse>(ctx.id()));
-      opt.step(ctx.id());
+      opt.step(ctx);
     }
     refOpt->zero_grad();
     at::Tensor rrows = std::get<0>(
@@ -359,7 +359,7 @@ TEST(DistributedOptimizer, ParametersWithoutGradientAreUnchanged) {
     dist::Context ctx;
     at::Tensor h = layer1.rpcSync<&Layer::forward>(grid(2, 3, 0.3));
     ctx.backward({h.sum()});
-    opt.step(ctx.id());
+    opt.step(ctx);
   }
   const auto after1 = layer1.rpcSync<&Layer::values>();
   const auto after2 = layer2.rpcSync<&Layer::values>();
@@ -373,7 +373,7 @@ TEST(DistributedOptimizer, ParametersWithoutGradientAreUnchanged) {
   {
     dist::Context ctx;
     (void)layer1.rpcSync<&Layer::forward>(grid(2, 3, 0.3));
-    opt.step(ctx.id());
+    opt.step(ctx);
   }
   const auto again1 = layer1.rpcSync<&Layer::values>();
   for (size_t i = 0; i < 3; ++i) {
@@ -527,7 +527,7 @@ TEST(DistributedOptimizer, StepFailureNamesTheOwnerAndRestoresGrad) {
                                                   at::tensor({0}, at::kLong));
   ctx.backward({rows.sum()});
   try {
-    opt.step(ctx.id());
+    opt.step(ctx);
     FAIL() << "no exception";
   } catch (const trellis::RemoteError& e) {
     EXPECT_EQ(e.origin().worker, "w1");

@@ -53,8 +53,9 @@ class AgentGroup {
     std::vector<std::thread> threads;
     for (auto& a : agents_) {
       if (a != nullptr) {
-        threads.emplace_back(
-            [&a, graceful, timeout] { a->shutdown(graceful, timeout); });
+        threads.emplace_back([&a, graceful, timeout] {
+          a->shutdown({.graceful = graceful, .drainTimeout = timeout});
+        });
       }
     }
     for (auto& t : threads) {

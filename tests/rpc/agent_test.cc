@@ -112,7 +112,7 @@ int64_t holdOwnAgent() {
 }
 std::string shutDownFromHandler() {
   try {
-    rpc::Agent::current().shutdown(false);
+    rpc::Agent::current().shutdown({.graceful = false});
   } catch (const trellis::FailedPreconditionError& e) {
     return e.what();
   }
@@ -369,7 +369,7 @@ TEST(RpcAgent, ShutdownNowFailsPendingCalls) {
     f = rpc::rpcAsync<sleepMs>("w1", int64_t{2000});
   }
   std::this_thread::sleep_for(50ms);
-  g[0].shutdown(false);
+  g[0].shutdown({.graceful = false});
   EXPECT_THROW(f.wait(5s), trellis::CancelledError);
   rpc::CurrentAgentScope scope(&g[0]);
   EXPECT_THROW(rpc::rpcSync<addInts>("w1", 1, 2), trellis::CancelledError);
@@ -436,7 +436,7 @@ TEST(RpcAgent, GracefulShutdownFailsPromptlyNamingAWorkerThatLeft) {
     threads.emplace_back([&, r] {
       const auto start = std::chrono::steady_clock::now();
       try {
-        g[r].shutdown(true, 30s);
+        g[r].shutdown({.drainTimeout = 30s});
         errors[r] = "no error";
       } catch (const trellis::ConnectionError& e) {
         errors[r] = e.what();
@@ -479,10 +479,10 @@ TEST(RpcAgent, BusyWorkerAnswersShutdownProbes) {
         if (r == 0) {
           // Probes time out after 1 s: a probe queued behind w1's 1.8 s
           // call would fail this shutdown.
-          g[r].shutdown(true, 1s);
+          g[r].shutdown({.drainTimeout = 1s});
         } else {
           std::this_thread::sleep_for(1500ms);  // w0 probes them meanwhile
-          g[r].shutdown(true, 5s);
+          g[r].shutdown({.drainTimeout = 5s});
         }
       } catch (const std::exception& e) {
         errors[r] = e.what();

@@ -1,6 +1,8 @@
 // Graceful shutdown's group protocol (rpc/quiescence.h) on a HashStore
 // alone: workers are threads with scripted counts and probes, no agent.
 
+#include "quiescence.h"
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -13,7 +15,6 @@
 
 #include <gtest/gtest.h>
 
-#include "quiescence.h"
 #include <trellis/core/error.h>
 #include <trellis/store/hash_store.h>
 
@@ -36,9 +37,9 @@ class FakeWorker : public q::QuiescenceParticipant {
   }
   void waitIdle(Deadline deadline) override {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_until(lock, deadline.isNever() ? Clock::now() + 1h
-                                            : deadline.timePoint(),
-                   [&] { return counts_.active == 0; });
+    cv_.wait_until(
+        lock, deadline.isNever() ? Clock::now() + 1h : deadline.timePoint(),
+        [&] { return counts_.active == 0; });
   }
   trellis::Future<void> probe(int32_t rank) override {
     ++probes_;
@@ -87,7 +88,7 @@ struct Group {
   std::vector<std::optional<Error>> results;
   std::vector<Clock::time_point> ended;
   Group(trellis::store::Store& store, std::vector<FakeWorker>& workers,
-      std::vector<q::QuiescenceOptions> opts, std::vector<int32_t> ranks)
+        std::vector<q::QuiescenceOptions> opts, std::vector<int32_t> ranks)
       : results(workers.size()), ended(workers.size()) {
     for (int32_t r : ranks) {
       threads.emplace_back([&, r, o = opts[r]] {
@@ -157,8 +158,8 @@ TEST(Quiescence, AWorkerThatIsGoneFailsTheOthersAtOnceNamingIt) {
   std::vector<FakeWorker> w(3);
   for (int r = 0; r < 2; ++r) {
     w[r].onProbe([](int32_t rank) {
-      return rank == 2 ? trellis::makeErrorFuture<void>(Error::connection(
-                             "connection refused"))
+      return rank == 2 ? trellis::makeErrorFuture<void>(
+                             Error::connection("connection refused"))
                        : trellis::makeReadyFuture();
     });
   }
@@ -175,6 +176,41 @@ TEST(Quiescence, AWorkerThatIsGoneFailsTheOthersAtOnceNamingIt) {
         << what;
     EXPECT_LT(run.ended[r] - start, 2s);
   }
+}
+
+// The worker that hosts the store finds w2 gone first; w1's own probe of
+// w2 has not come back yet. The host used to close the store at once, and
+// w1 then failed with "store server closed the connection", naming nobody.
+// Now the host publishes what it found and keeps the store up until w1 has
+// read it; w1 fails with the same finding.
+TEST(Quiescence, TheFirstWorkerToFindOneGoneTellsTheOthers) {
+  trellis::store::HashStore store(10s);
+  std::vector<FakeWorker> w(3);
+  w[0].onProbe([](int32_t rank) {
+    return rank == 2 ? trellis::makeErrorFuture<void>(
+                           Error::connection("connection refused"))
+                     : trellis::makeReadyFuture();
+  });
+  trellis::Promise<void> slow;  // w1's probe of w2: still out
+  w[1].onProbe([&](int32_t rank) {
+    return rank == 2 ? slow.getFuture() : trellis::makeReadyFuture();
+  });
+  const auto start = Clock::now();
+  Group run(store, w, optionsFor(3), {0, 1});  // w2 never comes
+  run.join();
+  ASSERT_FALSE(run.results[1]->ok());
+  EXPECT_EQ(run.results[1]->code(), Code::kUnavailable);
+  EXPECT_EQ(run.results[1]->message(),
+            "rpc shutdown of 'w1': worker 'w2' (rank 2) has not entered "
+            "shutdown and is gone: connection refused (found by worker "
+            "'w0')");
+  EXPECT_EQ(run.results[0]->message(),
+            "rpc shutdown of 'w0': worker 'w2' (rank 2) has not entered "
+            "shutdown and is gone: connection refused");
+  // The host returned only once w1 had read the verdict.
+  EXPECT_TRUE(store.check({"shutdown/seen/1"}));
+  EXPECT_LT(run.ended[1] - start, 2s);
+  slow.setError(Error::cancelled("test over"));
 }
 
 TEST(Quiescence, AWorkerThatDoesNotAnswerFailsTheOthersWithATimeout) {

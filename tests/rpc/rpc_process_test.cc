@@ -109,7 +109,7 @@ TEST(RpcProcess, WorkerDyingDuringGracefulShutdownFailsItNamingTheWorker) {
   const int victim = job[2].wait(10000);
   EXPECT_TRUE(WIFSIGNALED(victim) && WTERMSIG(victim) == SIGKILL);
   for (int r = 0; r < 2; ++r) {
-    // shutdownTimeout is 4 s in this scenario; allow generous slack.
+    // shutdownDrainTimeout is 4 s in this scenario; allow generous slack.
     const std::string err = lineStartingWith(job[r], "TimeoutError", 30000);
     ASSERT_FALSE(err.empty()) << job.stderrOf(r);
     EXPECT_NE(err.find("w2"), std::string::npos) << err;
@@ -141,7 +141,8 @@ TEST(RpcProcess, WorkerThatLeavesWithoutShutdownFailsTheOthersNamingIt) {
       const std::string line = lineStartingWith(job[r], "shutdown ", 30000);
       std::printf("w%d: %s\n", r, line.c_str());
       ASSERT_EQ(line.rfind("shutdown ConnectionError ", 0), 0u)
-          << line << "\n" << job.stderrOf(r);
+          << line << "\n"
+          << job.stderrOf(r);
       EXPECT_NE(line.find("worker 'w2' (rank 2) has not entered shutdown "
                           "and is gone"),
                 std::string::npos)

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include <trellis/core/error.h>
+#include <trellis/core/worker_env.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/rref/rref.h>
 
@@ -132,7 +134,7 @@ int scenarioPairs(int32_t rank, int32_t world) {
     }
   }
   say("pairs ok");
-  rpc::shutdown(true, 30s);
+  rpc::shutdown({.drainTimeout = 30s});
   return 0;
 }
 
@@ -148,7 +150,7 @@ int scenarioKill(int32_t rank) {
     const bool told = waitFinish(30s);
     // Gives the reply to finish() time to leave before the pipes close.
     std::this_thread::sleep_for(200ms);
-    rpc::shutdown(false);
+    rpc::shutdown({.graceful = false});
     return told ? 0 : 1;
   }
   auto f = rpc::rpcAsync<sleepMs>("w1", int64_t{30000});
@@ -174,13 +176,13 @@ int scenarioKill(int32_t rank) {
   const int64_t v = rpc::rpcSync<addInts>({"w2", 5s}, 20, 22);
   say("third " + std::to_string(v));
   rpc::rpcSync<finish>({"w2", 5s});
-  rpc::shutdown(false);
+  rpc::shutdown({.graceful = false});
   return v == 42 ? 0 : 1;
 }
 
 // A worker dies while the group is in graceful shutdown: w0 has a call in
 // flight to w2 (so the group cannot go idle), everybody enters shutdown, the
-// test SIGKILLs w2. The others' shutdown must fail within shutdownTimeout
+// test SIGKILLs w2. The others' shutdown must fail within shutdownDrainTimeout
 // (or shutdownArrivalTimeout, should w2 die before it arrived) naming w2,
 // not hang. w0 hosts the store, so it stays until the test has read w1's
 // result (`goFile`).
@@ -194,7 +196,7 @@ int scenarioShutdownDies(int32_t rank, const std::string& goFile) {
   say("entering-shutdown");
   const auto t0 = Clock::now();
   try {
-    rpc::shutdown(true);
+    rpc::shutdown();
     say("shutdown ok");
     return 1;
   } catch (const trellis::TimeoutError& e) {
@@ -206,14 +208,14 @@ int scenarioShutdownDies(int32_t rank, const std::string& goFile) {
   if (rank == 0 && !waitForFile(goFile, 60s)) {
     say("no go file");
   }
-  rpc::shutdown(false);
+  rpc::shutdown({.graceful = false});
   return 0;
 }
 
 int scenarioRRef(int32_t rank) {
   if (rank != 1) {
     const bool told = waitFinish(60s);
-    rpc::shutdown(true, 30s);
+    rpc::shutdown({.drainTimeout = 30s});
     return told ? 0 : 1;
   }
   auto live = [] { return rpc::rpcSync<liveCount>("w0"); };
@@ -255,7 +257,7 @@ int scenarioRRef(int32_t rank) {
   }
   rpc::rpcSync<finish>("w0");
   rpc::rpcSync<finish>("w2");
-  rpc::shutdown(true, 30s);
+  rpc::shutdown({.drainTimeout = 30s});
   return 0;
 }
 
@@ -272,7 +274,7 @@ int scenarioMany(int32_t rank, int32_t world, Clock::time_point initStart,
                  Clock::duration initTook) {
   const int32_t next = (rank + 1) % world;
   const bool ok = rpc::rpcSync<addInts>(next, rank, 1) == rank + 1;
-  rpc::shutdown(true, 60s);
+  rpc::shutdown({.drainTimeout = 60s});
   say("init_ms " +
       std::to_string(
           std::chrono::duration_cast<std::chrono::milliseconds>(initTook)
@@ -287,11 +289,16 @@ int scenarioMany(int32_t rank, int32_t world, Clock::time_point initStart,
 
 int scenarioLeave(int32_t rank, const std::string& how,
                   const std::string& goFile) {
+  // "<goFile>.called<rank>": that caller has its reply from w2.
+  auto calledFile = [&](int32_t r) {
+    return goFile + ".called" + std::to_string(r);
+  };
   if (rank == 2) {
-    // Leaves once w0 and w1 have both called it (pipes exist).
-    const auto end = Clock::now() + 30s;
-    while (gCalls.load() < 2 && Clock::now() < end) {
-      std::this_thread::sleep_for(5ms);
+    // Leaves once w0 and w1 both have their replies (pipes exist, and no
+    // reply of theirs is still on its way when it goes).
+    if (!waitForFile(calledFile(0), 30s) || !waitForFile(calledFile(1), 30s)) {
+      say("callers never called");
+      return 1;
     }
     say("leaving");
     if (how == "abort") {
@@ -300,6 +307,7 @@ int scenarioLeave(int32_t rank, const std::string& how,
     return 0;  // no shutdown: the process agent closes at exit
   }
   rpc::rpcSync<countCall>("w2");
+  std::ofstream(calledFile(rank)) << "called\n";
   const auto t0 = Clock::now();
   int rc = 1;
   try {
@@ -326,7 +334,7 @@ int scenarioServe(int32_t rank, const std::string& goFile) {
   if (rank == 0) {
     say("addr " + rpc::getWorkerInfo(0).address);
     const bool told = waitFinish(60s);
-    rpc::shutdown(true, 30s);
+    rpc::shutdown({.drainTimeout = 30s});
     return told ? 0 : 1;
   }
   if (!waitForFile(goFile, 60s)) {
@@ -336,7 +344,7 @@ int scenarioServe(int32_t rank, const std::string& goFile) {
   const int64_t v = rpc::rpcSync<addInts>({"w0", 10s}, 40, 2);
   say("after " + std::to_string(v));
   rpc::rpcSync<finish>("w0");
-  rpc::shutdown(true, 30s);
+  rpc::shutdown({.drainTimeout = 30s});
   return v == 42 ? 0 : 1;
 }
 
@@ -348,20 +356,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = argv[1];
-  const char* r = std::getenv("RANK");
-  const char* w = std::getenv("WORLD_SIZE");
-  if (r == nullptr || w == nullptr) {
-    std::fprintf(stderr, "rpc_worker_helper: RANK/WORLD_SIZE unset\n");
-    return 2;
-  }
-  const int32_t rank = std::atoi(r);
-  const int32_t world = std::atoi(w);
+  const auto env = trellis::WorkerEnv::fromEnvironment();
+  const int32_t rank = env.rank;
+  const int32_t world = env.worldSize;
   try {
     rpc::RpcOptions o;
     o.localAddress = "127.0.0.1";
     o.initTimeout = 60s;
     if (scenario == "shutdown-dies") {
-      o.shutdownTimeout = 4s;
+      o.shutdownDrainTimeout = 4s;
       o.shutdownArrivalTimeout = 10s;
     }
     const auto t0 = Clock::now();

@@ -1,0 +1,181 @@
+#include <map>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include <trellis/core/deadline.h>
+#include <trellis/core/error.h>
+#include <trellis/core/worker_env.h>
+
+namespace trellis {
+namespace {
+
+using Vars = std::map<std::string, std::string>;
+
+WorkerEnv parse(const Vars& vars) {
+  return WorkerEnv::fromVariables(
+      [&](const char* name) -> std::optional<std::string> {
+        auto it = vars.find(name);
+        if (it == vars.end()) {
+          return std::nullopt;
+        }
+        return it->second;
+      });
+}
+
+// The message of the InvalidArgumentError that parsing `vars` throws.
+std::string refusal(const Vars& vars) {
+  try {
+    parse(vars);
+  } catch (const InvalidArgumentError& e) {
+    return e.error().message();
+  }
+  ADD_FAILURE() << "accepted";
+  return "";
+}
+
+TEST(WorkerEnv, TorchrunVariables) {
+  const WorkerEnv env = parse({{"RANK", "5"},
+                               {"WORLD_SIZE", "8"},
+                               {"LOCAL_RANK", "1"},
+                               {"LOCAL_WORLD_SIZE", "4"},
+                               {"MASTER_ADDR", "node-0.cluster"},
+                               {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.worldSize, 8);
+  EXPECT_EQ(env.localRank, 1);
+  EXPECT_EQ(env.localWorldSize, 4);
+  EXPECT_EQ(env.master.addr, "node-0.cluster");
+  EXPECT_EQ(env.master.port, 29500);
+  EXPECT_TRUE(env.master.complete());
+  EXPECT_FALSE(env.jobToken.has_value());
+}
+
+TEST(WorkerEnv, WithoutLocalVariablesTheJobIsOneHost) {
+  const WorkerEnv env = parse({{"RANK", "2"}, {"WORLD_SIZE", "3"}});
+  EXPECT_EQ(env.localRank, 2);
+  EXPECT_EQ(env.localWorldSize, 3);
+  EXPECT_FALSE(env.master.complete());
+  EXPECT_EQ(env.master.port, 0);
+}
+
+TEST(WorkerEnv, EmptyCountsAsUnset) {
+  const WorkerEnv env = parse({{"RANK", "0"},
+                               {"WORLD_SIZE", "1"},
+                               {"LOCAL_RANK", ""},
+                               {"MASTER_ADDR", ""},
+                               {"TRELLIS_JOB_TOKEN", ""}});
+  EXPECT_EQ(env.localRank, 0);
+  EXPECT_TRUE(env.master.addr.empty());
+  EXPECT_FALSE(env.jobToken.has_value());
+}
+
+TEST(WorkerEnv, MissingRequiredVariablesAreNamed) {
+  EXPECT_NE(refusal({{"WORLD_SIZE", "2"}}).find("RANK is not set"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"RANK", "0"}}).find("WORLD_SIZE is not set"),
+            std::string::npos);
+}
+
+TEST(WorkerEnv, MalformedNumbersAreNamedWithTheirValue) {
+  for (const std::string v : {"x", "1x", " 1", "1 ", "+1", "0x10", "1.0",
+                              "99999999999999999999", "-"}) {
+    SCOPED_TRACE(v);
+    EXPECT_EQ(refusal({{"RANK", v}, {"WORLD_SIZE", "4"}}),
+              "RANK='" + v + "' is not a decimal integer");
+  }
+  EXPECT_NE(refusal({{"RANK", "0"}, {"WORLD_SIZE", "0"}})
+                .find("WORLD_SIZE='0' is out of range"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"RANK", "4"}, {"WORLD_SIZE", "4"}})
+                .find("RANK='4' is out of range: 0 <= RANK < WORLD_SIZE (4)"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"RANK", "-1"}, {"WORLD_SIZE", "4"}})
+                .find("RANK='-1' is out of range"),
+            std::string::npos);
+}
+
+TEST(WorkerEnv, LocalValuesMustFitTheJob) {
+  EXPECT_NE(
+      refusal({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "5"}})
+          .find("LOCAL_WORLD_SIZE='5' is out of range"),
+      std::string::npos);
+  EXPECT_NE(refusal({{"RANK", "0"},
+                     {"WORLD_SIZE", "4"},
+                     {"LOCAL_WORLD_SIZE", "2"},
+                     {"LOCAL_RANK", "2"}})
+                .find("LOCAL_RANK='2' is out of range"),
+            std::string::npos);
+  // Several hosts without LOCAL_RANK: the rank cannot stand in for it.
+  EXPECT_NE(
+      refusal({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}})
+          .find("set LOCAL_RANK"),
+      std::string::npos);
+}
+
+TEST(WorkerEnv, MasterEndpointIsChecked) {
+  const Vars job = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  auto with = [&](Vars extra) {
+    extra.insert(job.begin(), job.end());
+    return refusal(extra);
+  };
+  EXPECT_NE(with({{"MASTER_PORT", "0"}}).find("MASTER_PORT='0' is out of"),
+            std::string::npos);
+  EXPECT_NE(with({{"MASTER_PORT", "65536"}}).find("a port is 1-65535"),
+            std::string::npos);
+  EXPECT_NE(with({{"MASTER_PORT", "http"}}).find("not a decimal integer"),
+            std::string::npos);
+  EXPECT_NE(with({{"MASTER_ADDR", "node 0"}}).find("MASTER_ADDR='node 0'"),
+            std::string::npos);
+  EXPECT_NE(with({{"MASTER_ADDR", std::string(300, 'a')}})
+                .find("longer than a host name"),
+            std::string::npos);
+  const WorkerEnv v6 = parse({{"RANK", "0"},
+                              {"WORLD_SIZE", "1"},
+                              {"MASTER_ADDR", "::1"},
+                              {"MASTER_PORT", "1"}});
+  EXPECT_EQ(v6.master.addr, "::1");
+  EXPECT_EQ(v6.master.port, 1);
+}
+
+TEST(WorkerEnv, JobTokenIsCheckedAndNeverShown) {
+  const std::string good(32, 'k');
+  const WorkerEnv env =
+      parse({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"TRELLIS_JOB_TOKEN", good}});
+  ASSERT_TRUE(env.jobToken.has_value());
+  EXPECT_EQ(env.jobToken->secret(), good);
+  const std::string shortToken = "secret-but-short";
+  const std::string msg = refusal({{"RANK", "0"},
+                                   {"WORLD_SIZE", "1"},
+                                   {"TRELLIS_JOB_TOKEN", shortToken + " x"}});
+  EXPECT_NE(msg.find("TRELLIS_JOB_TOKEN"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find(shortToken), std::string::npos) << msg;
+}
+
+TEST(WorkerEnv, FromEnvironmentReadsTheProcess) {
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  const WorkerEnv env = WorkerEnv::fromEnvironment();
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.worldSize, 2);
+}
+
+TEST(TimeoutModel, UnsetZeroAndNegative) {
+  using std::chrono::seconds;
+  EXPECT_EQ(timeoutOr(std::nullopt, seconds(60), "rpc timeout"), seconds(60));
+  EXPECT_EQ(timeoutOr(seconds(0), seconds(60), "rpc timeout"), seconds(0));
+  EXPECT_EQ(timeoutOr(seconds(2), seconds(60), "rpc timeout"), seconds(2));
+  try {
+    timeoutOr(seconds(-1), seconds(60), "rpc timeout");
+    ADD_FAILURE() << "accepted a negative timeout";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_EQ(e.error().message(),
+              "rpc timeout must be >= 0 (0 means none; leave it unset for the "
+              "default), got -1s");
+  }
+}
+
+}  // namespace
+}  // namespace trellis
