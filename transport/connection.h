@@ -45,11 +45,13 @@ class Connection {
   virtual void startReading(ReadSink* sink) = 0;
   virtual void stopReading() = 0;
 
-  // Writes `bufs` in order after everything written before. Returns true
-  // when every byte was written during the call (`cb` is then dropped);
-  // otherwise `cb` fires once, later, from the loop. The buffers must stay
-  // valid until then (the array itself may be freed on return).
-  virtual bool write(const IoBuf* bufs, size_t n, WriteCallback cb) = 0;
+  // Writes `bufs` in order after everything written before. `cb` fires
+  // exactly once, on the loop thread and never inline from write(): OK once
+  // every byte has left the caller's buffers (even when that happened
+  // during the call), or the error that ended the write (close() included).
+  // The buffers must stay valid until then (the array itself may be freed
+  // on return).
+  virtual void write(const IoBuf* bufs, size_t n, WriteCallback cb) = 0;
 
   // Idempotent. No ReadSink call afterwards; write callbacks still pending
   // fire later with an error. After close() returns no byte is read from or

@@ -694,9 +694,7 @@ void PipeImpl::bindUpgrade(std::shared_ptr<Connection> conn,
   auto bytes = std::make_shared<std::vector<uint8_t>>(
       wf::encodeUpgradeDecision(wf::UpgradeDecision::kSwitch));
   const IoBuf b{bytes->data(), bytes->size()};
-  if (old->write(&b, 1, [old, bytes](const Error&) { old->close(); })) {
-    old->close();
-  }
+  old->write(&b, 1, [old, bytes](const Error&) { old->close(); });
   conn_ = std::move(conn);
   bootstrap_ = "shm";
   {
@@ -1157,15 +1155,11 @@ void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
   }
   inflightWrites_.push_back(op);
   std::weak_ptr<PipeImpl> weak = shared_from_this();
-  const bool done =
-      conn_->write(iov.data(), iov.size(), [weak, op](const Error& e) {
-        if (auto self = weak.lock()) {
-          self->completeWrite(op, e);
-        }
-      });
-  if (done) {
-    completeWrite(op, Error());
-  }
+  conn_->write(iov.data(), iov.size(), [weak, op](const Error& e) {
+    if (auto self = weak.lock()) {
+      self->completeWrite(op, e);
+    }
+  });
 }
 
 void PipeImpl::completeWrite(const std::shared_ptr<WriteOp>& op,

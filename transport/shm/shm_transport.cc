@@ -187,14 +187,15 @@ class ShmConnection : public Connection,
 
   void stopReading() override { reading_ = false; }
 
-  bool write(const IoBuf* bufs, size_t n, WriteCallback cb) override {
+  void write(const IoBuf* bufs, size_t n, WriteCallback cb) override {
     Error e = writeError();
     if (e.ok() && writes_.empty()) {
       size_t index = 0;
       size_t offset = 0;
       e = push(bufs, n, &index, &offset);
       if (e.ok() && index == n) {
-        return true;
+        loop_.defer([cb = std::move(cb)] { cb(Error()); });
+        return;
       }
       if (e.ok()) {
         WriteOp op;
@@ -203,7 +204,7 @@ class ShmConnection : public Connection,
         op.cb = std::move(cb);
         writes_.push_back(std::move(op));
         wake();
-        return false;
+        return;
       }
       fail(e);
     } else if (e.ok()) {
@@ -212,10 +213,9 @@ class ShmConnection : public Connection,
       op.cb = std::move(cb);
       writes_.push_back(std::move(op));
       wake();
-      return false;
+      return;
     }
     loop_.defer([cb = std::move(cb), e] { cb(e); });
-    return false;
   }
 
   void close() override {
@@ -1126,8 +1126,8 @@ std::chrono::microseconds pollingTime(const Options& options) {
   if (options.spin.has_value()) {
     return std::max(*options.spin, std::chrono::microseconds(0));
   }
-  return 2 * std::chrono::duration_cast<std::chrono::microseconds>(
-                 spinBudget());
+  return 2 *
+         std::chrono::duration_cast<std::chrono::microseconds>(spinBudget());
 }
 
 }  // namespace trellis::transport::shm

@@ -148,12 +148,12 @@ class UvConnection : public Connection,
     }
   }
 
-  bool write(const IoBuf* bufs, size_t n, WriteCallback cb) override {
+  void write(const IoBuf* bufs, size_t n, WriteCallback cb) override {
     if (closed_) {
       loop_.defer([cb = std::move(cb)] {
         cb(Error::connection("write on a closed connection"));
       });
-      return false;
+      return;
     }
     bufs_.resize(n);
     for (size_t i = 0; i < n; ++i) {
@@ -175,13 +175,14 @@ class UvConnection : public Connection,
         --count;
       }
       if (count == 0) {
-        return true;
+        loop_.defer([cb = std::move(cb)] { cb(Error()); });
+        return;
       }
       first->base += written;
       first->len -= static_cast<unsigned>(written);
     } else if (rc != UV_EAGAIN) {
       loop_.defer([cb = std::move(cb), rc] { cb(uvError(rc, "uv write")); });
-      return false;
+      return;
     }
     auto* req = new WriteReq{{}, std::move(cb), shared_from_this()};
     req->req.data = req;
@@ -193,7 +194,6 @@ class UvConnection : public Connection,
       delete req;
       loop_.defer([c = std::move(c), wrc] { c(uvError(wrc, "uv write")); });
     }
-    return false;
   }
 
   void close() override {
