@@ -410,10 +410,17 @@ std::shared_ptr<PipeImpl> ContextImpl::connect(const std::string& address) {
 }
 
 void ContextImpl::addPipeFromLoop(const std::shared_ptr<PipeImpl>& p) {
+  TRELLIS_DCHECK(loop_->mayTouchState(), "off the loop thread");
   pipes_[p.get()] = p;
 }
-void ContextImpl::removePipeFromLoop(PipeImpl* p) { pipes_.erase(p); }
+
+void ContextImpl::removePipeFromLoop(PipeImpl* p) {
+  TRELLIS_DCHECK(loop_->mayTouchState(), "off the loop thread");
+  pipes_.erase(p);
+}
+
 void ContextImpl::removeListenerFromLoop(ListenerImpl* l) {
+  TRELLIS_DCHECK(loop_->mayTouchState(), "off the loop thread");
   listeners_.erase(l);
 }
 
@@ -426,6 +433,7 @@ void ContextImpl::close() {
 }
 
 void ContextImpl::closeFromLoop() {
+  TRELLIS_DCHECK(loop_->mayTouchState(), "off the loop thread");
   if (closedFromLoop_) {
     return;
   }
@@ -577,9 +585,10 @@ class UpgradeBinder : public std::enable_shared_from_this<UpgradeBinder>,
 // ---- ListenerImpl ----------------------------------------------------------
 
 ListenerImpl::ListenerImpl(std::shared_ptr<ContextImpl> ctx, std::string id)
-    : ctx_(std::move(ctx)), id_(std::move(id)) {}
+    : ctx_(std::move(ctx)), id_(std::move(id)), life_(ctx_->loop()) {}
 
 Error ListenerImpl::listenFromLoop(const std::vector<std::string>& addrs) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   std::weak_ptr<ListenerImpl> weak = shared_from_this();
   for (const auto& address : addrs) {
     const size_t sep = address.find("://");
@@ -650,7 +659,7 @@ void ListenerImpl::onUpgradeConnection(const Error& error,
     TRELLIS_LOG_WARN("{}: upgrade listener: {}", id_, error.what());
     return;
   }
-  if (!error_.ok() || binders_.size() >= kMaxBinders) {
+  if (life_.failed() || binders_.size() >= kMaxBinders) {
     conn->close();
     return;
   }
@@ -662,7 +671,7 @@ void ListenerImpl::onUpgradeConnection(const Error& error,
 void ListenerImpl::onConnection(const std::string& transport,
                                 const Error& error,
                                 std::shared_ptr<Connection> conn) {
-  if (!error_.ok()) {
+  if (life_.failed()) {
     if (conn) {
       conn->close();
     }
@@ -687,9 +696,9 @@ void ListenerImpl::onConnection(const std::string& transport,
 }
 
 void ListenerImpl::serveFromLoop() {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   while (!accepts_.empty() && !ready_.empty()) {
-    auto cb = std::move(accepts_.front());
-    accepts_.pop_front();
+    auto cb = accepts_.pop();
     auto p = std::move(ready_.front());
     ready_.pop_front();
     auto handle = std::make_shared<Pipe>(std::move(p));
@@ -703,12 +712,10 @@ void ListenerImpl::accept(Listener::AcceptCallback cb) {
   TRELLIS_CHECK(cb != nullptr, "Listener::accept needs a callback");
   auto self = shared_from_this();
   ctx_->loop().run([self, cb = std::move(cb)]() mutable {
-    if (!self->error_.ok()) {
-      self->ctx_->loop().deliver(
-          [cb = std::move(cb), e = self->error_] { cb(e, nullptr); });
+    if (self->life_.refuse(cb, std::shared_ptr<Pipe>())) {
       return;
     }
-    self->accepts_.push_back(std::move(cb));
+    self->accepts_.push(std::move(cb));
     self->serveFromLoop();
   });
 }
@@ -720,11 +727,13 @@ void ListenerImpl::close() {
 }
 
 void ListenerImpl::failFromLoop(const Error& error) {
-  if (!error_.ok()) {
-    return;
-  }
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   auto self = shared_from_this();
-  error_ = error;
+  life_.fail(error, [&] { teardownFromLoop(error); });
+}
+
+void ListenerImpl::teardownFromLoop(const Error& error) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   for (auto& l : listeners_) {
     l->close();
   }
@@ -737,16 +746,12 @@ void ListenerImpl::failFromLoop(const Error& error) {
   for (auto& b : binders) {
     b->close();
   }
-  auto accepts = std::move(accepts_);
-  accepts_.clear();
   auto ready = std::move(ready_);
   ready_.clear();
   for (auto& p : ready) {
     p->failFromLoop(error);
   }
-  for (auto& cb : accepts) {
-    ctx_->loop().deliver([cb = std::move(cb), error] { cb(error, nullptr); });
-  }
+  accepts_.failAll(ctx_->loop(), error);
   ctx_->removeListenerFromLoop(this);
 }
 

@@ -17,6 +17,7 @@
 #include <trellis/core/ids.h>
 #include <trellis/transport/connection.h>
 #include <trellis/transport/context.h>
+#include <trellis/transport/lifecycle.h>
 #include <trellis/transport/loop.h>
 #include <trellis/transport/wire_format.h>
 
@@ -106,7 +107,10 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   void addPipeFromLoop(const std::shared_ptr<PipeImpl>& p);
   void removePipeFromLoop(PipeImpl* p);
   void removeListenerFromLoop(ListenerImpl* l);
-  bool closedFromLoop() const { return closedFromLoop_; }
+  bool closedFromLoop() const {
+    TRELLIS_DCHECK(loop_->mayTouchState(), "off the loop thread");
+    return closedFromLoop_;
+  }
   // Loop thread: pipes waiting for their same-host upgrade connection, by
   // the secret token sent in their accept message.
   void registerUpgrade(const auth::Nonce& token,
@@ -157,6 +161,7 @@ class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
   Error listenFromLoop(const std::vector<std::string>& addresses);
   void accept(Listener::AcceptCallback cb);
   void close();
+  // The first error fails the listener for good (Lifecycle).
   void failFromLoop(const Error& error);
   const std::map<std::string, std::string>& addresses() const {
     return addresses_;
@@ -170,15 +175,16 @@ class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
                            std::shared_ptr<Connection> conn);
   void listenForUpgrades();
   void serveFromLoop();
+  void teardownFromLoop(const Error& error);
 
   std::shared_ptr<ContextImpl> ctx_;
   const std::string id_;
   std::map<std::string, std::string> addresses_;  // written before returned
   // Loop thread only.
+  Lifecycle life_;
   std::vector<std::unique_ptr<ConnectionListener>> listeners_;
-  std::deque<Listener::AcceptCallback> accepts_;
+  PendingCallbacks<std::shared_ptr<Pipe>> accepts_;
   std::deque<std::shared_ptr<PipeImpl>> ready_;
-  Error error_;
   // The automatic shm:// listener for same-host upgrades ("" when none).
   std::unique_ptr<ConnectionListener> upgradeListener_;
   std::string upgradeAddress_;
@@ -197,6 +203,7 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void connectFromLoop(const std::string& address);
   void acceptFromLoop(std::shared_ptr<Connection> conn,
                       const std::string& transport);
+  // The first error fails the pipe for good (Lifecycle).
   void failFromLoop(const Error& error);
   // Acceptor, before acceptFromLoop: the listener's upgrade address.
   void setUpgradeAddress(std::string address) {
@@ -228,7 +235,6 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
     kAwaitBind,        // acceptor: upgrade offered, bind or failure pending
     kAwaitDecision,    // connector: upgrade tried, acceptor's decision pending
     kEstablished,
-    kFailed,
   };
   enum class Rx {
     kHeader,
@@ -308,10 +314,14 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void serveDescriptor();
   bool fillSegments();
   void finishBody();
+  // Runs once, from failFromLoop: releases the connections and timers and
+  // fails every pending operation.
+  void teardownFromLoop(const Error& error);
 
   std::shared_ptr<ContextImpl> ctx_;
   const std::string id_;
   const bool connector_;
+  Lifecycle life_;
 
   mutable std::mutex infoMu_;
   std::string peer_;       // guarded by infoMu_
@@ -321,7 +331,6 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   std::shared_ptr<Connection> conn_;
   std::string bootstrap_;
   State state_ = State::kConnecting;
-  Error error_;
   LoopTimer* timer_ = nullptr;
   wire_format::Hello remoteHello_;
   auth::Nonce myNonce_{};
@@ -367,7 +376,7 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   Negotiated pendingNegotiated_;             // the channel, kept meanwhile
   std::shared_ptr<Connection> upgradeConn_;  // connector: bound shm conn
   LoopTimer* upgradeTimer_ = nullptr;        // acceptor: bind bound
-  std::deque<Pipe::ReadDescriptorCallback> descriptorCbs_;
+  PendingCallbacks<Descriptor> descriptorCbs_;
   Pipe::ReadCallback readCb_;
   size_t pendingOps_ = 0;
 };

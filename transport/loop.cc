@@ -81,6 +81,14 @@ void Loop::threadMain() {
   joinCv_.notify_all();
 }
 
+bool Loop::mayTouchState() const {
+  if (inLoop()) {
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return exited_;
+}
+
 void Loop::defer(Task task) {
   if (inLoop() && !stopped_) {
     local_.push_back(std::move(task));

@@ -37,6 +37,12 @@ class Loop {
            threadId_.load(std::memory_order_acquire);
   }
 
+  // Where loop-owned state (pipes, listeners, connections) may be touched:
+  // on the loop thread, or, once that thread has exited, on the fallback
+  // thread that runs the tasks deferred after that (defer()). Every
+  // ...FromLoop function DCHECKs it first (docs/threads.md).
+  bool mayTouchState() const;
+
   // Runs `task` on the loop thread later, never inline. Tasks deferred after
   // the loop has exited run on a process-wide fallback thread, so none is
   // ever dropped.
@@ -109,7 +115,7 @@ class Loop {
   std::thread thread_;
   std::atomic<std::thread::id> threadId_;
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<Task> remote_;  // guarded by mu_
   bool exited_ = false;       // guarded by mu_
   bool asyncClosed_ = false;  // guarded by mu_

@@ -54,7 +54,10 @@ std::string Pipe::channelName(DeviceType type) const {
 
 PipeImpl::PipeImpl(std::shared_ptr<ContextImpl> ctx, std::string id,
                    bool connector)
-    : ctx_(std::move(ctx)), id_(std::move(id)), connector_(connector) {}
+    : ctx_(std::move(ctx)),
+      id_(std::move(id)),
+      connector_(connector),
+      life_(ctx_->loop()) {}
 
 PipeImpl::~PipeImpl() = default;
 
@@ -77,6 +80,7 @@ std::string PipeImpl::channelName(DeviceType type) const {
 }
 
 void PipeImpl::connectFromLoop(const std::string& address) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   auto self = shared_from_this();
   ctx_->addPipeFromLoop(self);
   if (ctx_->closedFromLoop()) {
@@ -113,7 +117,7 @@ void PipeImpl::connectFromLoop(const std::string& address) {
   transport->connect(
       ctx_->loop(), address,
       [self, name](const Error& error, std::shared_ptr<Connection> conn) {
-        if (self->state_ == State::kFailed) {
+        if (self->life_.failed()) {
           if (conn) {
             conn->close();
           }
@@ -133,6 +137,7 @@ void PipeImpl::connectFromLoop(const std::string& address) {
 
 void PipeImpl::acceptFromLoop(std::shared_ptr<Connection> conn,
                               const std::string& transport) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   auto self = shared_from_this();
   ctx_->addPipeFromLoop(self);
   const Duration timeout = ctx_->options().handshakeTimeout;
@@ -166,7 +171,7 @@ void PipeImpl::attach(std::shared_ptr<Connection> conn,
 }
 
 void PipeImpl::updateReading() {
-  if (conn_ == nullptr || state_ == State::kFailed || readEnd_) {
+  if (conn_ == nullptr || life_.failed() || readEnd_) {
     return;
   }
   const bool full = stageBegin_ == 0 && stageEnd_ == stage_.size();
@@ -275,9 +280,9 @@ void PipeImpl::process() {
   processing_ = true;
   do {
     again_ = false;
-    while (state_ != State::kFailed && step()) {
+    while (!life_.failed() && step()) {
     }
-  } while (again_ && state_ != State::kFailed);
+  } while (again_ && !life_.failed());
   processing_ = false;
   checkEndOfStream();
   updateReading();
@@ -303,6 +308,7 @@ void PipeImpl::checkEndOfStream() {
 }
 
 void PipeImpl::peerClosedFromLoop(const Error& error) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   if (readEnd_) {
     return;
   }
@@ -321,6 +327,7 @@ void PipeImpl::peerClosedFromLoop(const Error& error) {
 }
 
 void PipeImpl::stopWritesFromLoop(const Error& error) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   if (writeError_.ok()) {
     writeError_ = error;
   }
@@ -345,7 +352,6 @@ void PipeImpl::stopWritesFromLoop(const Error& error) {
 bool PipeImpl::step() {
   switch (state_) {
     case State::kConnecting:
-    case State::kFailed:
       return false;
     case State::kEstablished:
       return stepFrame();
@@ -612,7 +618,7 @@ bool PipeImpl::stepHandshake() {
         upgradeToken_ = acc.upgradeToken;
         state_ = State::kAwaitDecision;
         tryUpgrade(acc);
-        return state_ != State::kFailed;
+        return !life_.failed();
       }
       established(chosen);
       return true;
@@ -827,7 +833,7 @@ bool PipeImpl::stepFrame() {
         consume(layoutLength_);
         rx_ = Rx::kHeader;
         onCompletion(layout_);
-        return state_ != State::kFailed;
+        return !life_.failed();
       }
       for (size_t i = 0; e.ok() && i < layout_.outOfBand.size(); ++i) {
         if (!layout_.outOfBand[i].present) {
@@ -923,8 +929,7 @@ bool PipeImpl::stepFrame() {
 }
 
 void PipeImpl::serveDescriptor() {
-  auto cb = std::move(descriptorCbs_.front());
-  descriptorCbs_.pop_front();
+  auto cb = descriptorCbs_.pop();
   --pendingOps_;
   Descriptor d;
   d.descriptor = std::move(descriptor_);
@@ -999,12 +1004,13 @@ void PipeImpl::onOutOfBandDone(size_t tensor, const Error& error) {
   const Error e = outOfBandError_;
   outOfBandError_ = Error();
   outOfBand_.clear();
-  if (state_ == State::kFailed) {
+  if (life_.failed()) {
     // failFromLoop kept the read's callback for this moment.
     auto cb = std::move(readCb_);
     readCb_ = nullptr;
     if (cb) {
-      ctx_->loop().deliver([cb = std::move(cb), err = error_] { cb(err); });
+      ctx_->loop().deliver(
+          [cb = std::move(cb), err = life_.error()] { cb(err); });
     }
     return;
   }
@@ -1206,12 +1212,13 @@ void PipeImpl::finishWrite(const std::shared_ptr<WriteOp>& op,
 }
 
 void PipeImpl::failFromLoop(const Error& error) {
-  if (state_ == State::kFailed) {
-    return;
-  }
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   auto self = shared_from_this();
-  state_ = State::kFailed;
-  error_ = error;
+  life_.fail(error, [&] { teardownFromLoop(error); });
+}
+
+void PipeImpl::teardownFromLoop(const Error& error) {
+  TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   if (error.code() == Code::kCancelled) {
     TRELLIS_LOG_DEBUG("{}", error.what());
   } else {
@@ -1248,8 +1255,6 @@ void PipeImpl::failFromLoop(const Error& error) {
     q->clear();
   }
   awaitingPeer_.clear();
-  auto descs = std::move(descriptorCbs_);
-  descriptorCbs_.clear();
   Pipe::ReadCallback readCb;
   if (outOfBandPending_ == 0) {
     // Else a channel is still copying into the read's buffers: its
@@ -1268,9 +1273,7 @@ void PipeImpl::failFromLoop(const Error& error) {
   for (auto& cb : writes) {
     loop.deliver([cb = std::move(cb), error] { cb(error); });
   }
-  for (auto& cb : descs) {
-    loop.deliver([cb = std::move(cb), error] { cb(error, Descriptor()); });
-  }
+  descriptorCbs_.failAll(loop, error);
   if (readCb) {
     loop.deliver([cb = std::move(readCb), error] { cb(error); });
   }
@@ -1283,8 +1286,7 @@ void PipeImpl::write(Message message, Pipe::WriteCallback cb) {
   ctx_->loop().run([self, message = std::move(message),
                     cb = std::move(cb)]() mutable {
     auto& loop = self->ctx_->loop();
-    if (self->state_ == State::kFailed) {
-      loop.deliver([cb = std::move(cb), e = self->error_] { cb(e); });
+    if (self->life_.refuse(cb)) {
       return;
     }
     if (!self->writeError_.ok()) {
@@ -1323,9 +1325,7 @@ void PipeImpl::readDescriptor(Pipe::ReadDescriptorCallback cb) {
   auto self = shared_from_this();
   ctx_->loop().run([self, cb = std::move(cb)]() mutable {
     auto& loop = self->ctx_->loop();
-    if (self->state_ == State::kFailed) {
-      loop.deliver(
-          [cb = std::move(cb), e = self->error_] { cb(e, Descriptor()); });
+    if (self->life_.refuse(cb, Descriptor())) {
       return;
     }
     if (self->pendingOps_ >= self->ctx_->limits().maxPendingOperations) {
@@ -1335,7 +1335,7 @@ void PipeImpl::readDescriptor(Pipe::ReadDescriptorCallback cb) {
       return;
     }
     ++self->pendingOps_;
-    self->descriptorCbs_.push_back(std::move(cb));
+    self->descriptorCbs_.push(std::move(cb));
     self->process();
   });
 }
@@ -1346,8 +1346,7 @@ void PipeImpl::read(Allocation allocation, Pipe::ReadCallback cb) {
   ctx_->loop().run([self, allocation = std::move(allocation),
                     cb = std::move(cb)]() mutable {
     auto& loop = self->ctx_->loop();
-    if (self->state_ == State::kFailed) {
-      loop.deliver([cb = std::move(cb), e = self->error_] { cb(e); });
+    if (self->life_.refuse(cb)) {
       return;
     }
     auto reject = [&](const std::string& why) {

@@ -23,6 +23,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/core/spin.h>
 #include <trellis/transport/connection.h>
+#include <trellis/transport/lifecycle.h>
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/shm/ring.h>
 
@@ -140,7 +141,8 @@ class ShmConnection : public Connection,
       : loop_(loop),
         opts_(opts),
         connector_(connector),
-        peer_(std::move(peer)) {
+        peer_(std::move(peer)),
+        life_(loop) {
     spinNs_ = static_cast<uint64_t>(
         std::chrono::nanoseconds(pollingTime(opts)).count());  // never < 0
     uv_idle_init(loop.uv(), &idle_);
@@ -556,8 +558,8 @@ class ShmConnection : public Connection,
   // ---- data path ------------------------------------------------------------
 
   Error writeError() const {
-    if (!error_.ok()) {
-      return error_;
+    if (life_.failed()) {
+      return life_.error();
     }
     if (state_ != State::kOpen) {
       return Error::connection("write on a closed shm connection");
@@ -612,7 +614,7 @@ class ShmConnection : public Connection,
   }
 
   void flushWrites() {
-    while (!writes_.empty() && state_ == State::kOpen && error_.ok()) {
+    while (!writes_.empty() && state_ == State::kOpen && !life_.failed()) {
       WriteOp& op = writes_.front();
       Error e = push(op.bufs.data(), op.bufs.size(), &op.index, &op.offset);
       if (!e.ok()) {
@@ -631,7 +633,7 @@ class ShmConnection : public Connection,
   void drainReads() {
     size_t moved = 0;
     while (reading_ && sink_ != nullptr && state_ == State::kOpen &&
-           error_.ok() && moved < kBurstBytes) {
+           !life_.failed() && moved < kBurstBytes) {
       size_t avail = 0;
       if (Error e = rx_.available(&avail); !e.ok()) {
         fail(e);
@@ -663,15 +665,14 @@ class ShmConnection : public Connection,
     }
   }
 
-  // Sticky failure of an open connection (a ProtocolError from the rings).
+  // Sticky failure of an open connection (a ProtocolError from the rings):
+  // the owner hears of it through its ReadSink and closes.
   void fail(const Error& e) {
-    if (!error_.ok()) {
-      return;
-    }
-    error_ = e.withContext("shm connection with " + peer_);
-    TRELLIS_LOG_WARN("{}", error_.what());
-    failWrites(error_);
-    wake();
+    life_.fail(e.withContext("shm connection with " + peer_), [&] {
+      TRELLIS_LOG_WARN("{}", life_.error().what());
+      failWrites(life_.error());
+      wake();
+    });
   }
 
   void failWrites(const Error& e) {
@@ -747,7 +748,7 @@ class ShmConnection : public Connection,
     auto self = shared_from_this();
     pumping_ = true;
     progress_ = false;
-    if (state_ == State::kOpen && error_.ok()) {
+    if (state_ == State::kOpen && !life_.failed()) {
       flushWrites();
       drainReads();
     }
@@ -756,11 +757,11 @@ class ShmConnection : public Connection,
       stopIdle();
       return;
     }
-    if (!error_.ok()) {
+    if (life_.failed()) {
       if (reading_ && sink_ != nullptr && !readErrorDelivered_) {
         readErrorDelivered_ = true;
         reading_ = false;
-        sink_->onReadError(error_);
+        sink_->onReadError(life_.error());
       }
       stopIdle();
       return;
@@ -866,7 +867,7 @@ class ShmConnection : public Connection,
   bool reading_ = false;
   bool peerGone_ = false;
   bool readErrorDelivered_ = false;
-  Error error_;
+  Lifecycle life_;
   bool pumping_ = false;
   bool progress_ = false;
   uint64_t hotUntil_ = 0;

@@ -9,6 +9,7 @@
 
 #include <trellis/core/logging.h>
 #include <trellis/transport/connection.h>
+#include <trellis/transport/lifecycle.h>
 #include <trellis/transport/uv/factory.h>
 
 namespace trellis::transport::uv {
@@ -98,7 +99,7 @@ std::string formatAddress(const sockaddr_storage& ss) {
 class UvConnection : public Connection,
                      public std::enable_shared_from_this<UvConnection> {
  public:
-  explicit UvConnection(Loop& loop) : loop_(loop) {
+  explicit UvConnection(Loop& loop) : loop_(loop), life_(loop) {
     uv_tcp_init(loop.uv(), &tcp_);
     tcp_.data = this;
   }
@@ -134,7 +135,7 @@ class UvConnection : public Connection,
   uv_tcp_t* tcp() { return &tcp_; }
 
   void startReading(ReadSink* sink) override {
-    if (closed_) {
+    if (life_.failed()) {
       return;
     }
     sink_ = sink;
@@ -143,16 +144,14 @@ class UvConnection : public Connection,
   }
 
   void stopReading() override {
-    if (!closed_) {
+    if (!life_.failed()) {
       uv_read_stop(reinterpret_cast<uv_stream_t*>(&tcp_));
     }
   }
 
   void write(const IoBuf* bufs, size_t n, WriteCallback cb) override {
-    if (closed_) {
-      loop_.defer([cb = std::move(cb)] {
-        cb(Error::connection("write on a closed connection"));
-      });
+    if (life_.failed()) {
+      loop_.defer([cb = std::move(cb), e = life_.error()] { cb(e); });
       return;
     }
     bufs_.resize(n);
@@ -196,15 +195,15 @@ class UvConnection : public Connection,
     }
   }
 
+  // Closing is this connection's one way to end: the Lifecycle's sticky
+  // error is what writes after it fail with.
   void close() override {
-    if (closed_) {
-      return;
-    }
-    closed_ = true;
-    sink_ = nullptr;
-    uv_close(reinterpret_cast<uv_handle_t*>(&tcp_), [](uv_handle_t* h) {
-      auto* self = static_cast<UvConnection*>(h->data);
-      auto keep = std::move(self->self_);
+    life_.fail(Error::connection("write on a closed connection"), [&] {
+      sink_ = nullptr;
+      uv_close(reinterpret_cast<uv_handle_t*>(&tcp_), [](uv_handle_t* h) {
+        auto* self = static_cast<UvConnection*>(h->data);
+        auto keep = std::move(self->self_);
+      });
     });
   }
 
@@ -279,7 +278,7 @@ class UvConnection : public Connection,
   Loop& loop_;
   uv_tcp_t tcp_;
   ReadSink* sink_ = nullptr;
-  bool closed_ = false;
+  Lifecycle life_;
   std::string peer_;
   std::vector<uv_buf_t> bufs_;
   std::shared_ptr<UvConnection> self_;
