@@ -20,7 +20,7 @@ test-dev: build
 # AddressSanitizer + UBSan pass over the components' tests and fuzz replays.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker
 	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd' -E 'rpc_process|DistAutogradProcess.WorkerKilled'
 
 # ThreadSanitizer pass over the components with threads and loops.
@@ -33,7 +33,8 @@ test-tsan: deps
 # -max_len. Each grows its corpus in build/fuzz/corpus/<name> from the seeds
 # in tests/fuzz/corpus/<name>.
 FUZZERS := wire:512 store_request:512 store_handshake:128 \
-    transport_frame:1024 transport_record:512 shm_ring:512 \
+    transport_frame:1024 transport_handshake:1024 transport_record:512 \
+    shm_ring:512 \
     rpc_envelope:1024 rpc_codec:1024 rpc_protocol:1024
 
 test-fuzz: deps

@@ -164,60 +164,6 @@ std::string localHostId() {
   return id.substr(0, wire_format::kMaxHostIdBytes);
 }
 
-Error negotiate(const std::vector<Offer>& localTransports,
-                const std::vector<Offer>& localChannels,
-                const wire_format::Hello& remote, bool sameHost,
-                const std::string& bootstrap, Negotiated* out) {
-  auto offered = [](const std::vector<std::string>& list,
-                    const std::string& name) {
-    return std::find(list.begin(), list.end(), name) != list.end();
-  };
-  auto usable = [&](const Offer& o,
-                    const std::vector<std::string>& remoteList) {
-    return offered(remoteList, o.name) && (!o.sameHostOnly || sameHost);
-  };
-  const Offer* transport = nullptr;
-  for (const auto& t : localTransports) {
-    if (t.name == bootstrap && usable(t, remote.transports)) {
-      transport = &t;
-      break;
-    }
-  }
-  if (transport == nullptr) {
-    return Error(Code::kFailedPrecondition,
-                 "transport '" + bootstrap +
-                     "' is not enabled on both sides "
-                     "(peer offers: " +
-                     join(remote.transports) + ")");
-  }
-  const Offer* cpu = nullptr;
-  const Offer* cuda = nullptr;
-  for (const auto& c : localChannels) {
-    if (!usable(c, remote.channels)) {
-      continue;
-    }
-    if (cpu == nullptr && c.inlineChannel && c.cpu) {
-      cpu = &c;
-    }
-    if (cuda == nullptr && c.cuda && c.outOfBand) {
-      cuda = &c;
-    }
-  }
-  if (cpu != nullptr) {
-    *out = Negotiated{transport->name, cpu->name,
-                      cuda != nullptr ? cuda->name : std::string()};
-    return Error();
-  }
-  std::vector<std::string> mine;
-  for (const auto& c : localChannels) {
-    mine.push_back(c.name);
-  }
-  return Error(Code::kFailedPrecondition,
-               "no channel for CPU tensors usable by both sides (this side: " +
-                   join(mine) + "; peer: " + join(remote.channels) +
-                   (sameHost ? "; same host" : "; different hosts") + ")");
-}
-
 // ---- ContextImpl -----------------------------------------------------------
 
 ContextImpl::ContextImpl(ContextOptions options)

@@ -17,6 +17,7 @@
 #include <trellis/core/ids.h>
 #include <trellis/transport/connection.h>
 #include <trellis/transport/context.h>
+#include <trellis/transport/handshake.h>
 #include <trellis/transport/lifecycle.h>
 #include <trellis/transport/loop.h>
 #include <trellis/transport/wire_format.h>
@@ -43,36 +44,6 @@ void destructorNoThrow(const std::string& who, Fn&& fn) noexcept {
 
 // "boot_id/ipc-namespace": equal only for processes that can share memory.
 std::string localHostId();
-
-struct Negotiated {
-  std::string transport;
-  std::string channel;      // CPU tensors
-  std::string cudaChannel;  // CUDA tensors; empty: none
-};
-
-// Picks the highest-priority transport and channels in `local` (in priority
-// order) that the peer also offers; same-host-only ones only when
-// `sameHost`. One channel per device type: for CPU tensors a channel the
-// pipe can drive (required); for CUDA tensors an out-of-band channel that
-// carries them (optional: none leaves CUDA writes failing with
-// InvalidArgument). The transport must be `bootstrap` (the one the
-// handshake runs on): switching transports after the handshake comes with
-// shm.
-struct Offer {
-  std::string name;
-  bool sameHostOnly = false;
-  // Channels only: the pipe can drive it (inline, or out of band like cma).
-  bool inlineChannel = true;
-  // Channels only: the device types it carries (supportsDevice) and whether
-  // it carries them out of band.
-  bool cpu = true;
-  bool cuda = false;
-  bool outOfBand = false;
-};
-Error negotiate(const std::vector<Offer>& localTransports,
-                const std::vector<Offer>& localChannels,
-                const wire_format::Hello& remote, bool sameHost,
-                const std::string& bootstrap, Negotiated* out);
 
 class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
  public:
@@ -228,12 +199,7 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
  private:
   enum class State {
     kConnecting,
-    kAwaitHello,       // acceptor
-    kAwaitHelloReply,  // connector
-    kAwaitAuth,        // acceptor
-    kAwaitAccept,      // connector
-    kAwaitBind,        // acceptor: upgrade offered, bind or failure pending
-    kAwaitDecision,    // connector: upgrade tried, acceptor's decision pending
+    kHandshake,  // handshake_ reads the first connection
     kEstablished,
   };
   enum class Rx {
@@ -277,18 +243,25 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void attach(std::shared_ptr<Connection> conn, const std::string& transport);
   void process();
   bool step();
+  // The handshake (handshake_): started once the first connection is up;
+  // handshakeMoved() sends what it queued and acts on where it got to.
+  void startHandshake();
   bool stepHandshake();
+  void handshakeMoved(Handshake::State before);
   bool stepFrame();
   void updateReading();
   size_t buffered() const { return stageEnd_ - stageBegin_; }
   const uint8_t* stageData() const { return stage_.data() + stageBegin_; }
   void consume(size_t n) { stageBegin_ += n; }
   bool needBytes(size_t n);
-  void established(const Negotiated& n);
-  void offerUpgrade(const Negotiated& n);
-  void tryUpgrade(const wire_format::AcceptMessage& acc);
+  void established();
+  // The same-host upgrade's I/O around the handshake's decisions.
+  void offerUpgrade();
+  void stayedOnBootstrap();
+  void tryUpgrade();
   void upgradeFailed(const std::string& why);
-  void stayOnBootstrap(const std::string& why);
+  void followDecision();
+  void moveTo(std::shared_ptr<Connection> conn);
   void sendRaw(std::vector<uint8_t> bytes);
   void submitWrite(const std::shared_ptr<WriteOp>& op);
   void completeWrite(const std::shared_ptr<WriteOp>& op, const Error& error);
@@ -332,9 +305,8 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   std::string bootstrap_;
   State state_ = State::kConnecting;
   LoopTimer* timer_ = nullptr;
-  wire_format::Hello remoteHello_;
-  auth::Nonce myNonce_{};
-  auth::Nonce peerNonce_{};
+  std::unique_ptr<Handshake> handshake_;
+  uint64_t peerPid_ = 0;  // from the peer's hello
 
   std::vector<uint8_t> stage_;
   size_t stageBegin_ = 0;
@@ -344,7 +316,6 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   bool again_ = false;
   // A direct read into the current segment is in progress.
   bool direct_ = false;
-  size_t pendingHandshakeBody_ = 0;  // 0: reading a handshake header
 
   Rx rx_ = Rx::kHeader;
   size_t layoutLength_ = 0;
@@ -371,9 +342,7 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   std::shared_ptr<Channel> cudaChannel_;  // for CUDA tensors; may be null
 
   // Same-host upgrade.
-  std::string upgradeAddress_;  // acceptor: listener's shm://
-  std::optional<auth::Nonce> upgradeToken_;
-  Negotiated pendingNegotiated_;             // the channel, kept meanwhile
+  std::string upgradeAddress_;               // acceptor: listener's shm://
   std::shared_ptr<Connection> upgradeConn_;  // connector: bound shm conn
   LoopTimer* upgradeTimer_ = nullptr;        // acceptor: bind bound
   PendingCallbacks<Descriptor> descriptorCbs_;

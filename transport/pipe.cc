@@ -22,7 +22,6 @@ constexpr size_t kStageBytes = 32 << 10;
 constexpr size_t kHandshakeStageBytes = 512;
 // A segment at least this long is read straight into its destination.
 constexpr size_t kDirectThreshold = 16 << 10;
-constexpr size_t kNoHeader = static_cast<size_t>(-1);
 
 }  // namespace
 
@@ -128,9 +127,7 @@ void PipeImpl::connectFromLoop(const std::string& address) {
           return;
         }
         self->attach(std::move(conn), name);
-        self->sendRaw(wf::encodeHello(wf::HandshakeType::kHello,
-                                      self->ctx_->localHello()));
-        self->state_ = State::kAwaitHelloReply;
+        self->startHandshake();
         self->process();
       });
 }
@@ -153,7 +150,7 @@ void PipeImpl::acceptFromLoop(std::shared_ptr<Connection> conn,
     });
   }
   attach(std::move(conn), transport);
-  state_ = State::kAwaitHello;
+  startHandshake();
   process();
 }
 
@@ -166,7 +163,6 @@ void PipeImpl::attach(std::shared_ptr<Connection> conn,
     peer_ = conn_->peerAddress();
   }
   stage_.resize(kHandshakeStageBytes);
-  pendingHandshakeBody_ = kNoHeader;
   updateReading();
 }
 
@@ -353,282 +349,81 @@ bool PipeImpl::step() {
   switch (state_) {
     case State::kConnecting:
       return false;
+    case State::kHandshake:
+      return stepHandshake();
     case State::kEstablished:
       return stepFrame();
-    default:
-      return stepHandshake();
   }
+  return false;
+}
+
+void PipeImpl::startHandshake() {
+  HandshakeOptions o;
+  o.connector = connector_;
+  o.local = ctx_->localHello();
+  o.token = ctx_->token();
+  o.transports = ctx_->transportOffers();
+  o.channels = ctx_->channelOffers();
+  o.bootstrap = bootstrap_;
+  o.upgradeAddress = upgradeAddress_;
+  o.id = id_;
+  o.peer = peerAddress();
+  handshake_ = std::make_unique<Handshake>(std::move(o));
+  state_ = State::kHandshake;
+  handshakeMoved(handshake_->state());
 }
 
 bool PipeImpl::stepHandshake() {
-  wf::HandshakeType expected;
-  switch (state_) {
-    case State::kAwaitHello:
-      expected = wf::HandshakeType::kHello;
-      break;
-    case State::kAwaitHelloReply:
-      expected = wf::HandshakeType::kHelloReply;
-      break;
-    case State::kAwaitAuth:
-      expected = wf::HandshakeType::kAuth;
-      break;
-    case State::kAwaitBind:
-      expected = wf::HandshakeType::kUpgradeFailed;
-      break;
-    case State::kAwaitDecision:
-      expected = wf::HandshakeType::kUpgradeDecision;
-      break;
-    default:
-      expected = wf::HandshakeType::kAccept;
-      break;
+  const auto before = handshake_->state();
+  const size_t used =
+      handshake_->feed(std::span<const uint8_t>(stageData(), buffered()));
+  consume(used);
+  handshakeMoved(before);
+  if (life_.failed() || state_ != State::kHandshake) {
+    return !life_.failed();
   }
-  if (pendingHandshakeBody_ == kNoHeader) {
-    if (!needBytes(wf::kHandshakeHeaderBytes)) {
-      return false;
-    }
-    Error e = wf::decodeHandshakeHeader(
-        std::span<const uint8_t>(stageData(), wf::kHandshakeHeaderBytes),
-        expected, &pendingHandshakeBody_);
-    if (!e.ok()) {
-      pendingHandshakeBody_ = kNoHeader;
-      failFromLoop(e.withContext(id_ + " (peer " + peerAddress() + ")"));
-      return false;
-    }
-    consume(wf::kHandshakeHeaderBytes);
-  }
-  if (!needBytes(pendingHandshakeBody_)) {
+  if (used == 0) {
+    needBytes(handshake_->wanted());
     return false;
   }
-  const std::span<const uint8_t> body(stageData(), pendingHandshakeBody_);
-  consume(pendingHandshakeBody_);
-  pendingHandshakeBody_ = kNoHeader;
-  const std::string who = id_ + " (peer " + peerAddress() + ")";
-  const auto& token = ctx_->token();
+  return true;
+}
 
-  switch (state_) {
-    case State::kAwaitHello: {
-      wf::Hello hello;
-      hello.version = 0;
-      Error e = wf::decodeHello(body, wf::HandshakeType::kHello, &hello);
-      wf::Hello mine = ctx_->localHello();
-      myNonce_ = auth::randomNonce();
-      mine.nonce = myNonce_;
-      if (!e.ok()) {
-        if (hello.version != 0 && hello.version != wf::kProtocolVersion) {
-          // Let the peer see our version and fail with a clear message too.
-          sendRaw(wf::encodeHello(wf::HandshakeType::kHelloReply, mine));
-        }
-        failFromLoop(e.withContext(who));
-        return false;
+void PipeImpl::handshakeMoved(Handshake::State before) {
+  for (auto& bytes : handshake_->takeOutgoing()) {
+    sendRaw(std::move(bytes));
+  }
+  const auto now = handshake_->state();
+  if (now == Handshake::State::kFailed) {
+    failFromLoop(handshake_->error());
+    return;
+  }
+  if (now == before) {
+    return;
+  }
+  switch (now) {
+    case Handshake::State::kAwaitBind:
+      offerUpgrade();
+      break;
+    case Handshake::State::kAwaitDecision:
+      tryUpgrade();
+      break;
+    case Handshake::State::kEstablished:
+      if (before == Handshake::State::kAwaitBind) {
+        stayedOnBootstrap();
+      } else if (before == Handshake::State::kAwaitDecision) {
+        followDecision();
       }
-      remoteHello_ = std::move(hello);
-      sendRaw(wf::encodeHello(wf::HandshakeType::kHelloReply, mine));
-      if (remoteHello_.tokenConfigured != token.has_value()) {
-        failFromLoop(Error::auth(who + ": job token configured on " +
-                                 (token ? "this side but not on the peer"
-                                        : "the peer but not on this side")));
-        return false;
-      }
-      state_ = State::kAwaitAuth;
-      return true;
-    }
-    case State::kAwaitHelloReply: {
-      wf::Hello hello;
-      Error e = wf::decodeHello(body, wf::HandshakeType::kHelloReply, &hello);
-      if (!e.ok()) {
-        failFromLoop(e.withContext(who));
-        return false;
-      }
-      remoteHello_ = std::move(hello);
-      peerNonce_ = remoteHello_.nonce;
-      if (remoteHello_.tokenConfigured != token.has_value()) {
-        failFromLoop(Error::auth(who + ": job token configured on " +
-                                 (token ? "this side but not on the peer"
-                                        : "the peer but not on this side")));
-        return false;
-      }
-      wf::AuthMessage a;
-      myNonce_ = auth::randomNonce();
-      a.nonce = myNonce_;
-      if (token) {
-        a.proof = auth::computeProof(*token, "connector", peerNonce_, myNonce_);
-      }
-      sendRaw(wf::encodeAuth(a));
-      state_ = State::kAwaitAccept;
-      return true;
-    }
-    case State::kAwaitAuth: {
-      wf::AuthMessage a;
-      Error e = wf::decodeAuth(body, &a);
-      if (!e.ok()) {
-        failFromLoop(e.withContext(who));
-        return false;
-      }
-      peerNonce_ = a.nonce;
-      wf::AcceptMessage acc;
-      if (token) {
-        Error v = a.proof ? auth::verifyProof(*token, "connector", myNonce_,
-                                              a.nonce, *a.proof, peerAddress())
-                          : Error::auth("peer sent no job token proof");
-        if (!v.ok()) {
-          acc.status = wf::AcceptStatus::kAuthFailed;
-          acc.reason = "job token proof rejected";
-          sendRaw(wf::encodeAccept(acc));
-          failFromLoop(v.withContext(who));
-          return false;
-        }
-        acc.proof = auth::computeProof(*token, "acceptor", a.nonce, myNonce_);
-      } else if (a.proof) {
-        failFromLoop(Error::protocol(
-            who +
-            ": peer sent a token proof although neither side has a token"));
-        return false;
-      }
-      Negotiated n;
-      Error ne = negotiate(ctx_->transportOffers(), ctx_->channelOffers(),
-                           remoteHello_, remoteHello_.hostId == ctx_->hostId(),
-                           bootstrap_, &n);
-      if (!ne.ok()) {
-        acc.status = wf::AcceptStatus::kNoCommonTransport;
-        acc.reason = ne.message();
-        acc.proof.reset();
-        sendRaw(wf::encodeAccept(acc));
-        failFromLoop(ne.withContext(who));
-        return false;
-      }
-      acc.transport = n.transport;
-      acc.channel = n.channel;
-      acc.cudaChannel = n.cudaChannel;
-      bool peerHasShm = false;
-      for (const auto& t : remoteHello_.transports) {
-        peerHasShm = peerHasShm || t == "shm";
-      }
-      if (!upgradeAddress_.empty() && bootstrap_ != "shm" && peerHasShm &&
-          remoteHello_.hostId == ctx_->hostId() &&
-          ctx_->transport("shm") != nullptr) {
-        upgradeToken_ = auth::randomNonce();
-        acc.upgradeAddress = upgradeAddress_;
-        acc.upgradeToken = upgradeToken_;
-        sendRaw(wf::encodeAccept(acc));
-        offerUpgrade(n);
-        return true;
-      }
-      sendRaw(wf::encodeAccept(acc));
-      established(n);
-      return true;
-    }
-    case State::kAwaitBind: {
-      std::string reason;
-      Error e = wf::decodeUpgradeFailed(body, &reason);
-      if (!e.ok()) {
-        failFromLoop(e.withContext(who));
-        return false;
-      }
-      stayOnBootstrap("the peer could not upgrade: " + reason);
-      return true;
-    }
-    case State::kAwaitDecision: {
-      wf::UpgradeDecision d;
-      Error e = wf::decodeUpgradeDecision(body, &d);
-      if (!e.ok()) {
-        failFromLoop(e.withContext(who));
-        return false;
-      }
-      if (d == wf::UpgradeDecision::kStay) {
-        if (upgradeConn_ != nullptr) {
-          upgradeConn_->close();
-          upgradeConn_ = nullptr;
-        }
-        TRELLIS_LOG_INFO("{}: peer keeps the pipe on {}", who, bootstrap_);
-        established(pendingNegotiated_);
-        return true;
-      }
-      if (upgradeConn_ == nullptr) {
-        failFromLoop(Error::protocol(
-            who + ": peer switched to shm, but no shm connection was bound"));
-        return false;
-      }
-      if (buffered() != 0) {
-        failFromLoop(Error::protocol(
-            who + ": bytes after the upgrade decision on " + bootstrap_));
-        return false;
-      }
-      conn_->stopReading();
-      conn_->close();
-      reading_ = false;
-      conn_ = std::move(upgradeConn_);
-      upgradeConn_ = nullptr;
-      bootstrap_ = "shm";
-      {
-        std::lock_guard<std::mutex> lock(infoMu_);
-        peer_ = conn_->peerAddress();
-      }
-      pendingNegotiated_.transport = "shm";
-      established(pendingNegotiated_);
-      return true;
-    }
-    default: {  // kAwaitAccept
-      wf::AcceptMessage acc;
-      Error e = wf::decodeAccept(body, &acc);
-      if (!e.ok()) {
-        failFromLoop(e.withContext(who));
-        return false;
-      }
-      if (acc.status == wf::AcceptStatus::kAuthFailed) {
-        failFromLoop(Error::auth(
-            who + ": peer rejected this side's job token: " + acc.reason));
-        return false;
-      }
-      if (acc.status == wf::AcceptStatus::kNoCommonTransport) {
-        failFromLoop(
-            Error(Code::kFailedPrecondition,
-                  who + ": no common transport/channel: " + acc.reason));
-        return false;
-      }
-      if (token) {
-        Error v = acc.proof
-                      ? auth::verifyProof(*token, "acceptor", myNonce_,
-                                          peerNonce_, *acc.proof, peerAddress())
-                      : Error::auth("peer sent no job token proof");
-        if (!v.ok()) {
-          failFromLoop(v.withContext(who));
-          return false;
-        }
-      } else if (acc.proof) {
-        failFromLoop(Error::protocol(who + ": unexpected token proof"));
-        return false;
-      }
-      bool channelOk = false;
-      bool cudaOk = acc.cudaChannel.empty();
-      for (const auto& c : ctx_->channelOffers()) {
-        channelOk =
-            channelOk || (c.name == acc.channel && c.inlineChannel && c.cpu);
-        cudaOk = cudaOk || (c.name == acc.cudaChannel && c.cuda && c.outOfBand);
-      }
-      if (acc.transport != bootstrap_ || !channelOk || !cudaOk) {
-        failFromLoop(Error::protocol(
-            who + ": peer chose transport '" + acc.transport + "', channel '" +
-            acc.channel + "' and cuda channel '" + acc.cudaChannel +
-            "', which this side did not offer for this connection"));
-        return false;
-      }
-      const Negotiated chosen{acc.transport, acc.channel, acc.cudaChannel};
-      if (!acc.upgradeAddress.empty()) {
-        pendingNegotiated_ = chosen;
-        upgradeToken_ = acc.upgradeToken;
-        state_ = State::kAwaitDecision;
-        tryUpgrade(acc);
-        return !life_.failed();
-      }
-      established(chosen);
-      return true;
-    }
+      established();
+      break;
+    default:
+      break;
   }
 }
 
 // Acceptor: the accept offered the upgrade; wait (bounded) for the bind on
 // the upgrade listener or the connector's "upgrade failed".
-void PipeImpl::offerUpgrade(const Negotiated& n) {
+void PipeImpl::offerUpgrade() {
   // Within the handshake bound, so that a late bind ends in "stay", not in
   // a handshake timeout.
   Duration bindWait = std::chrono::seconds(10);
@@ -636,55 +431,47 @@ void PipeImpl::offerUpgrade(const Negotiated& n) {
   if (handshake > Duration::zero()) {
     bindWait = std::min(bindWait, handshake / 2);
   }
-  pendingNegotiated_ = n;
-  state_ = State::kAwaitBind;
-  ctx_->registerUpgrade(*upgradeToken_, shared_from_this());
+  ctx_->registerUpgrade(*handshake_->upgradeToken(), shared_from_this());
   std::weak_ptr<PipeImpl> weak = shared_from_this();
   upgradeTimer_ = LoopTimer::start(ctx_->loop(), bindWait, [weak, bindWait] {
-    if (auto p = weak.lock()) {
-      p->upgradeTimer_ = nullptr;
-      if (p->state_ == State::kAwaitBind) {
-        p->stayOnBootstrap("no bound shm connection within " +
-                           formatDuration(bindWait));
-        p->process();
-      }
+    auto p = weak.lock();
+    if (p == nullptr) {
+      return;
+    }
+    p->upgradeTimer_ = nullptr;
+    if (!p->life_.failed() &&
+        p->handshake_->state() == Handshake::State::kAwaitBind) {
+      p->handshake_->stay("no bound shm connection within " +
+                          formatDuration(bindWait));
+      p->handshakeMoved(Handshake::State::kAwaitBind);
+      p->process();
     }
   });
 }
 
-void PipeImpl::stayOnBootstrap(const std::string& why) {
+// Acceptor: the handshake ended on the first connection after offering the
+// upgrade.
+void PipeImpl::stayedOnBootstrap() {
   if (upgradeTimer_ != nullptr) {
     upgradeTimer_->cancel();
     upgradeTimer_ = nullptr;
   }
-  ctx_->dropUpgrade(*upgradeToken_);
+  ctx_->dropUpgrade(*handshake_->upgradeToken());
   TRELLIS_LOG_INFO("{}: same-host upgrade to shm not done ({}); staying on {}",
-                   id_, why, bootstrap_);
-  sendRaw(wf::encodeUpgradeDecision(wf::UpgradeDecision::kStay));
-  established(pendingNegotiated_);
+                   id_, handshake_->stayReason(), bootstrap_);
 }
 
 void PipeImpl::bindUpgrade(std::shared_ptr<Connection> conn,
                            const wf::BindMessage& bind) {
   auto self = shared_from_this();
-  if (state_ != State::kAwaitBind) {
+  if (life_.failed() || state_ != State::kHandshake ||
+      handshake_->state() != Handshake::State::kAwaitBind) {
     conn->close();
     return;
   }
-  const auto& token = ctx_->token();
-  Error v;
-  if (token) {
-    v = bind.proof
-            ? auth::verifyProof(*token, "upgrade", myNonce_, *upgradeToken_,
-                                *bind.proof, conn->peerAddress())
-            : Error::auth("bind carries no job token proof");
-  } else if (bind.proof) {
-    v = Error::protocol("bind carries a proof although no token is set");
-  }
-  if (!v.ok() || buffered() != 0) {
+  if (!handshake_->bind(bind, conn->peerAddress(), buffered() != 0)) {
     conn->close();
-    stayOnBootstrap(v.ok() ? "bytes after the accept on " + bootstrap_
-                           : "bind rejected: " + v.message());
+    handshakeMoved(Handshake::State::kAwaitBind);
     process();
     return;
   }
@@ -697,72 +484,86 @@ void PipeImpl::bindUpgrade(std::shared_ptr<Connection> conn,
   auto old = conn_;
   old->stopReading();
   reading_ = false;
-  auto bytes = std::make_shared<std::vector<uint8_t>>(
-      wf::encodeUpgradeDecision(wf::UpgradeDecision::kSwitch));
-  const IoBuf b{bytes->data(), bytes->size()};
-  old->write(&b, 1, [old, bytes](const Error&) { old->close(); });
-  conn_ = std::move(conn);
-  bootstrap_ = "shm";
-  {
-    std::lock_guard<std::mutex> lock(infoMu_);
-    peer_ = conn_->peerAddress();
+  for (auto& decision : handshake_->takeOutgoing()) {
+    auto bytes = std::make_shared<std::vector<uint8_t>>(std::move(decision));
+    const IoBuf b{bytes->data(), bytes->size()};
+    old->write(&b, 1, [old, bytes](const Error&) { old->close(); });
   }
-  pendingNegotiated_.transport = "shm";
-  established(pendingNegotiated_);
+  moveTo(std::move(conn));
+  established();
   process();
 }
 
 // Connector: the accept offered an upgrade. Whatever happens here, the
 // acceptor decides (over the first connection) and the pipe follows.
-void PipeImpl::tryUpgrade(const wf::AcceptMessage& acc) {
-  Error why = wf::checkUpgradeAddress(acc.upgradeAddress);
+void PipeImpl::tryUpgrade() {
+  const std::string& target = handshake_->upgradeTarget();
   auto shm = ctx_->transport("shm");
-  if (why.ok() && remoteHello_.hostId != ctx_->hostId()) {
-    why = Error::protocol("peer offered an shm upgrade from another host");
-  }
-  if (why.ok() && shm == nullptr) {
-    why = Error(Code::kFailedPrecondition,
-                "shm is not enabled or not viable on this side");
-  }
-  if (!why.ok()) {
-    upgradeFailed(why.message());
+  if (target.empty() || shm == nullptr) {
+    TRELLIS_LOG_INFO("{}: same-host upgrade to shm failed ({}); staying on {}",
+                     id_, handshake_->upgradeRefusal(), bootstrap_);
     return;
   }
   std::weak_ptr<PipeImpl> weak = shared_from_this();
-  shm->connect(ctx_->loop(), acc.upgradeAddress,
-               [weak](const Error& e, const std::shared_ptr<Connection>& conn) {
-                 auto self = weak.lock();
-                 if (self == nullptr || self->state_ != State::kAwaitDecision) {
-                   if (conn) {
-                     conn->close();
-                   }
-                   return;
-                 }
-                 if (!e.ok()) {
-                   self->upgradeFailed("connect: " + e.message());
-                   return;
-                 }
-                 wf::BindMessage bind;
-                 bind.token = *self->upgradeToken_;
-                 if (const auto& token = self->ctx_->token()) {
-                   bind.proof = auth::computeProof(
-                       *token, "upgrade", self->peerNonce_, bind.token);
-                 }
-                 auto bytes = std::make_shared<std::vector<uint8_t>>(
-                     wf::encodeBind(bind));
-                 const IoBuf b{bytes->data(), bytes->size()};
-                 self->upgradeConn_ = conn;
-                 conn->write(&b, 1, [bytes](const Error&) {});
-               });
+  shm->connect(
+      ctx_->loop(), target,
+      [weak](const Error& e, const std::shared_ptr<Connection>& conn) {
+        auto self = weak.lock();
+        if (self == nullptr || self->life_.failed() ||
+            self->state_ != State::kHandshake ||
+            self->handshake_->state() != Handshake::State::kAwaitDecision) {
+          if (conn) {
+            conn->close();
+          }
+          return;
+        }
+        if (!e.ok()) {
+          self->upgradeFailed("connect: " + e.message());
+          return;
+        }
+        auto bytes = std::make_shared<std::vector<uint8_t>>(
+            self->handshake_->upgradeConnected());
+        const IoBuf b{bytes->data(), bytes->size()};
+        self->upgradeConn_ = conn;
+        conn->write(&b, 1, [bytes](const Error&) {});
+      });
 }
 
 void PipeImpl::upgradeFailed(const std::string& why) {
   TRELLIS_LOG_INFO("{}: same-host upgrade to shm failed ({}); staying on {}",
                    id_, why, bootstrap_);
-  sendRaw(wf::encodeUpgradeFailed(why));
+  handshake_->upgradeFailed(why);
+  handshakeMoved(handshake_->state());
 }
 
-void PipeImpl::established(const Negotiated& n) {
+// Connector: the acceptor's decision arrived; the handshake has checked it.
+void PipeImpl::followDecision() {
+  if (!handshake_->switched()) {
+    if (upgradeConn_ != nullptr) {
+      upgradeConn_->close();
+      upgradeConn_ = nullptr;
+    }
+    TRELLIS_LOG_INFO("{} (peer {}): peer keeps the pipe on {}", id_,
+                     peerAddress(), bootstrap_);
+    return;
+  }
+  conn_->stopReading();
+  conn_->close();
+  reading_ = false;
+  auto next = std::move(upgradeConn_);
+  upgradeConn_ = nullptr;
+  moveTo(std::move(next));
+}
+
+void PipeImpl::moveTo(std::shared_ptr<Connection> conn) {
+  conn_ = std::move(conn);
+  bootstrap_ = "shm";
+  std::lock_guard<std::mutex> lock(infoMu_);
+  peer_ = conn_->peerAddress();
+}
+
+void PipeImpl::established() {
+  const Negotiated& n = handshake_->negotiated();
   state_ = State::kEstablished;
   // Keeps what is buffered; process(), which runs after this, starts
   // reading again if the small stage had filled.
@@ -777,6 +578,7 @@ void PipeImpl::established(const Negotiated& n) {
     std::lock_guard<std::mutex> lock(infoMu_);
     negotiated_ = n;
   }
+  peerPid_ = handshake_->remote().pid;
   channel_ = ctx_->channel(n.channel);
   cudaChannel_ = n.cudaChannel.empty() ? nullptr : ctx_->channel(n.cudaChannel);
   TRELLIS_LOG_DEBUG("{}: established with {} over {}+{} (cuda: {})", id_,
@@ -786,7 +588,7 @@ void PipeImpl::established(const Negotiated& n) {
   auto queued = std::move(queuedWrites_);
   queuedWrites_.clear();
   for (auto& op : queued) {
-    if (state_ != State::kEstablished) {
+    if (life_.failed()) {
       break;
     }
     submitWrite(op);
@@ -962,8 +764,7 @@ void PipeImpl::startOutOfBand() {
   // Records are checked before any copy starts: a lying one fails this read
   // only, and the stream stays in step.
   for (const auto& r : outOfBand_) {
-    Error e =
-        channelFor(r.device)->checkOutOfBandRecord(r.record, remoteHello_.pid);
+    Error e = channelFor(r.device)->checkOutOfBandRecord(r.record, peerPid_);
     if (!e.ok()) {
       outOfBandError_ =
           e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor) +
@@ -1232,8 +1033,8 @@ void PipeImpl::teardownFromLoop(const Error& error) {
     upgradeTimer_->cancel();
     upgradeTimer_ = nullptr;
   }
-  if (upgradeToken_ && !connector_) {
-    ctx_->dropUpgrade(*upgradeToken_);
+  if (handshake_ && handshake_->upgradeToken() && !connector_) {
+    ctx_->dropUpgrade(*handshake_->upgradeToken());
   }
   if (upgradeConn_ != nullptr) {
     upgradeConn_->close();
