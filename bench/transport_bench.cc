@@ -51,7 +51,7 @@
 
 #include "bench_util.h"
 #include <trellis/core/future.h>
-#include <trellis/transport/basic_channel.h>
+#include <trellis/transport/basic/factory.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/context.h>
 #include <trellis/transport/shm/factory.h>

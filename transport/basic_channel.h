@@ -1,16 +1,7 @@
 #pragma once
 
-// The basic channel: tensor bytes travel through the pipe's connection,
-// inline after the payloads (CPU tensors only).
+// Kept so that code written against the first layout still builds: the
+// basic channel's factory now lives in basic/factory.h, beside the other
+// backends'.
 
-#include <memory>
-
-namespace trellis::transport {
-class Channel;
-}
-
-namespace trellis::transport::basic {
-
-std::shared_ptr<Channel> create();
-
-}  // namespace trellis::transport::basic
+#include <trellis/transport/basic/factory.h>

@@ -39,8 +39,8 @@
 
 namespace trellis::transport {
 
-class Transport;  // transport/connection.h (not installed)
-class Channel;    // transport/connection.h (not installed)
+class Transport;  // transport/transport.h (not installed)
+class Channel;    // transport/channel.h (not installed)
 class ContextImpl;
 
 struct Limits {

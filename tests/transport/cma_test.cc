@@ -20,8 +20,9 @@
 #include "peer_process.h"
 #include "transport_test_util.h"
 #include <trellis/core/wire.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
-#include <trellis/transport/connection.h>
+#include <trellis/transport/transport.h>
 #include <trellis/transport/wire_format.h>
 
 namespace trellis::transport::testing {

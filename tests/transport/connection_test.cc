@@ -13,6 +13,7 @@
 #include <trellis/transport/connection.h>
 #include <trellis/transport/loop.h>
 #include <trellis/transport/shm/factory.h>
+#include <trellis/transport/transport.h>
 #include <trellis/transport/uv/factory.h>
 
 namespace trellis::transport::testing {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "transport_test_util.h"
-#include <trellis/transport/basic_channel.h>
+#include <trellis/transport/basic/factory.h>
 #include <trellis/transport/context_impl.h>
 #include <trellis/transport/wire_format.h>
 

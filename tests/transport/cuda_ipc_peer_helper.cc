@@ -18,8 +18,9 @@
 #include <thread>
 #include <vector>
 
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/cuda_ipc/factory.h>
+#include <trellis/transport/transport.h>
 
 namespace {
 

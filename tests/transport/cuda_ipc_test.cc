@@ -18,9 +18,10 @@
 #include <gtest/gtest.h>
 
 #include "peer_process.h"
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/cuda_ipc/factory.h>
 #include <trellis/transport/cuda_ipc/record.h>
+#include <trellis/transport/transport.h>
 
 namespace trellis::transport {
 namespace {

@@ -20,9 +20,10 @@
 
 #include "transport_test_util.h"
 #include <trellis/core/future.h>
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/context.h>
 #include <trellis/transport/shm/factory.h>
+#include <trellis/transport/transport.h>
 
 using namespace trellis;
 using namespace trellis::transport;

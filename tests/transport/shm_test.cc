@@ -24,9 +24,10 @@
 
 #include "peer_process.h"
 #include "transport_test_util.h"
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/shm/ring.h>
+#include <trellis/transport/transport.h>
 
 extern char** environ;
 
@@ -280,8 +281,8 @@ TEST(ShmTransport, PollingFollowsTheProcessSpinBudgetUnlessSet) {
     const char* env;  // nullptr: unset
     int64_t wantUnsetUs;
   };
-  for (const Case& c : {Case{nullptr, 100}, Case{"0", 0}, Case{"30", 60},
-                        Case{"bogus", 100}}) {
+  for (const Case& c :
+       {Case{nullptr, 100}, Case{"0", 0}, Case{"30", 60}, Case{"bogus", 100}}) {
     EXPECT_EXIT(
         {
           if (c.env == nullptr) {

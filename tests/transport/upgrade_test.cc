@@ -13,9 +13,10 @@
 
 #include "peer_process.h"
 #include "transport_test_util.h"
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/context_impl.h>
 #include <trellis/transport/shm/factory.h>
+#include <trellis/transport/transport.h>
 #include <trellis/transport/wire_format.h>
 
 namespace trellis::transport::testing {

@@ -18,7 +18,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/cma/record.h>
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 
 namespace trellis::transport::cma {
 

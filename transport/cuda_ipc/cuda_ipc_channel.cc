@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <trellis/core/logging.h>
-#include <trellis/transport/connection.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/cuda_ipc/factory.h>
 #include <trellis/transport/cuda_ipc/record.h>
 

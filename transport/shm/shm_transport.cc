@@ -22,7 +22,7 @@
 
 #include <trellis/core/logging.h>
 #include <trellis/core/spin.h>
-#include <trellis/transport/connection.h>
+#include <trellis/transport/transport.h>
 #include <trellis/transport/lifecycle.h>
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/shm/ring.h>

@@ -8,7 +8,7 @@
 #include <uv.h>
 
 #include <trellis/core/logging.h>
-#include <trellis/transport/connection.h>
+#include <trellis/transport/transport.h>
 #include <trellis/transport/lifecycle.h>
 #include <trellis/transport/uv/factory.h>
 
