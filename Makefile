@@ -5,7 +5,7 @@ FUZZ_RUNS ?= 200000
 # Lets ccache share results between clones in different folders (CI).
 export CCACHE_BASEDIR ?= $(CURDIR)
 
-.PHONY: deps build test test-dev test-asan test-tsan test-fuzz run clean
+.PHONY: deps build test test-dev test-asan test-tsan test-fuzz tsa run clean
 
 deps:
 	bash deploy/install-deps.sh
@@ -29,6 +29,16 @@ test-tsan: deps
 	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker
 	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc|dist_autograd' -E 'rpc_process|rpc_codec|DistAutogradProcess.WorkerKilled'
 
+# Clang's thread-safety analysis over the libraries that use locks (core,
+# transport, and the store's client side; the store server's Asio
+# coroutines need a newer clang). A GUARDED_BY/REQUIRES violation is a
+# compile error (docs/threads.md, "Locks"). Compiles only: nothing to run.
+TSA_TARGETS := trellis_core trellis_transport trellis_store_tsa
+
+tsa: deps
+	cmake --preset tsa
+	cmake --build --preset tsa -j $(JOBS) --target $(TSA_TARGETS)
+
 # libFuzzer targets, a bounded number of iterations each: name and
 # -max_len. Each grows its corpus in build/fuzz/corpus/<name> from the seeds
 # in tests/fuzz/corpus/<name>.
@@ -47,7 +57,7 @@ test-fuzz: deps
 	      build/fuzz/corpus/$$name tests/fuzz/corpus/$$name; \
 	done
 
-test: build test-asan test-tsan test-fuzz
+test: build tsa test-asan test-tsan test-fuzz
 	ctest --preset dev -j $(JOBS)
 
 # The parameter-server job (docs/examples.md): one server, two trainers.

@@ -72,6 +72,20 @@ elseif(NOT TRELLIS_SANITIZE STREQUAL "")
                       "got '${TRELLIS_SANITIZE}'")
 endif()
 
+# Clang's thread-safety analysis (docs/threads.md, "Locks"): every
+# TRELLIS_GUARDED_BY / TRELLIS_REQUIRES in the tree is checked, and a
+# violation is a compile error. The `tsa` preset turns it on.
+option(TRELLIS_THREAD_SAFETY
+  "Compile with clang's -Wthread-safety as an error (needs clang)" OFF)
+if(TRELLIS_THREAD_SAFETY)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "TRELLIS_THREAD_SAFETY=ON needs clang "
+                        "(CMAKE_CXX_COMPILER=clang++), not "
+                        "${CMAKE_CXX_COMPILER_ID}")
+  endif()
+  add_compile_options(-Wthread-safety -Werror=thread-safety)
+endif()
+
 # Fuzz builds instrument every library for coverage, not only the fuzz
 # target's own file: without it libFuzzer is blind inside the decoders it
 # exercises (they live in the component libraries) and mutates at random.

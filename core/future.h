@@ -20,10 +20,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -31,6 +29,7 @@
 
 #include <trellis/core/deadline.h>
 #include <trellis/core/error.h>
+#include <trellis/core/mutex.h>
 
 namespace trellis {
 
@@ -70,10 +69,11 @@ class FutureState {
  public:
   using Callback = std::function<void()>;
 
-  bool complete(std::optional<Stored<T>>&& value, Error&& error) {
+  bool complete(std::optional<Stored<T>>&& value, Error&& error)
+      TRELLIS_EXCLUDES(mu_) {
     std::vector<Callback> callbacks;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (done_) {
         return false;
       }
@@ -82,16 +82,16 @@ class FutureState {
       callbacks.swap(callbacks_);
       done_.store(true, std::memory_order_release);
     }
-    cv_.notify_all();
+    cv_.notifyAll();
     for (auto& cb : callbacks) {
       cb();
     }
     return true;
   }
 
-  void addCallback(Callback cb) {
+  void addCallback(Callback cb) TRELLIS_EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!done_) {
         callbacks_.push_back(std::move(cb));
         return;
@@ -102,15 +102,22 @@ class FutureState {
 
   bool done() const { return done_.load(std::memory_order_acquire); }
 
-  void wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return done_.load(std::memory_order_relaxed); });
+  void wait() TRELLIS_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    while (!done_.load(std::memory_order_relaxed)) {
+      cv_.wait(mu_);
+    }
   }
 
-  bool waitUntil(Clock::time_point tp) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_until(
-        lock, tp, [&] { return done_.load(std::memory_order_relaxed); });
+  // False when `tp` passed first.
+  bool waitUntil(Clock::time_point tp) TRELLIS_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    while (!done_.load(std::memory_order_relaxed)) {
+      if (!cv_.waitUntil(mu_, tp)) {
+        return done_.load(std::memory_order_relaxed);
+      }
+    }
+    return true;
   }
 
   // Valid only once done() is true: the fields are then immutable.
@@ -118,12 +125,15 @@ class FutureState {
   const Stored<T>& value() const { return *value_; }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
+  Mutex mu_;
+  CondVar cv_;
+  // Set under mu_, with release order, after value_ and error_: once
+  // done() is true they are immutable and read without the lock, so they
+  // are not GUARDED_BY (the analysis has no notion of publication).
   std::atomic<bool> done_{false};
   std::optional<Stored<T>> value_;
   Error error_;
-  std::vector<Callback> callbacks_;
+  std::vector<Callback> callbacks_ TRELLIS_GUARDED_BY(mu_);
 };
 
 // Breaks the promise when the last Promise copy goes away.

@@ -32,10 +32,10 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::post(Task task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!stopping_) {
       queue_.push_back(std::move(task));
-      cv_.notify_one();
+      cv_.notifyOne();
       return;
     }
   }
@@ -45,13 +45,13 @@ void ThreadPool::post(Task task) {
 void ThreadPool::shutdown(ShutdownMode mode) {
   std::deque<Task> cancelled;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
     if (mode == ShutdownMode::kCancel) {
       cancelled.swap(queue_);
     }
   }
-  cv_.notify_all();
+  cv_.notifyAll();
   if (!cancelled.empty()) {
     const Error error = Error::cancelled("thread pool '" + name_ +
                                          "' was cancelled before the task ran");
@@ -64,7 +64,7 @@ void ThreadPool::shutdown(ShutdownMode mode) {
 void ThreadPool::join() {
   TRELLIS_CHECK(!inPool(),
                 "ThreadPool::join() called from one of its own workers");
-  std::lock_guard<std::mutex> lock(joinMu_);
+  MutexLock lock(joinMu_);
   for (auto& t : threads_) {
     if (t.joinable()) {
       t.join();
@@ -75,7 +75,7 @@ void ThreadPool::join() {
 bool ThreadPool::inPool() const { return tWorkerOf == this; }
 
 size_t ThreadPool::queued() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return queue_.size();
 }
 
@@ -88,8 +88,10 @@ void ThreadPool::workerLoop(size_t index) {
   for (;;) {
     Task task;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(mu_);
+      while (!stopping_ && queue_.empty()) {
+        cv_.wait(mu_);
+      }
       if (queue_.empty()) {
         return;  // stopping and drained
       }

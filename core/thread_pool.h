@@ -17,17 +17,17 @@
 //    the same pool (a checked error: it would wait for itself).
 //  - Thread-safe: any thread may post, submit and shut down.
 
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 
 namespace trellis {
 
@@ -42,7 +42,7 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  void post(Task task);
+  void post(Task task) TRELLIS_EXCLUDES(mu_);
 
   template <typename F>
   auto submit(F&& fn) {
@@ -59,25 +59,29 @@ class ThreadPool {
     return future;
   }
 
-  void shutdown(ShutdownMode mode = ShutdownMode::kDrain);
-  void join();
+  void shutdown(ShutdownMode mode = ShutdownMode::kDrain) TRELLIS_EXCLUDES(mu_);
+  void join() TRELLIS_EXCLUDES(joinMu_);
 
   // True on one of this pool's worker threads.
   bool inPool() const;
   size_t numThreads() const { return threads_.size(); }
-  size_t queued() const;
+  size_t queued() const TRELLIS_EXCLUDES(mu_);
   const std::string& name() const { return name_; }
 
  private:
-  void workerLoop(size_t index);
+  void workerLoop(size_t index) TRELLIS_EXCLUDES(mu_);
 
   const std::string name_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> queue_;  // GUARDED_BY(mu_)
-  bool stopping_ = false;   // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::deque<Task> queue_ TRELLIS_GUARDED_BY(mu_);
+  bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
+  // Filled by the constructor before any worker runs, joined under
+  // joinMu_; never resized, so numThreads() reads it without a lock.
   std::vector<std::thread> threads_;
-  std::mutex joinMu_;
+  // Serialises concurrent join() calls (std::thread::join is not safe to
+  // call twice at once on the same thread object).
+  Mutex joinMu_;
 };
 
 }  // namespace trellis

@@ -6,15 +6,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
-#include <mutex>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <thread>
 #include <unistd.h>
 #include <unordered_map>
+#include <utility>
 
 #include <trellis/core/deadline.h>
 #include <trellis/core/error.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/core/wire.h>
 #include <trellis/store/file_store.h>
 
@@ -77,9 +79,10 @@ struct FileStore::Impl {
   int fd = -1;
   bool tornWriteHook = false;
 
-  std::mutex mu;  // held while this object holds the flock
-  std::unordered_map<std::string, Bytes> data;  // guarded by mu
-  uint64_t pos = kHeaderBytes;  // end of the records replayed; guarded by mu
+  Mutex mu;  // held while this object holds the flock
+  std::unordered_map<std::string, Bytes> data TRELLIS_GUARDED_BY(mu);
+  // End of the records replayed.
+  uint64_t pos TRELLIS_GUARDED_BY(mu) = kHeaderBytes;
 
   // flock() on this object's descriptor; released on destruction.
   class FileLock {
@@ -168,7 +171,7 @@ struct FileStore::Impl {
 
   // Applies one record body; false when it does not decode (a corrupt
   // record that happens to pass its checksum is treated as the log's end).
-  bool apply(std::span<const uint8_t> body) {
+  bool apply(std::span<const uint8_t> body) TRELLIS_REQUIRES(mu) {
     wire::WireReader r(body, "file store record");
     const uint8_t type = r.u8("type");
     auto readPair = [&](std::vector<std::pair<std::string, Bytes>>& out) {
@@ -205,7 +208,7 @@ struct FileStore::Impl {
 
   // Under a flock: reads the records written since the last replay. Stops
   // at the first incomplete or corrupt record (a torn tail).
-  void replay() {
+  void replay() TRELLIS_REQUIRES(mu) {
     const uint64_t size = fileSize();
     if (size < pos) {
       // The file was truncated beneath us (recreated): start over.
@@ -238,7 +241,7 @@ struct FileStore::Impl {
   }
 
   // Under an exclusive flock, after replay(): drops a torn tail, appends.
-  void append(const Bytes& body) {
+  void append(const Bytes& body) TRELLIS_REQUIRES(mu) {
     if (body.size() > kMaxRecordBytes) {
       throw InvalidArgumentError(Error::invalidArgument(
           "file store record of " + std::to_string(body.size()) +
@@ -275,7 +278,8 @@ struct FileStore::Impl {
     return w.release();
   }
 
-  bool allPresent(const std::vector<std::string>& keys) const {
+  bool allPresent(const std::vector<std::string>& keys) const
+      TRELLIS_REQUIRES(mu) {
     for (const auto& k : keys) {
       if (!data.contains(k)) {
         return false;
@@ -284,21 +288,23 @@ struct FileStore::Impl {
     return true;
   }
 
-  // Polls until every key exists, then runs `onReady` under the lock.
+  // Polls until every key exists, then runs `onReady(data)` under the lock
+  // (the map is passed in: the analysis cannot see that a lambda runs
+  // under the lock).
   template <typename F>
   void pollFor(const std::vector<std::string>& keys,
                std::chrono::milliseconds timeout, std::string_view op,
-               F&& onReady) {
+               F&& onReady) TRELLIS_EXCLUDES(mu) {
     detail::checkTimeout(timeout);
     const Deadline deadline = Deadline::fromTimeout(timeout);
     auto delay = kFirstPoll;
     for (;;) {
       {
-        std::lock_guard<std::mutex> g(mu);
+        MutexLock g(mu);
         FileLock lock(*this, LOCK_SH);
         replay();
         if (allPresent(keys)) {
-          onReady();
+          onReady(std::as_const(data));
           return;
         }
       }
@@ -336,14 +342,14 @@ const std::string& FileStore::path() const { return impl_->path; }
 
 void FileStore::set(const std::string& key, std::span<const uint8_t> value) {
   const Bytes rec = Impl::setRecord(key, value);
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_EX);
   impl_->replay();
   impl_->append(rec);
 }
 
 int64_t FileStore::add(const std::string& key, int64_t delta) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_EX);
   impl_->replay();
   auto it = impl_->data.find(key);
@@ -356,7 +362,7 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
 Bytes FileStore::compareSet(const std::string& key,
                             std::span<const uint8_t> expected,
                             std::span<const uint8_t> desired) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_EX);
   impl_->replay();
   auto it = impl_->data.find(key);
@@ -373,14 +379,14 @@ Bytes FileStore::compareSet(const std::string& key,
 }
 
 bool FileStore::check(const std::vector<std::string>& keys) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_SH);
   impl_->replay();
   return impl_->allPresent(keys);
 }
 
 bool FileStore::deleteKey(const std::string& key) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_EX);
   impl_->replay();
   if (!impl_->data.contains(key)) {
@@ -394,7 +400,7 @@ bool FileStore::deleteKey(const std::string& key) {
 }
 
 int64_t FileStore::numKeys() {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_SH);
   impl_->replay();
   return static_cast<int64_t>(impl_->data.size());
@@ -402,21 +408,22 @@ int64_t FileStore::numKeys() {
 
 void FileStore::wait(const std::vector<std::string>& keys,
                      std::chrono::milliseconds timeout) {
-  impl_->pollFor(keys, timeout, "wait", [] {});
+  impl_->pollFor(keys, timeout, "wait", [](const auto&) {});
 }
 
 Bytes FileStore::getWithTimeout(const std::string& key,
                                 std::chrono::milliseconds timeout) {
   Bytes out;
-  impl_->pollFor({key}, timeout, "get", [&] { out = impl_->data.at(key); });
+  impl_->pollFor({key}, timeout, "get",
+                 [&](const auto& data) { out = data.at(key); });
   return out;
 }
 
 std::vector<Bytes> FileStore::multiGet(const std::vector<std::string>& keys) {
   std::vector<Bytes> out;
-  impl_->pollFor(keys, timeout(), "multiGet", [&] {
+  impl_->pollFor(keys, timeout(), "multiGet", [&](const auto& data) {
     for (const auto& k : keys) {
-      out.push_back(impl_->data.at(k));
+      out.push_back(data.at(k));
     }
   });
   return out;
@@ -437,7 +444,7 @@ void FileStore::multiSet(const std::vector<std::string>& keys,
     w.putBytes(values[i]);
   }
   const Bytes rec = w.release();
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   Impl::FileLock lock(*impl_, LOCK_EX);
   impl_->replay();
   impl_->append(rec);

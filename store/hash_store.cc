@@ -1,38 +1,40 @@
-#include <condition_variable>
-#include <mutex>
 #include <unordered_map>
 
 #include <trellis/core/deadline.h>
 #include <trellis/core/error.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/store/hash_store.h>
 
 namespace trellis::store {
 
 struct HashStore::Impl {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::unordered_map<std::string, Bytes> data;
+  Mutex mu;
+  CondVar cv;
+  std::unordered_map<std::string, Bytes> data TRELLIS_GUARDED_BY(mu);
 
-  // Waits with `lock` held until every key exists or the deadline passes.
-  void waitLocked(std::unique_lock<std::mutex>& lock,
-                  const std::vector<std::string>& keys,
-                  std::chrono::milliseconds timeout, std::string_view op) {
-    const Deadline deadline = Deadline::fromTimeout(timeout);
-    auto allPresent = [&] {
-      for (const auto& k : keys) {
-        if (!data.contains(k)) {
-          return false;
-        }
+  bool allPresent(const std::vector<std::string>& keys) const
+      TRELLIS_REQUIRES(mu) {
+    for (const auto& k : keys) {
+      if (!data.contains(k)) {
+        return false;
       }
-      return true;
-    };
-    if (deadline.isNever()) {
-      cv.wait(lock, allPresent);
-      return;
     }
-    if (!cv.wait_until(lock, deadline.timePoint(), allPresent)) {
-      throw TimeoutError(
-          Error::timeout(detail::timeoutMessage(op, keys, timeout)));
+    return true;
+  }
+
+  // Waits with `mu` held until every key exists or the deadline passes.
+  void waitLocked(const std::vector<std::string>& keys,
+                  std::chrono::milliseconds timeout, std::string_view op)
+      TRELLIS_REQUIRES(mu) {
+    const Deadline deadline = Deadline::fromTimeout(timeout);
+    while (!allPresent(keys)) {
+      if (deadline.isNever()) {
+        cv.wait(mu);
+      } else if (!cv.waitUntil(mu, deadline.timePoint()) && !allPresent(keys)) {
+        throw TimeoutError(
+            Error::timeout(detail::timeoutMessage(op, keys, timeout)));
+      }
     }
   }
 };
@@ -44,22 +46,22 @@ HashStore::~HashStore() = default;
 
 void HashStore::set(const std::string& key, std::span<const uint8_t> value) {
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    MutexLock lock(impl_->mu);
     impl_->data[key].assign(value.begin(), value.end());
   }
-  impl_->cv.notify_all();
+  impl_->cv.notifyAll();
 }
 
 int64_t HashStore::add(const std::string& key, int64_t delta) {
   int64_t result = 0;
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    MutexLock lock(impl_->mu);
     auto it = impl_->data.find(key);
     result = detail::addToCounter(
         key, it == impl_->data.end() ? nullptr : &it->second, delta);
     impl_->data[key] = detail::toBytes(std::to_string(result));
   }
-  impl_->cv.notify_all();
+  impl_->cv.notifyAll();
   return result;
 }
 
@@ -69,7 +71,7 @@ Bytes HashStore::compareSet(const std::string& key,
   Bytes current;
   bool changed = false;
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    MutexLock lock(impl_->mu);
     auto it = impl_->data.find(key);
     if (it == impl_->data.end()) {
       if (expected.empty()) {
@@ -89,13 +91,13 @@ Bytes HashStore::compareSet(const std::string& key,
     }
   }
   if (changed) {
-    impl_->cv.notify_all();
+    impl_->cv.notifyAll();
   }
   return current;
 }
 
 bool HashStore::check(const std::vector<std::string>& keys) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock lock(impl_->mu);
   for (const auto& k : keys) {
     if (!impl_->data.contains(k)) {
       return false;
@@ -105,33 +107,33 @@ bool HashStore::check(const std::vector<std::string>& keys) {
 }
 
 bool HashStore::deleteKey(const std::string& key) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->data.erase(key) > 0;
 }
 
 int64_t HashStore::numKeys() {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock lock(impl_->mu);
   return static_cast<int64_t>(impl_->data.size());
 }
 
 void HashStore::wait(const std::vector<std::string>& keys,
                      std::chrono::milliseconds timeout) {
   detail::checkTimeout(timeout);
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->waitLocked(lock, keys, timeout, "wait");
+  MutexLock lock(impl_->mu);
+  impl_->waitLocked(keys, timeout, "wait");
 }
 
 Bytes HashStore::getWithTimeout(const std::string& key,
                                 std::chrono::milliseconds timeout) {
   detail::checkTimeout(timeout);
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->waitLocked(lock, {key}, timeout, "get");
+  MutexLock lock(impl_->mu);
+  impl_->waitLocked({key}, timeout, "get");
   return impl_->data.at(key);
 }
 
 std::vector<Bytes> HashStore::multiGet(const std::vector<std::string>& keys) {
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->waitLocked(lock, keys, timeout(), "multiGet");
+  MutexLock lock(impl_->mu);
+  impl_->waitLocked(keys, timeout(), "multiGet");
   std::vector<Bytes> out;
   out.reserve(keys.size());
   for (const auto& k : keys) {
@@ -148,12 +150,12 @@ void HashStore::multiSet(const std::vector<std::string>& keys,
         std::to_string(values.size()) + " values"));
   }
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    MutexLock lock(impl_->mu);
     for (size_t i = 0; i < keys.size(); ++i) {
       impl_->data[keys[i]] = values[i];
     }
   }
-  impl_->cv.notify_all();
+  impl_->cv.notifyAll();
 }
 
 }  // namespace trellis::store

@@ -3,7 +3,6 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
-#include <mutex>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -18,6 +17,8 @@
 #include <trellis/core/deadline.h>
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/store/protocol.h>
 #include <trellis/store/tcp_store.h>
 
@@ -95,16 +96,19 @@ struct TCPStore::Impl {
 
   TCPStoreOptions opts;
   const std::string id;
-  std::mutex mu;
-  Socket sock;   // guarded by mu
-  Error broken;  // guarded by mu; sticky once set
-  Bytes rbuf;    // guarded by mu
+  // One request at a time on the one connection: held across a request's
+  // send and receive (each bounded by the call's deadline).
+  Mutex mu;
+  Socket sock TRELLIS_GUARDED_BY(mu);
+  Error broken TRELLIS_GUARDED_BY(mu);  // sticky once set
+  Bytes rbuf TRELLIS_GUARDED_BY(mu);
 
   std::string peer() const {
     return opts.host + ":" + std::to_string(opts.port);
   }
 
-  Error sendAll(const uint8_t* data, size_t n, const Deadline& deadline) {
+  Error sendAll(const uint8_t* data, size_t n, const Deadline& deadline)
+      TRELLIS_REQUIRES(mu) {
     while (n > 0) {
       const ssize_t w = ::send(sock.fd(), data, n, MSG_NOSIGNAL);
       if (w > 0) {
@@ -128,7 +132,8 @@ struct TCPStore::Impl {
     return Error();
   }
 
-  Error recvAll(uint8_t* data, size_t n, const Deadline& deadline) {
+  Error recvAll(uint8_t* data, size_t n, const Deadline& deadline)
+      TRELLIS_REQUIRES(mu) {
     while (n > 0) {
       const ssize_t r = ::recv(sock.fd(), data, n, 0);
       if (r > 0) {
@@ -157,7 +162,8 @@ struct TCPStore::Impl {
   }
 
   // One TCP connect to one address, non-blocking, bounded by `deadline`.
-  Error connectTo(const addrinfo* ai, const Deadline& deadline) {
+  Error connectTo(const addrinfo* ai, const Deadline& deadline)
+      TRELLIS_REQUIRES(mu) {
     Socket s(::socket(ai->ai_family,
                       ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
                       ai->ai_protocol));
@@ -186,7 +192,7 @@ struct TCPStore::Impl {
     return Error();
   }
 
-  Error handshake(const Deadline& deadline) {
+  Error handshake(const Deadline& deadline) TRELLIS_REQUIRES(mu) {
     const bool haveToken = opts.jobToken.has_value();
     const auto hello = protocol::encodeClientHello(
         protocol::kVersion, haveToken ? protocol::kClientHasToken : 0);
@@ -239,7 +245,7 @@ struct TCPStore::Impl {
 
   // One attempt: resolve, connect to the first address that answers, then
   // hello and authentication.
-  Error attempt(const Deadline& deadline) {
+  Error attempt(const Deadline& deadline) TRELLIS_REQUIRES(mu) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -268,7 +274,10 @@ struct TCPStore::Impl {
     return e;
   }
 
-  void connect() {
+  // From the constructor, before any other thread can see the store; the
+  // lock is uncontended and keeps the socket's accesses checkable.
+  void connect() TRELLIS_EXCLUDES(mu) {
+    MutexLock lock(mu);
     const auto window =
         opts.connectTimeout.count() > 0 ? opts.connectTimeout : opts.timeout;
     detail::checkTimeout(window);
@@ -306,7 +315,7 @@ struct TCPStore::Impl {
 
   // Fails this call with `e` and every later one with a ConnectionError
   // that carries it.
-  [[noreturn]] void breakWith(const Error& e) {
+  [[noreturn]] void breakWith(const Error& e) TRELLIS_REQUIRES(mu) {
     sock.reset();
     broken =
         Error::connection("store client " + id +
@@ -314,10 +323,11 @@ struct TCPStore::Impl {
     throwError(e);
   }
 
-  Response call(const Request& req, const Deadline& deadline) {
+  Response call(const Request& req, const Deadline& deadline)
+      TRELLIS_EXCLUDES(mu) {
     protocol::checkRequest(req, opts.limits);
     const Bytes out = protocol::frame(protocol::encodeRequest(req));
-    std::lock_guard<std::mutex> g(mu);
+    MutexLock lock(mu);
     if (!broken.ok()) {
       throwError(broken);
     }

@@ -2,7 +2,6 @@
 // All store state lives on that thread, so it needs no lock.
 #include <array>
 #include <atomic>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -13,6 +12,8 @@
 #include <trellis/core/auth.h>
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/core/wire.h>
 #include <trellis/store/protocol.h>
 #include <trellis/store/tcp_store.h>
@@ -66,12 +67,14 @@ struct TCPStoreServer::Impl {
   asio::io_context ioc{1};
   tcp::acceptor acceptor{ioc};
   uint16_t port = 0;
+  // Started by start() before the server is shared; joined by the first
+  // stop() (stopMu serialises concurrent stops).
   std::thread thread;
-  std::mutex stopMu;
-  bool stopped = false;
+  Mutex stopMu;
+  bool stopped TRELLIS_GUARDED_BY(stopMu) = false;
 
   void start();
-  void stop();
+  void stop() TRELLIS_EXCLUDES(stopMu);
   asio::awaitable<void> acceptLoop();
   asio::awaitable<void> session(tcp::socket sock);
   asio::awaitable<bool> handshake(tcp::socket& sock, const std::string& peer);
@@ -107,7 +110,7 @@ void TCPStoreServer::Impl::start() {
 }
 
 void TCPStoreServer::Impl::stop() {
-  std::lock_guard<std::mutex> g(stopMu);
+  MutexLock lock(stopMu);
   if (stopped) {
     return;
   }
@@ -197,8 +200,8 @@ asio::awaitable<bool> TCPStoreServer::Impl::handshake(tcp::socket& sock,
   std::array<uint8_t, protocol::kClientAnswerBytes> answer{};
   co_await asio::async_read(sock, asio::buffer(answer), asio::use_awaitable);
   auth::Nonce nonceC{};
-  const Error verdict =
-      protocol::checkClientAnswer(*opts.jobToken, nonceA, answer, peer, &nonceC);
+  const Error verdict = protocol::checkClientAnswer(*opts.jobToken, nonceA,
+                                                    answer, peer, &nonceC);
   if (!verdict.ok()) {
     const uint8_t rejected = protocol::kAuthRejected;
     co_await asio::async_write(sock, asio::buffer(&rejected, 1),

@@ -169,7 +169,7 @@ ContextImpl::~ContextImpl() = default;
 void ContextImpl::registerTransport(int priority,
                                     std::shared_ptr<Transport> t) {
   TRELLIS_CHECK(t != nullptr, "registerTransport(nullptr)");
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (frozen_) {
     throw FailedPreconditionError(Error(
         Code::kFailedPrecondition,
@@ -188,7 +188,7 @@ void ContextImpl::registerTransport(int priority,
 
 void ContextImpl::registerChannel(int priority, std::shared_ptr<Channel> c) {
   TRELLIS_CHECK(c != nullptr, "registerChannel(nullptr)");
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (frozen_) {
     throw FailedPreconditionError(
         Error(Code::kFailedPrecondition,
@@ -209,7 +209,7 @@ void ContextImpl::applyFilters() {
   std::vector<std::string> knownT = kKnownTransports;
   std::vector<std::string> knownC = kKnownChannels;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (const auto& e : transports_) {
       if (std::find(knownT.begin(), knownT.end(), e.name) == knownT.end()) {
         knownT.push_back(e.name);
@@ -223,13 +223,13 @@ void ContextImpl::applyFilters() {
   }
   auto t = combineFilters(options_.transports, kTransportsEnv, knownT);
   auto c = combineFilters(options_.channels, kChannelsEnv, knownC);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   allowedTransports_ = std::move(t);
   allowedChannels_ = std::move(c);
 }
 
 void ContextImpl::freeze() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   frozen_ = true;
 }
 
@@ -237,7 +237,7 @@ std::shared_ptr<Transport> ContextImpl::transport(
     const std::string& name) const {
   for (const auto& o : transportOffers()) {
     if (o.name == name) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (const auto& e : transports_) {
         if (e.name == name) {
           return e.transport;
@@ -249,7 +249,7 @@ std::shared_ptr<Transport> ContextImpl::transport(
 }
 
 std::shared_ptr<Channel> ContextImpl::channel(const std::string& name) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (const auto& e : channels_) {
     if (e.name == name) {
       return e.channel;
@@ -259,7 +259,7 @@ std::shared_ptr<Channel> ContextImpl::channel(const std::string& name) const {
 }
 
 std::vector<Offer> ContextImpl::transportOffers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<Offer> out;
   for (const auto& e : transports_) {
     if ((!allowedTransports_ || allowedTransports_->count(e.name)) &&
@@ -271,7 +271,7 @@ std::vector<Offer> ContextImpl::transportOffers() const {
 }
 
 std::vector<Offer> ContextImpl::channelOffers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<Offer> out;
   for (const auto& e : channels_) {
     if ((!allowedChannels_ || allowedChannels_->count(e.name)) &&

@@ -8,7 +8,6 @@
 #include <exception>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -17,6 +16,8 @@
 
 #include <trellis/core/auth.h>
 #include <trellis/core/ids.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/context.h>
 #include <trellis/transport/handshake.h>
@@ -63,15 +64,19 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   const std::string& hostId() const { return hostId_; }
   IdAllocator& ids() { return ids_; }
 
-  void registerTransport(int priority, std::shared_ptr<Transport> t);
-  void registerChannel(int priority, std::shared_ptr<Channel> c);
+  void registerTransport(int priority, std::shared_ptr<Transport> t)
+      TRELLIS_EXCLUDES(mu_);
+  void registerChannel(int priority, std::shared_ptr<Channel> c)
+      TRELLIS_EXCLUDES(mu_);
   // Applies the option/environment filters; called once, at create().
-  void applyFilters();
+  void applyFilters() TRELLIS_EXCLUDES(mu_);
 
-  std::shared_ptr<Transport> transport(const std::string& name) const;
-  std::shared_ptr<Channel> channel(const std::string& name) const;
-  std::vector<Offer> transportOffers() const;
-  std::vector<Offer> channelOffers() const;
+  std::shared_ptr<Transport> transport(const std::string& name) const
+      TRELLIS_EXCLUDES(mu_);
+  std::shared_ptr<Channel> channel(const std::string& name) const
+      TRELLIS_EXCLUDES(mu_);
+  std::vector<Offer> transportOffers() const TRELLIS_EXCLUDES(mu_);
+  std::vector<Offer> channelOffers() const TRELLIS_EXCLUDES(mu_);
   wire_format::Hello localHello() const;
 
   std::shared_ptr<ListenerImpl> listen(const std::vector<std::string>& addrs);
@@ -102,7 +107,7 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
     std::shared_ptr<Transport> transport;
     std::shared_ptr<Channel> channel;
   };
-  void freeze();
+  void freeze() TRELLIS_EXCLUDES(mu_);
   void closeFromLoop();
 
   ContextOptions options_;
@@ -111,12 +116,15 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   IdAllocator ids_;
   std::shared_ptr<Loop> loop_;
 
-  mutable std::mutex mu_;
-  std::vector<Entry> transports_;  // guarded by mu_ until frozen_
-  std::vector<Entry> channels_;    // guarded by mu_ until frozen_
-  bool frozen_ = false;            // guarded by mu_
-  std::optional<std::set<std::string>> allowedTransports_;  // guarded by mu_
-  std::optional<std::set<std::string>> allowedChannels_;    // guarded by mu_
+  // Registration and filters: written until the first listen()/connect()
+  // (frozen_), read by every handshake; always under mu_.
+  mutable Mutex mu_;
+  std::vector<Entry> transports_ TRELLIS_GUARDED_BY(mu_);
+  std::vector<Entry> channels_ TRELLIS_GUARDED_BY(mu_);
+  bool frozen_ TRELLIS_GUARDED_BY(mu_) = false;
+  std::optional<std::set<std::string>> allowedTransports_
+      TRELLIS_GUARDED_BY(mu_);
+  std::optional<std::set<std::string>> allowedChannels_ TRELLIS_GUARDED_BY(mu_);
   std::atomic<bool> closing_{false};
 
   // Loop thread only.

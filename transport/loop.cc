@@ -1,4 +1,3 @@
-#include <condition_variable>
 #include <sched.h>
 
 #include <trellis/core/check.h>
@@ -34,6 +33,8 @@ Loop::Loop(std::string id) : id_(std::move(id)) {
 
 std::shared_ptr<Loop> Loop::create(std::string id) {
   std::shared_ptr<Loop> loop(new Loop(std::move(id)));
+  // Nobody else can reach the loop yet; the lock is for the analysis.
+  MutexLock lock(loop->joinMu_);
   loop->thread_ = std::thread([loop]() mutable {
     loop->threadMain();
     loop.reset();
@@ -56,7 +57,7 @@ void Loop::threadMain() {
   uv_run(&loop_, UV_RUN_DEFAULT);
   std::vector<Task> rest;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     exited_ = true;
     rest.swap(remote_);
   }
@@ -75,17 +76,17 @@ void Loop::threadMain() {
   // from here on inLoop() is false everywhere.
   threadId_.store(std::thread::id(), std::memory_order_release);
   {
-    std::lock_guard<std::mutex> lock(joinMu_);
+    MutexLock lock(joinMu_);
     finished_ = true;
   }
-  joinCv_.notify_all();
+  joinCv_.notifyAll();
 }
 
 bool Loop::mayTouchState() const {
   if (inLoop()) {
     return true;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return exited_;
 }
 
@@ -99,7 +100,7 @@ void Loop::defer(Task task) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!exited_) {
       remote_.push_back(std::move(task));
       // Under the lock, so the handle cannot be closed meanwhile; tasks
@@ -137,7 +138,7 @@ void Loop::runRemote() {
   Scope scope(*this);
   std::vector<Task> tasks;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     tasks.swap(remote_);
   }
   for (auto& t : tasks) {
@@ -167,9 +168,9 @@ void Loop::markHot() {
     return;
   }
   hotUntilNs_ = uv_hrtime() + spinNs_;
-  if (!polling_) {  // only this thread writes it: no lock to read
+  if (!pollingOnLoop()) {  // only this thread writes it: no lock to read
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       polling_ = true;
     }
     uv_idle_start(&spin_, &Loop::onSpin);
@@ -180,7 +181,7 @@ void Loop::onSpin(uv_idle_t* h) {
   auto* self = static_cast<Loop*>(h->data);
   bool work;
   {
-    std::lock_guard<std::mutex> lock(self->mu_);
+    MutexLock lock(self->mu_);
     work = !self->remote_.empty();
     if (!work && uv_hrtime() >= self->hotUntilNs_) {
       // Cold: sleep in epoll again; from now on defer() wakes us.
@@ -242,7 +243,7 @@ void Loop::stopFromLoop() {
   uv_idle_stop(&spin_);
   uv_close(reinterpret_cast<uv_handle_t*>(&spin_), nullptr);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     polling_ = false;
     asyncClosed_ = true;
     uv_close(reinterpret_cast<uv_handle_t*>(&async_), nullptr);
@@ -253,15 +254,18 @@ bool Loop::join(Deadline deadline) {
   if (inLoop()) {
     return false;
   }
-  std::unique_lock<std::mutex> lock(joinMu_);
-  if (deadline.isNever()) {
-    joinCv_.wait(lock, [&] { return finished_; });
-  } else if (!joinCv_.wait_until(lock, deadline.timePoint(),
-                                 [&] { return finished_; })) {
-    return false;
+  MutexLock lock(joinMu_);
+  while (!finished_) {
+    if (deadline.isNever()) {
+      joinCv_.wait(joinMu_);
+    } else if (!joinCv_.waitUntil(joinMu_, deadline.timePoint()) &&
+               !finished_) {
+      return false;
+    }
   }
-  lock.unlock();
-  std::lock_guard<std::mutex> tl(mu_);  // serialises concurrent joiners
+  // The thread has set finished_ and takes no lock of ours again, so
+  // joining it under joinMu_ is bounded; joinMu_ serialises concurrent
+  // joiners.
   if (thread_.joinable()) {
     thread_.join();
   }

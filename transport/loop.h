@@ -4,11 +4,9 @@
 // model"). Not installed.
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +14,8 @@
 #include <uv.h>
 
 #include <trellis/core/deadline.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 
 namespace trellis::transport {
 
@@ -41,12 +41,12 @@ class Loop {
   // on the loop thread, or, once that thread has exited, on the fallback
   // thread that runs the tasks deferred after that (defer()). Every
   // ...FromLoop function DCHECKs it first (docs/threads.md).
-  bool mayTouchState() const;
+  bool mayTouchState() const TRELLIS_EXCLUDES(mu_);
 
   // Runs `task` on the loop thread later, never inline. Tasks deferred after
   // the loop has exited run on a process-wide fallback thread, so none is
   // ever dropped.
-  void defer(Task task);
+  void defer(Task task) TRELLIS_EXCLUDES(mu_);
 
   // A public entry point: on the loop thread `task` runs now, inside a
   // "public call" scope (so callbacks it completes are deferred); elsewhere
@@ -90,10 +90,10 @@ class Loop {
 
   // Loop thread only: closes the loop's own handles; uv_run then returns
   // once every other handle has been closed by its owner.
-  void stopFromLoop();
+  void stopFromLoop() TRELLIS_EXCLUDES(mu_);
 
   // Waits for the loop thread to finish, until `deadline`.
-  bool join(Deadline deadline);
+  bool join(Deadline deadline) TRELLIS_EXCLUDES(joinMu_);
 
  private:
   explicit Loop(std::string id);
@@ -102,9 +102,13 @@ class Loop {
   static void onSpin(uv_idle_t* h);
   // While work is expected (expecting_ > 0), each piece of work the loop
   // does keeps it polling for spinBudget() before it sleeps again.
-  void markHot();
-  void runRemote();
-  void threadMain();
+  void markHot() TRELLIS_EXCLUDES(mu_);
+  void runRemote() TRELLIS_EXCLUDES(mu_);
+  void threadMain() TRELLIS_EXCLUDES(mu_, joinMu_);
+  // polling_ read on the loop thread, its only writer, without the lock.
+  bool pollingOnLoop() const TRELLIS_NO_THREAD_SAFETY_ANALYSIS {
+    return polling_;
+  }
   void runLocal();
   void drainLocal();
 
@@ -112,21 +116,23 @@ class Loop {
   uv_loop_t loop_;
   uv_async_t async_;
   uv_idle_t idle_;
-  std::thread thread_;
   std::atomic<std::thread::id> threadId_;
 
-  mutable std::mutex mu_;
-  std::vector<Task> remote_;  // guarded by mu_
-  bool exited_ = false;       // guarded by mu_
-  bool asyncClosed_ = false;  // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<Task> remote_ TRELLIS_GUARDED_BY(mu_);
+  bool exited_ TRELLIS_GUARDED_BY(mu_) = false;
+  bool asyncClosed_ TRELLIS_GUARDED_BY(mu_) = false;
   // The loop polls remote_ (its spin_ handle is active), so defer() need
   // not wake it. Written by the loop thread under mu_; read under mu_
-  // elsewhere, without it on the loop thread.
-  bool polling_ = false;
+  // elsewhere, without it on the loop thread (pollingOnLoop()).
+  bool polling_ TRELLIS_GUARDED_BY(mu_) = false;
   std::atomic<int> expecting_{0};  // any thread: begin/endExpectedWork
-  std::mutex joinMu_;
-  bool finished_ = false;  // guarded by joinMu_
-  std::condition_variable_any joinCv_;
+  Mutex joinMu_;
+  // Set by create(); joined once, by the first join() that sees finished_
+  // (concurrent joiners are serialised by joinMu_).
+  std::thread thread_ TRELLIS_GUARDED_BY(joinMu_);
+  bool finished_ TRELLIS_GUARDED_BY(joinMu_) = false;
+  CondVar joinCv_;
 
   // Loop thread only.
   std::vector<Task> local_;

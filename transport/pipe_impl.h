@@ -8,10 +8,11 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/connection.h>
 #include <trellis/transport/context_impl.h>
@@ -49,10 +50,10 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   void close();
 
   const std::string& id() const { return id_; }
-  std::string peerAddress() const;
-  std::string transportName() const;
-  std::string channelName() const;
-  std::string channelName(DeviceType type) const;
+  std::string peerAddress() const TRELLIS_EXCLUDES(infoMu_);
+  std::string transportName() const TRELLIS_EXCLUDES(infoMu_);
+  std::string channelName() const TRELLIS_EXCLUDES(infoMu_);
+  std::string channelName(DeviceType type) const TRELLIS_EXCLUDES(infoMu_);
 
  private:
   enum class State {
@@ -165,9 +166,10 @@ class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
   const bool connector_;
   Lifecycle life_;
 
-  mutable std::mutex infoMu_;
-  std::string peer_;       // guarded by infoMu_
-  Negotiated negotiated_;  // guarded by infoMu_
+  // What the public getters read from any thread.
+  mutable Mutex infoMu_;
+  std::string peer_ TRELLIS_GUARDED_BY(infoMu_);
+  Negotiated negotiated_ TRELLIS_GUARDED_BY(infoMu_);
 
   // Loop thread only from here on.
   std::shared_ptr<Connection> conn_;

@@ -314,7 +314,7 @@ void PipeImpl::followDecision() {
 void PipeImpl::moveTo(std::shared_ptr<Connection> conn) {
   conn_ = std::move(conn);
   bootstrap_ = "shm";
-  std::lock_guard<std::mutex> lock(infoMu_);
+  MutexLock lock(infoMu_);
   peer_ = conn_->peerAddress();
 }
 

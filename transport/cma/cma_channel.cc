@@ -1,13 +1,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <fstream>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <sys/prctl.h>
 #include <sys/uio.h>
@@ -16,9 +14,11 @@
 #include <vector>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
+#include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/cma/record.h>
-#include <trellis/transport/channel.h>
 
 namespace trellis::transport::cma {
 
@@ -78,11 +78,11 @@ class CopyPool {
   ~CopyPool() {
     std::vector<std::thread> workers;
     {
-      std::lock_guard<std::mutex> lock(state_->mu);
+      MutexLock lock(state_->mu);
       state_->stop = true;
       workers.swap(workers_);
     }
-    state_->cv.notify_all();
+    state_->cv.notifyAll();
     for (auto& t : workers) {
       // The last reference to the channel may be dropped by a copy's
       // callback: that worker cannot join itself, and owns the state too.
@@ -98,47 +98,50 @@ class CopyPool {
 
   void post(std::function<void()> task) {
     {
-      std::lock_guard<std::mutex> lock(state_->mu);
+      MutexLock lock(state_->mu);
       state_->tasks.push_back(std::move(task));
       if (workers_.size() < threads_ &&
           workers_.size() < state_->tasks.size() + state_->busy) {
         workers_.emplace_back([state = state_] { work(*state); });
       }
     }
-    state_->cv.notify_one();
+    state_->cv.notifyOne();
   }
 
  private:
   struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::deque<std::function<void()>> tasks;  // guarded by mu
-    size_t busy = 0;                          // guarded by mu
-    bool stop = false;                        // guarded by mu
+    Mutex mu;
+    CondVar cv;
+    std::deque<std::function<void()>> tasks TRELLIS_GUARDED_BY(mu);
+    size_t busy TRELLIS_GUARDED_BY(mu) = 0;
+    bool stop TRELLIS_GUARDED_BY(mu) = false;
   };
 
-  static void work(State& s) {
-    std::unique_lock<std::mutex> lock(s.mu);
+  static void work(State& s) TRELLIS_EXCLUDES(s.mu) {
+    s.mu.lock();
     while (true) {
       // Bounded only by the owner: stop is set in the destructor.
-      s.cv.wait(lock, [&s] { return s.stop || !s.tasks.empty(); });
+      while (!s.stop && s.tasks.empty()) {
+        s.cv.wait(s.mu);
+      }
       if (s.tasks.empty()) {
+        s.mu.unlock();
         return;
       }
       auto task = std::move(s.tasks.front());
       s.tasks.pop_front();
       ++s.busy;
-      lock.unlock();
+      s.mu.unlock();
       task();
       task = nullptr;
-      lock.lock();
+      s.mu.lock();
       --s.busy;
     }
   }
 
   const size_t threads_;
-  std::shared_ptr<State> state_ = std::make_shared<State>();
-  std::vector<std::thread> workers_;  // guarded by state_->mu
+  const std::shared_ptr<State> state_ = std::make_shared<State>();
+  std::vector<std::thread> workers_ TRELLIS_GUARDED_BY(state_->mu);
 };
 
 std::string hex(uint64_t v) {
@@ -192,23 +195,29 @@ Error copyRange(const Record& rec, uint8_t* dst, size_t offset, size_t length,
 struct Job {
   Job(size_t pieces, Channel::OutOfBandCallback cb)
       : left(pieces), done(std::move(cb)) {}
-  void finish(const Error& e) {
+  void finish(const Error& e) TRELLIS_EXCLUDES(mu) {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       if (!e.ok() && first.ok()) {
         first = e;
       }
     }
     if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      // No other piece touches the job any more.
+      // No other piece touches the job any more; the lock costs nothing
+      // uncontended and keeps `first` plainly GUARDED_BY.
+      Error error;
+      {
+        MutexLock lock(mu);
+        error = std::move(first);
+      }
       auto cb = std::move(done);
       done = nullptr;
-      cb(first);
+      cb(error);
     }
   }
   std::atomic<size_t> left;
-  std::mutex mu;
-  Error first;  // guarded by mu until left reaches 0
+  Mutex mu;
+  Error first TRELLIS_GUARDED_BY(mu);  // the first piece's error
   Channel::OutOfBandCallback done;
 };
 

@@ -8,14 +8,12 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -24,6 +22,8 @@
 #include <vector>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cuda_ipc/factory.h>
 #include <trellis/transport/cuda_ipc/record.h>
@@ -168,12 +168,12 @@ bool bufferIdOf(uintptr_t base, uint64_t* id) {
 // opens it once), and a reader in this process can check a record naming
 // one of them. Bounded: a handle dropped here is exported again if needed.
 constexpr size_t kMaxExported = 4096;
-std::mutex gExportedMutex;
-std::map<uint64_t, Handle>& exported() {
+Mutex gExportedMutex;
+std::map<uint64_t, Handle>& exported() TRELLIS_REQUIRES(gExportedMutex) {
   static auto* m = new std::map<uint64_t, Handle>();
   return *m;
 }
-std::deque<uint64_t>& exportOrder() {
+std::deque<uint64_t>& exportOrder() TRELLIS_REQUIRES(gExportedMutex) {
   static auto* d = new std::deque<uint64_t>();
   return *d;
 }
@@ -182,8 +182,8 @@ std::deque<uint64_t>& exportOrder() {
 // reader in the same process cannot open its own process's handles and
 // finds the event here instead (records are untrusted: only handles listed
 // here are ever used as events).
-std::mutex gOwnEventsMutex;
-std::map<Handle, cudaEvent_t>& ownEvents() {
+Mutex gOwnEventsMutex;
+std::map<Handle, cudaEvent_t>& ownEvents() TRELLIS_REQUIRES(gOwnEventsMutex) {
   static auto* m = new std::map<Handle, cudaEvent_t>();
   return *m;
 }
@@ -220,11 +220,12 @@ class State : public std::enable_shared_from_this<State> {
   explicit State(Options options) : options_(options) {}
   ~State();
 
-  Error describe(const Message::Tensor& t, std::string* record);
-  void enqueue(Job job);
+  Error describe(const Message::Tensor& t, std::string* record)
+      TRELLIS_EXCLUDES(mu_);
+  void enqueue(Job job) TRELLIS_EXCLUDES(mu_);
   // Ends the copy thread (joined, or detached when called on it) and fails
   // the copies still queued with CANCELLED.
-  void stop();
+  void stop() TRELLIS_EXCLUDES(mu_);
 
  private:
   struct Opened {
@@ -241,7 +242,7 @@ class State : public std::enable_shared_from_this<State> {
     size_t next = 0;
   };
 
-  void run();
+  void run() TRELLIS_EXCLUDES(mu_);
   Error copy(Job& job);
   Error openMemory(const Record& r, int device, const std::string& who,
                    uintptr_t* base, size_t* size);
@@ -253,12 +254,12 @@ class State : public std::enable_shared_from_this<State> {
 
   const Options options_;
 
-  std::mutex mu_;  // the queue, the thread and the writer's events
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stopping_ = false;
-  std::thread thread_;
-  std::map<int, WriterDevice> writers_;
+  Mutex mu_;  // the queue, the thread and the writer's events
+  CondVar cv_;
+  std::deque<Job> jobs_ TRELLIS_GUARDED_BY(mu_);
+  bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
+  std::thread thread_ TRELLIS_GUARDED_BY(mu_);
+  std::map<int, WriterDevice> writers_ TRELLIS_GUARDED_BY(mu_);
 
   // Copy thread only (and the destructor, after it has ended).
   using MemoryKey = std::tuple<uint64_t, uint64_t, Handle, int>;
@@ -286,7 +287,7 @@ State::~State() {
   for (auto& [device, w] : writers_) {
     for (auto& slot : w.events) {
       {
-        std::lock_guard<std::mutex> l(gOwnEventsMutex);
+        MutexLock l(gOwnEventsMutex);
         ownEvents().erase(slot.handle);
       }
       cudaEventDestroy(slot.event);
@@ -329,7 +330,7 @@ Error State::describe(const Message::Tensor& t, std::string* out) {
   Record r;
   cudaError_t e = cudaSuccess;
   {
-    std::lock_guard<std::mutex> l(gExportedMutex);
+    MutexLock l(gExportedMutex);
     auto it = exported().find(id);
     if (it != exported().end()) {
       r.memHandle = it->second;
@@ -360,7 +361,7 @@ Error State::describe(const Message::Tensor& t, std::string* out) {
   r.bufferId = id;
   r.baseAddress = base;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     WriterDevice& w = writers_[device];
     if (w.events.size() < kEventsPerDevice) {
       EventSlot slot;
@@ -377,7 +378,7 @@ Error State::describe(const Message::Tensor& t, std::string* out) {
       }
       slot.handle = toBytes(h);
       {
-        std::lock_guard<std::mutex> g(gOwnEventsMutex);
+        MutexLock g(gOwnEventsMutex);
         ownEvents()[slot.handle] = slot.event;
       }
       w.events.push_back(slot);
@@ -399,7 +400,7 @@ Error State::describe(const Message::Tensor& t, std::string* out) {
 void State::enqueue(Job job) {
   Channel::OutOfBandCallback refused;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     if (stopping_) {
       refused = std::move(job.done);
     } else {
@@ -414,19 +415,19 @@ void State::enqueue(Job job) {
   if (refused) {
     refused(Error::cancelled("cuda_ipc: channel closed"));
   }
-  cv_.notify_one();
+  cv_.notifyOne();
 }
 
 void State::stop() {
   std::deque<Job> left;
   std::thread t;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     stopping_ = true;
     left.swap(jobs_);
     t = std::move(thread_);
   }
-  cv_.notify_all();
+  cv_.notifyAll();
   if (t.joinable()) {
     if (t.get_id() != std::this_thread::get_id()) {
       t.join();  // bounded: a copy gives up after copyTimeout
@@ -444,9 +445,10 @@ void State::run() {
   for (;;) {
     Job job;
     {
-      std::unique_lock<std::mutex> l(mu_);
+      MutexLock l(mu_);
       while (!stopping_ && jobs_.empty()) {
-        cv_.wait_for(l, std::chrono::seconds(1));
+        (void)cv_.waitUntil(
+            mu_, std::chrono::steady_clock::now() + std::chrono::seconds(1));
       }
       if (stopping_) {
         return;
@@ -485,7 +487,7 @@ Error State::openMemory(const Record& r, int device, const std::string& who,
     uint64_t id = 0;
     bool exportedHere = false;
     {
-      std::lock_guard<std::mutex> l(gExportedMutex);
+      MutexLock l(gExportedMutex);
       auto it = exported().find(r.bufferId);
       exportedHere = it != exported().end() && it->second == r.memHandle;
     }
@@ -535,7 +537,7 @@ Error State::openMemory(const Record& r, int device, const std::string& who,
 Error State::openEvent(const Record& r, int device, const std::string& who,
                        cudaEvent_t* event) {
   if (r.writerPid == static_cast<uint64_t>(::getpid())) {
-    std::lock_guard<std::mutex> l(gOwnEventsMutex);
+    MutexLock l(gOwnEventsMutex);
     auto it = ownEvents().find(r.eventHandle);
     if (it == ownEvents().end()) {
       return Error(Code::kDataLoss, "cuda_ipc: the record from " + who +

@@ -8,8 +8,8 @@
 #include <uv.h>
 
 #include <trellis/core/logging.h>
-#include <trellis/transport/transport.h>
 #include <trellis/transport/lifecycle.h>
+#include <trellis/transport/transport.h>
 #include <trellis/transport/uv/factory.h>
 
 namespace trellis::transport::uv {
