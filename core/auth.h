@@ -57,7 +57,8 @@ Nonce randomNonce();
 Mac hmacSha256(std::span<const uint8_t> key, std::span<const uint8_t> data);
 
 // Constant time in the length of the inputs; false when lengths differ.
-bool constantTimeEqual(std::span<const uint8_t> a, std::span<const uint8_t> b);
+[[nodiscard]] bool constantTimeEqual(std::span<const uint8_t> a,
+                                     std::span<const uint8_t> b);
 
 // proof(role, first, second) as defined above.
 Mac computeProof(const JobToken& token, std::string_view role,

@@ -62,7 +62,10 @@ struct RemoteOrigin {
   std::string exceptionType;  // e.g. "std::out_of_range"
 };
 
-class Error {
+// [[nodiscard]], as absl::Status: every function returning an Error
+// (OK or not) warns when the caller drops it. Where dropping is meant,
+// say so: `(void)f();  // why`.
+class [[nodiscard]] Error {
  public:
   Error() = default;  // success
   Error(Code code, std::string message,

@@ -110,7 +110,7 @@ class FutureState {
   }
 
   // False when `tp` passed first.
-  bool waitUntil(Clock::time_point tp) TRELLIS_EXCLUDES(mu_) {
+  [[nodiscard]] bool waitUntil(Clock::time_point tp) TRELLIS_EXCLUDES(mu_) {
     MutexLock lock(mu_);
     while (!done_.load(std::memory_order_relaxed)) {
       if (!cv_.waitUntil(mu_, tp)) {
@@ -197,7 +197,7 @@ class [[nodiscard]] Future {
 
   // Non-throwing wait: true once complete (with a value or an error).
   template <typename Rep, typename Period>
-  bool waitFor(std::chrono::duration<Rep, Period> timeout) const {
+  [[nodiscard]] bool waitFor(std::chrono::duration<Rep, Period> timeout) const {
     return state_->waitUntil(
         Deadline::after(std::chrono::duration_cast<Duration>(timeout))
             .timePoint());

@@ -95,7 +95,7 @@ class WireReader {
  private:
   WireReader(std::span<const uint8_t> data, std::string what, size_t base,
              WireReader* parent);
-  bool need(size_t n, std::string_view field);
+  [[nodiscard]] bool need(size_t n, std::string_view field);
 
   std::span<const uint8_t> data_;
   size_t pos_ = 0;

@@ -39,7 +39,7 @@ class FileStore final : public Store {
   int64_t add(const std::string& key, int64_t delta) override;
   Bytes compareSet(const std::string& key, std::span<const uint8_t> expected,
                    std::span<const uint8_t> desired) override;
-  bool check(const std::vector<std::string>& keys) override;
+  [[nodiscard]] bool check(const std::vector<std::string>& keys) override;
   bool deleteKey(const std::string& key) override;
   int64_t numKeys() override;
   void wait(const std::vector<std::string>& keys,

@@ -68,7 +68,7 @@ class Store {
                          std::string_view desired);
 
   // True when every key exists; never blocks.
-  virtual bool check(const std::vector<std::string>& keys) = 0;
+  [[nodiscard]] virtual bool check(const std::vector<std::string>& keys) = 0;
 
   // Removes `key`; true when it existed.
   virtual bool deleteKey(const std::string& key) = 0;

@@ -422,7 +422,8 @@ std::shared_ptr<Context> Context::create(ContextOptions options) {
     impl->applyFilters();
   } catch (...) {
     impl->close();
-    impl->join(Deadline::never());
+    // Cannot fail: no deadline, and this is not the loop thread.
+    (void)impl->join(Deadline::never());
     throw;
   }
   return std::shared_ptr<Context>(new Context(std::move(impl)));

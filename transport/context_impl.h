@@ -98,7 +98,7 @@ class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
   void dropUpgrade(const auth::Nonce& token);
 
   void close();
-  bool join(Deadline deadline);
+  [[nodiscard]] bool join(Deadline deadline);
 
  private:
   struct Entry {

@@ -147,8 +147,9 @@ class Handshake {
   // established); false when it stays (no longer kAwaitBind, or the bind
   // is refused: wrong token or proof, or `bootstrapBytesPending`, bytes the
   // connector sent on the first connection after the accept).
-  bool bind(const wire_format::BindMessage& bind, const std::string& bindPeer,
-            bool bootstrapBytesPending);
+  [[nodiscard]] bool bind(const wire_format::BindMessage& bind,
+                          const std::string& bindPeer,
+                          bool bootstrapBytesPending);
   // Acceptor, kAwaitBind: stay on the first connection (queues the "stay"
   // decision); `why` is kept in stayReason().
   void stay(const std::string& why);

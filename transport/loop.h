@@ -93,7 +93,7 @@ class Loop {
   void stopFromLoop() TRELLIS_EXCLUDES(mu_);
 
   // Waits for the loop thread to finish, until `deadline`.
-  bool join(Deadline deadline) TRELLIS_EXCLUDES(joinMu_);
+  [[nodiscard]] bool join(Deadline deadline) TRELLIS_EXCLUDES(joinMu_);
 
  private:
   explicit Loop(std::string id);

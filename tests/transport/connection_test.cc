@@ -108,7 +108,8 @@ class ConnectionContract : public ::testing::TestWithParam<ConnBackend> {
       listener_.reset();
       loop_->stopFromLoop();
     });
-    loop_->join(Deadline::after(kWait));
+    EXPECT_TRUE(loop_->join(Deadline::after(kWait)))
+        << "loop thread still running after stopFromLoop()";
   }
 
   std::shared_ptr<Transport> transport_;

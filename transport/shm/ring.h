@@ -97,7 +97,7 @@ class RingWriter {
   void setWaiting(bool on);
   // After publishing: true if the consumer asked to be woken (the flag is
   // cleared, so one wake-up per sleep).
-  bool takeConsumerWaiting();
+  [[nodiscard]] bool takeConsumerWaiting();
   uint64_t head() const { return head_; }
 
  private:
@@ -122,7 +122,7 @@ class RingReader {
   // publishes the new tail. Returns the bytes copied.
   size_t read(void* dst, size_t n);
   void setWaiting(bool on);
-  bool takeProducerWaiting();
+  [[nodiscard]] bool takeProducerWaiting();
   uint64_t tail() const { return tail_; }
 
  private:

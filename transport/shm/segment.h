@@ -82,8 +82,8 @@ Error sendWithFds(int sock, const uint8_t* data, size_t len, const int* fds,
 // Reads what is there of a setup message into buf[*got, want), collecting
 // the descriptors that come with it. False at EOF or on an error (then
 // *error says which), true otherwise, *got < want meaning more to come.
-bool receiveWithFds(int sock, uint8_t* buf, size_t want, size_t* got,
-                    std::vector<int>* fds, const std::string& peer,
-                    Error* error);
+[[nodiscard]] bool receiveWithFds(int sock, uint8_t* buf, size_t want,
+                                  size_t* got, std::vector<int>* fds,
+                                  const std::string& peer, Error* error);
 
 }  // namespace trellis::transport::shm
