@@ -456,11 +456,12 @@ void Context::registerChannel(int priority, std::shared_ptr<Channel> channel) {
 
 std::shared_ptr<Listener> Context::listen(
     const std::vector<std::string>& addresses) {
-  return std::make_shared<Listener>(impl_->listen(addresses));
+  return std::make_shared<Listener>(Listener::Passkey(),
+                                    impl_->listen(addresses));
 }
 
 std::shared_ptr<Pipe> Context::connect(const std::string& address) {
-  return std::make_shared<Pipe>(impl_->connect(address));
+  return std::make_shared<Pipe>(Pipe::Passkey(), impl_->connect(address));
 }
 
 void Context::close() { impl_->close(); }

@@ -70,7 +70,7 @@ struct ContextOptions {
   Duration handshakeTimeout = std::chrono::seconds(30);
 };
 
-class Context {
+class Context final {
  public:
   // Throws InvalidArgumentError for a bad option or environment variable.
   static std::shared_ptr<Context> create(ContextOptions options = {});

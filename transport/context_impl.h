@@ -49,7 +49,7 @@ void destructorNoThrow(const std::string& who, Fn&& fn) noexcept {
 // "boot_id/ipc-namespace": equal only for processes that can share memory.
 std::string localHostId();
 
-class ContextImpl : public std::enable_shared_from_this<ContextImpl> {
+class ContextImpl final : public std::enable_shared_from_this<ContextImpl> {
  public:
   explicit ContextImpl(ContextOptions options);
   ~ContextImpl();

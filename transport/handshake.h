@@ -87,7 +87,7 @@ struct HandshakeOptions {
   std::function<auth::Nonce()> nonce;
 };
 
-class Handshake {
+class Handshake final {
  public:
   enum class State {
     kAwaitHello,       // acceptor

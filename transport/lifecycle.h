@@ -25,7 +25,7 @@
 
 namespace trellis::transport {
 
-class Lifecycle {
+class Lifecycle final {
  public:
   explicit Lifecycle(Loop& loop) : loop_(loop) {}
   Lifecycle(const Lifecycle&) = delete;
@@ -75,7 +75,7 @@ class Lifecycle {
 // Callbacks of one kind waiting on an object, served in order. Each leaves
 // the queue exactly once: pop() (the owner completes it) or failAll().
 template <typename... Args>
-class PendingCallbacks {
+class PendingCallbacks final {
  public:
   using Callback = std::function<void(const Error&, Args...)>;
 

@@ -7,7 +7,7 @@ namespace trellis::transport {
 
 // ---- public handle ---------------------------------------------------------
 
-Listener::Listener(std::shared_ptr<ListenerImpl> impl)
+Listener::Listener(Passkey, std::shared_ptr<ListenerImpl> impl)
     : impl_(std::move(impl)) {}
 Listener::~Listener() {
   destructorNoThrow(impl_->id(), [this] { impl_->close(); });
@@ -102,7 +102,7 @@ void ListenerImpl::serveFromLoop() {
     auto cb = accepts_.pop();
     auto p = std::move(ready_.front());
     ready_.pop_front();
-    auto handle = std::make_shared<Pipe>(std::move(p));
+    auto handle = std::make_shared<Pipe>(Pipe::Passkey(), std::move(p));
     ctx_->loop().deliver([cb = std::move(cb), handle = std::move(handle)] {
       cb(Error(), handle);
     });

@@ -26,14 +26,22 @@
 
 namespace trellis::transport {
 
+class Context;
 class ListenerImpl;
 
-class Listener {
+// Made only by Context::listen().
+class Listener final {
  public:
   using AcceptCallback =
       std::function<void(const Error&, std::shared_ptr<Pipe>)>;
 
-  explicit Listener(std::shared_ptr<ListenerImpl> impl);
+  // Only Context can make a Passkey, so only it can construct a Listener
+  // (through std::make_shared, which needs a public constructor).
+  class Passkey {
+    Passkey() = default;
+    friend class Context;
+  };
+  Listener(Passkey, std::shared_ptr<ListenerImpl> impl);
   ~Listener();
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;

@@ -19,7 +19,7 @@ namespace trellis::transport {
 
 class UpgradeBinder;
 
-class ListenerImpl : public std::enable_shared_from_this<ListenerImpl> {
+class ListenerImpl final : public std::enable_shared_from_this<ListenerImpl> {
  public:
   ListenerImpl(std::shared_ptr<ContextImpl> ctx, std::string id);
   // Loop thread.

@@ -19,7 +19,7 @@
 
 namespace trellis::transport {
 
-class Loop {
+class Loop final {
  public:
   using Task = std::function<void()>;
 
@@ -147,7 +147,7 @@ class Loop {
 
 // A one-shot timer on a loop. Loop thread only. `fn` runs once unless
 // cancel() is called first; the object frees itself.
-class LoopTimer {
+class LoopTimer final {
  public:
   static LoopTimer* start(Loop& loop, Duration after, std::function<void()> fn);
   void cancel();

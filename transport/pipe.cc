@@ -11,7 +11,7 @@ namespace wf = wire_format;
 
 // ---- public handle ---------------------------------------------------------
 
-Pipe::Pipe(std::shared_ptr<PipeImpl> impl) : impl_(std::move(impl)) {}
+Pipe::Pipe(Passkey, std::shared_ptr<PipeImpl> impl) : impl_(std::move(impl)) {}
 Pipe::~Pipe() {
   destructorNoThrow(impl_->id(), [this] { impl_->close(); });
 }
@@ -45,19 +45,19 @@ PipeImpl::PipeImpl(std::shared_ptr<ContextImpl> ctx, std::string id,
 PipeImpl::~PipeImpl() = default;
 
 std::string PipeImpl::peerAddress() const {
-  std::lock_guard<std::mutex> lock(infoMu_);
+  MutexLock lock(infoMu_);
   return peer_;
 }
 std::string PipeImpl::transportName() const {
-  std::lock_guard<std::mutex> lock(infoMu_);
+  MutexLock lock(infoMu_);
   return negotiated_.transport;
 }
 std::string PipeImpl::channelName() const {
-  std::lock_guard<std::mutex> lock(infoMu_);
+  MutexLock lock(infoMu_);
   return negotiated_.channel;
 }
 std::string PipeImpl::channelName(DeviceType type) const {
-  std::lock_guard<std::mutex> lock(infoMu_);
+  MutexLock lock(infoMu_);
   return type == DeviceType::kCuda ? negotiated_.cudaChannel
                                    : negotiated_.channel;
 }
@@ -71,7 +71,7 @@ void PipeImpl::connectFromLoop(const std::string& address) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(infoMu_);
+    MutexLock lock(infoMu_);
     peer_ = address;
   }
   const size_t sep = address.find("://");
@@ -143,7 +143,7 @@ void PipeImpl::attach(std::shared_ptr<Connection> conn,
   conn_ = std::move(conn);
   bootstrap_ = transport;
   {
-    std::lock_guard<std::mutex> lock(infoMu_);
+    MutexLock lock(infoMu_);
     peer_ = conn_->peerAddress();
   }
   stage_.resize(kHandshakeStageBytes);
@@ -270,7 +270,7 @@ void PipeImpl::established() {
     timer_ = nullptr;
   }
   {
-    std::lock_guard<std::mutex> lock(infoMu_);
+    MutexLock lock(infoMu_);
     negotiated_ = n;
   }
   peerPid_ = handshake_->remote().pid;

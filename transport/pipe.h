@@ -48,16 +48,27 @@
 
 namespace trellis::transport {
 
+class Context;
+class ListenerImpl;
 class PipeImpl;
 
-class Pipe {
+// Made only by its Context: connect() and a listener's accept().
+class Pipe final {
  public:
   using WriteCallback = std::function<void(const Error&)>;
   using ReadDescriptorCallback =
       std::function<void(const Error&, Descriptor descriptor)>;
   using ReadCallback = std::function<void(const Error&)>;
 
-  explicit Pipe(std::shared_ptr<PipeImpl> impl);
+  // Only Context and its listeners can make a Passkey, so only they can
+  // construct a Pipe (through std::make_shared, which needs a public
+  // constructor).
+  class Passkey {
+    Passkey() = default;
+    friend class Context;
+    friend class ListenerImpl;
+  };
+  Pipe(Passkey, std::shared_ptr<PipeImpl> impl);
   ~Pipe();
   Pipe(const Pipe&) = delete;
   Pipe& operator=(const Pipe&) = delete;

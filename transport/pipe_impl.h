@@ -23,8 +23,8 @@
 
 namespace trellis::transport {
 
-class PipeImpl : public std::enable_shared_from_this<PipeImpl>,
-                 private ReadSink {
+class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
+                       private ReadSink {
  public:
   PipeImpl(std::shared_ptr<ContextImpl> ctx, std::string id, bool connector);
   ~PipeImpl() override;

@@ -18,8 +18,8 @@ namespace wf = wire_format;
 // and hands the connection to the pipe whose token it names. Anything else
 // (garbage, an unknown token, silence past the bound) closes that
 // connection only.
-class UpgradeBinder : public std::enable_shared_from_this<UpgradeBinder>,
-                      private ReadSink {
+class UpgradeBinder final : public std::enable_shared_from_this<UpgradeBinder>,
+                            private ReadSink {
  public:
   UpgradeBinder(std::shared_ptr<ListenerImpl> listener,
                 std::shared_ptr<Connection> conn)

@@ -5,7 +5,7 @@ namespace trellis::transport::basic {
 
 namespace {
 
-class BasicChannel : public Channel {
+class BasicChannel final : public Channel {
  public:
   std::string name() const override { return "basic"; }
   Error viable() const override { return Error(); }

@@ -69,7 +69,7 @@ Error probe() {
 // Worker threads for the copies. Started on first use, so contexts that
 // never read by cma cost no threads. Tasks run to the end: the destructor
 // drains the queue, so every posted copy calls back.
-class CopyPool {
+class CopyPool final {
  public:
   explicit CopyPool(size_t threads) : threads_(std::max<size_t>(threads, 1)) {}
   CopyPool(const CopyPool&) = delete;
@@ -221,7 +221,7 @@ struct Job {
   Channel::OutOfBandCallback done;
 };
 
-class CmaChannel : public Channel {
+class CmaChannel final : public Channel {
  public:
   explicit CmaChannel(Options options)
       : options_(options), pool_(options.copyThreads) {}

@@ -54,7 +54,7 @@ std::string deviceName(int index) { return "cuda:" + std::to_string(index); }
 // Always calls cudaSetDevice, even for the current device: on a thread that
 // has made no runtime call yet (the loop thread, the copy thread) that is
 // what makes the device's primary context current for the driver calls.
-class DeviceScope {
+class DeviceScope final {
  public:
   explicit DeviceScope(int device) {
     if (cudaGetDevice(&previous_) != cudaSuccess) {
@@ -215,7 +215,7 @@ struct Job {
 
 // Everything the channel owns, shared with its copy thread so that the
 // channel may be dropped on any thread, that one included.
-class State : public std::enable_shared_from_this<State> {
+class State final : public std::enable_shared_from_this<State> {
  public:
   explicit State(Options options) : options_(options) {}
   ~State();
@@ -669,7 +669,7 @@ Error State::copy(Job& job) {
   return err;
 }
 
-class CudaIpcChannel : public Channel {
+class CudaIpcChannel final : public Channel {
  public:
   explicit CudaIpcChannel(Options options)
       : state_(std::make_shared<State>(options)) {}

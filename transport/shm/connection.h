@@ -24,8 +24,8 @@
 
 namespace trellis::transport::shm {
 
-class ShmConnection : public Connection,
-                      public std::enable_shared_from_this<ShmConnection> {
+class ShmConnection final : public Connection,
+                            public std::enable_shared_from_this<ShmConnection> {
  public:
   using SetupCallback = Transport::ConnectCallback;
 

@@ -81,7 +81,7 @@ static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);
 
 // The writing end. `control` and `data` point into the mapped segment.
-class RingWriter {
+class RingWriter final {
  public:
   RingWriter() = default;
   RingWriter(RingControl* control, char* data, size_t capacity);
@@ -110,7 +110,7 @@ class RingWriter {
 };
 
 // The reading end.
-class RingReader {
+class RingReader final {
  public:
   RingReader() = default;
   RingReader(RingControl* control, const char* data, size_t capacity);

@@ -29,7 +29,7 @@ bool isEventFd(int fd);
 
 // The mapping and the two eventfds of one connection. Owns them: unmaps
 // and closes on reset() and destruction. Move-only.
-class Segment {
+class Segment final {
  public:
   Segment() = default;
   ~Segment() { reset(); }

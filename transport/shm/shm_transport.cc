@@ -77,7 +77,7 @@ struct ListenState {
   std::unordered_set<std::shared_ptr<ShmConnection>> pending;
 };
 
-class ShmListener : public ConnectionListener {
+class ShmListener final : public ConnectionListener {
  public:
   explicit ShmListener(std::shared_ptr<ListenState> state)
       : state_(std::move(state)) {}
@@ -238,7 +238,7 @@ Error probe() {
   return Error();
 }
 
-class ShmTransport : public Transport {
+class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(Options opts) : opts_(opts) {}
 

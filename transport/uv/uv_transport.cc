@@ -96,8 +96,8 @@ std::string formatAddress(const sockaddr_storage& ss) {
   return std::string(kScheme) + host + ":" + std::to_string(ntohs(a->sin_port));
 }
 
-class UvConnection : public Connection,
-                     public std::enable_shared_from_this<UvConnection> {
+class UvConnection final : public Connection,
+                           public std::enable_shared_from_this<UvConnection> {
  public:
   explicit UvConnection(Loop& loop) : loop_(loop), life_(loop) {
     uv_tcp_init(loop.uv(), &tcp_);
@@ -284,7 +284,7 @@ class UvConnection : public Connection,
   std::shared_ptr<UvConnection> self_;
 };
 
-class UvListener : public ConnectionListener {
+class UvListener final : public ConnectionListener {
  public:
   UvListener(Loop& loop, Transport::AcceptCallback cb)
       : loop_(loop), cb_(std::move(cb)) {
@@ -358,7 +358,7 @@ class UvListener : public ConnectionListener {
   std::string address_;
 };
 
-class UvTransport : public Transport {
+class UvTransport final : public Transport {
  public:
   std::string name() const override { return "uv"; }
   Error viable() const override { return Error(); }
