@@ -3,6 +3,7 @@
 // token), and PrefixStore over each of those.
 #include <atomic>
 #include <functional>
+#include <future>
 #include <memory>
 #include <thread>
 
@@ -242,13 +243,39 @@ TEST_P(StoreContractTest, GetBlocksUntilAddCreatesTheKey) {
 }
 
 TEST_P(StoreContractTest, WaitWithZeroTimeoutMeansNone) {
+  // A wait that fell back to this short default would throw within 100 ms.
+  store_->setTimeout(100ms);
   auto other = client();
-  std::thread setter([&] {
-    std::this_thread::sleep_for(30ms);
-    other->set("z", "1");
+  // The waiter runs aside, holding its own reference to the store, so a
+  // wait that never returns fails this test instead of hanging it.
+  std::shared_ptr<Store> waiter = store_;
+  auto outcome = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> result = outcome->get_future();
+  std::thread t([waiter, outcome] {
+    std::string what = "returned";
+    try {
+      waiter->wait({"z"}, 0ms);
+    } catch (const std::exception& e) {
+      what = std::string("threw: ") + e.what();
+    }
+    outcome->set_value(what);
   });
-  store_->wait({"z"}, 0ms);
-  setter.join();
+  // Negative check: give a wait that wrongly used the 100 ms default three
+  // times that to throw. Still pending is the only correct state.
+  const bool early = result.wait_for(300ms) == std::future_status::ready;
+  other->set("z", "1");
+  const bool back = result.wait_for(10s) == std::future_status::ready;
+  if (!back) {
+    // Hung: the thread owns `waiter` and the promise; leave it rather
+    // than hang (it ends with the test binary).
+    t.detach();
+    FAIL() << "wait({\"z\"}, 0ms) did not return within 10 s of the set";
+  }
+  t.join();
+  const std::string got = result.get();
+  EXPECT_FALSE(early) << "wait with 0 = no timeout ended before the set: "
+                      << got;
+  EXPECT_EQ(got, "returned");
   EXPECT_TRUE(store_->check({"z"}));
 }
 
