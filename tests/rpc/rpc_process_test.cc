@@ -12,6 +12,7 @@
 #include <future>
 #include <memory>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sstream>
 #include <string>
 #include <sys/socket.h>
@@ -94,6 +95,54 @@ TEST(RpcProcess, CalleeKilledMidCallFailsTheCallerOnlyForIt) {
   const auto s2 = job[2].wait(20000);
   EXPECT_TRUE(exitedZero(s0)) << job.stderrOf(0);
   EXPECT_TRUE(exitedZero(s2)) << job.stderrOf(2);
+}
+
+// A callee that hangs (SIGSTOP: its process and sockets stay, nothing
+// answers) fails the caller's call with a TimeoutError naming it and the
+// function, within the call's timeout plus a margin, while calls to a
+// third worker in the same period succeed. SIGCONT brings it back.
+TEST(RpcProcess, StoppedCalleeTimesOutNamingItWhileOtherCallsGoOn) {
+  RpcJob job("stop", 3, {"{dir}/stopped", "{dir}/continued"});
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(lineStartingWith(job[r], "ready", 60000), "ready")
+        << "rank " << r << ":\n"
+        << job.stderrOf(r);
+  }
+  ASSERT_EQ(lineStartingWith(job[0], "warm", 60000), "warm") << job.stderrOf(0);
+  ASSERT_EQ(::kill(job[1].pid, SIGSTOP), 0);  // a pid this test started
+  // If anything below fails, ~Job SIGKILLs (which ends a stopped process
+  // too) and reaps the three processes it started, by pid.
+  ASSERT_TRUE(waitUntilStopped(job[1].pid, 5000ms));
+  std::ofstream(job.path("stopped")) << "stopped\n";
+
+  const std::string err = lineStartingWith(job[0], "TimeoutError", 30000);
+  ASSERT_FALSE(err.empty()) << job.stderrOf(0);
+  EXPECT_NE(err.find("w1"), std::string::npos) << err;
+  EXPECT_NE(err.find("addInts"), std::string::npos) << err;
+  const std::string took = lineStartingWith(job[0], "timeout_ms ", 1000);
+  ASSERT_FALSE(took.empty()) << job.stderrOf(0);
+  const int ms = std::stoi(took.substr(11));
+  std::printf("call to the stopped w1 failed after %d ms (timeout 1000 ms)\n",
+              ms);
+  EXPECT_GE(ms, 1000);   // the timeout was honoured...
+  EXPECT_LT(ms, 10000);  // ...and fired: a hang bound, 10x, not a speed check
+  const std::string third = lineStartingWith(job[0], "third ", 1000);
+  ASSERT_EQ(third.rfind("third ok ", 0), 0u) << third;
+  const int ok = std::stoi(third.substr(9));
+  EXPECT_GE(ok, 1) << third;
+  EXPECT_NE(third.find(" failed 0"), std::string::npos) << third << "\n"
+                                                        << job.stderrOf(0);
+
+  ASSERT_EQ(::kill(job[1].pid, SIGCONT), 0);
+  std::ofstream(job.path("continued")) << "continued\n";
+  EXPECT_EQ(lineStartingWith(job[0], "after", 30000), "after 3")
+      << job.stderrOf(0) << job.stderrOf(1);
+  const auto status = job.waitAll(60s);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(exitedZero(status[r]))
+        << "rank " << r << " status " << status[r] << "\n"
+        << job.stderrOf(r);
+  }
 }
 
 TEST(RpcProcess, WorkerDyingDuringGracefulShutdownFailsItNamingTheWorker) {

@@ -16,6 +16,13 @@
 //           graceful shutdown with the default options, which must fail
 //           at once naming w2 ("shutdown <type> <ms> <what>"; exit 3). w0
 //           serves the store: it stays until the file argv[3] exists.
+//   stop    3 workers. w0 calls w1 and w2 once ("warm"); once the file
+//           argv[2] exists (the test has SIGSTOPped w1 by then) it calls
+//           w1 with a 1 s timeout and, while that call is pending, calls
+//           w2 again and again: "TimeoutError <what>", "timeout_ms <ms>",
+//           "third ok <n> failed <m>". Once the file argv[3] exists (w1
+//           has been SIGCONTed) it calls w1 again ("after <sum>") and
+//           lets w1 and w2 finish.
 
 #include <atomic>
 #include <chrono>
@@ -350,6 +357,78 @@ int scenarioServe(int32_t rank, const std::string& goFile) {
 
 }  // namespace
 
+int scenarioStop(int32_t rank, const std::string& stoppedFile,
+                 const std::string& continuedFile) {
+  if (rank != 0) {
+    say("ready");
+    const bool told = waitFinish(60s);
+    rpc::shutdown({.graceful = false});
+    return told ? 0 : 1;
+  }
+  say("ready");
+  // Pipes to both exist before w1 stops: the common case of a peer that
+  // hangs mid-job.
+  if (rpc::rpcSync<addInts>("w1", 1, 1) != 2 ||
+      rpc::rpcSync<addInts>("w2", 1, 1) != 2) {
+    say("bad warm-up reply");
+    return 1;
+  }
+  say("warm");
+  if (!waitForFile(stoppedFile, 30s)) {
+    say("never told w1 stopped");
+    return 1;
+  }
+  const auto start = Clock::now();
+  auto stopped = rpc::rpcAsync<addInts>({"w1", 1s}, int64_t{1}, int64_t{2});
+  int ok = 0;
+  int failed = 0;
+  // At least one call to w2 while the call to w1 is pending (it cannot
+  // complete before 1 s), and more until it fails; bounded.
+  do {
+    try {
+      if (rpc::rpcSync<addInts>({"w2", 10s}, int64_t{ok}, int64_t{1}) ==
+          ok + 1) {
+        ++ok;
+      } else {
+        ++failed;
+      }
+    } catch (const std::exception& e) {
+      ++failed;
+      std::fprintf(stderr, "call to w2 failed: %s\n", e.what());
+    }
+  } while (!stopped.waitFor(0ms) && Clock::now() - start < 30s);
+  try {
+    stopped.wait(30s);
+    say("no error");
+    return 1;
+  } catch (const trellis::TimeoutError& e) {
+    const auto took = Clock::now() - start;
+    say(std::string("TimeoutError ") + e.what());
+    say("timeout_ms " +
+        std::to_string(
+            std::chrono::duration_cast<std::chrono::milliseconds>(took)
+                .count()));
+  } catch (const std::exception& e) {
+    say(std::string("wrong error ") + e.what());
+    return 1;
+  }
+  say("third ok " + std::to_string(ok) + " failed " + std::to_string(failed));
+  if (!waitForFile(continuedFile, 30s)) {
+    say("never told w1 continued");
+    return 1;
+  }
+  say("after " + std::to_string(rpc::rpcSync<addInts>({"w1", 20s}, 1, 2)));
+  for (const char* peer : {"w1", "w2"}) {
+    try {
+      rpc::rpcSync<finish>({peer, 20s});
+    } catch (const trellis::ConnectionError&) {
+      // It closed as soon as it was told, before its reply left.
+    }
+  }
+  rpc::shutdown({.graceful = false});
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: rpc_worker_helper SCENARIO [ARG]\n");
@@ -387,6 +466,9 @@ int main(int argc, char** argv) {
     }
     if (scenario == "leave" && argc > 3) {
       return scenarioLeave(rank, argv[2], argv[3]);
+    }
+    if (scenario == "stop" && argc > 3) {
+      return scenarioStop(rank, argv[2], argv[3]);
     }
     if (scenario == "serve") {
       return scenarioServe(rank, argc > 2 ? argv[2] : "");

@@ -211,4 +211,21 @@ inline std::string lineStartingWith(Child& c, const std::string& prefix,
   return "";
 }
 
+// True once /proc says `pid` is stopped (state T), within `limit`.
+inline bool waitUntilStopped(pid_t pid, std::chrono::milliseconds limit) {
+  const auto end = Clock::now() + limit;
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  while (Clock::now() < end) {
+    const std::string stat = readFile(path);
+    // "pid (comm) S ...": the state follows the last ')'.
+    const size_t paren = stat.rfind(')');
+    if (paren != std::string::npos && paren + 2 < stat.size() &&
+        stat[paren + 2] == 'T') {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
 }  // namespace trellis::rpc::testing
