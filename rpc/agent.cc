@@ -196,6 +196,10 @@ struct PendingCall {
   bool hasTimer = false;
   bool profiled = false;
   int64_t startUs = 0;
+  uint64_t thread = 0;  // profilerThreadId() of the caller
+  // Set when the caller is a profiled request's function: the events go
+  // to its reply instead of this process's profilers.
+  std::shared_ptr<NestedEvents> nested;
   bool completeOnLoop = false;
 };
 
@@ -265,7 +269,8 @@ struct Agent::Impl {
                      std::shared_ptr<pb::Envelope> env, Reply body,
                      Clock::time_point arrived);
   void respond(const std::shared_ptr<PipeState>& ps, const pb::Envelope& req,
-               const Future<AnyValue>& result, int64_t profileStartUs = 0);
+               const Future<AnyValue>& result, int64_t profileStartUs = 0,
+               std::shared_ptr<NestedEvents> nested = nullptr);
   // Removes the pending call `id` (sent on `pipe`) with its timer; empty
   // when it is gone (timed out, failed) or was sent on another pipe.
   std::optional<PendingCall> takePending(uint64_t id, const PipeState* pipe);
@@ -735,10 +740,13 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
     pc.function = std::string(spec.function);
     pc.pipe = ps.get();
     pc.timeout = timeout;
-    if (Profiler::active()) {
+    const auto& nested = NestedProfileScope::current();
+    if (nested != nullptr || Profiler::active()) {
       env.set_profile(true);
       pc.profiled = true;
       pc.startUs = profilerNowUs();
+      pc.thread = profilerThreadId();
+      pc.nested = nested;
     }
     bool wakeTimer = false;
     if (timeout > Duration::zero()) {
@@ -959,8 +967,14 @@ void Agent::Impl::handleRequest(const std::shared_ptr<PipeState>& ps,
                                 Clock::time_point arrived) {
   const FunctionEntry* entry = Registry::global().find(env->function());
   const int64_t profileStartUs = env->profile() ? profilerNowUs() : 0;
+  std::shared_ptr<NestedEvents> nested;
+  if (env->profile()) {
+    nested = std::make_shared<NestedEvents>();
+    nested->thread = profilerThreadId();
+  }
   auto fail = [&](Error e) {
-    respond(ps, *env, makeErrorFuture<AnyValue>(std::move(e)), profileStartUs);
+    respond(ps, *env, makeErrorFuture<AnyValue>(std::move(e)), profileStartUs,
+            nested);
   };
   if (env->timeout_us() > 0 &&
       Clock::now() - arrived >
@@ -1010,12 +1024,17 @@ void Agent::Impl::handleRequest(const std::shared_ptr<PipeState>& ps,
   auto context = hooks == nullptr ? nullptr : hooks->makeContext(body.from);
   auto run = [entry, body = std::move(body), autogradContext,
               receiver = std::move(receiver),
-              context = std::shared_ptr<CodecContext>(std::move(context))](
-                 void* target) mutable {
+              context = std::shared_ptr<CodecContext>(std::move(context)),
+              nested](void* target) mutable {
     Decoder dec(body.bytes, std::move(body.tensors), context.get());
     dec.setGradReceiver(receiver.get());
-    // Nested calls of the function join the caller's context.
+    // Nested calls of the function join the caller's context, and its
+    // profile when it is profiled.
     AutogradContextScope scope(autogradContext);
+    std::optional<NestedProfileScope> profile;
+    if (nested != nullptr) {
+      profile.emplace(nested);
+    }
     return entry->invoke(dec, target);
   };
   Future<AnyValue> result;
@@ -1060,18 +1079,20 @@ void Agent::Impl::handleRequest(const std::shared_ptr<PipeState>& ps,
     // The reply only confirms (or fails) the creation; no value travels.
     result = result.then([](const AnyValue&) { return AnyValue{}; });
   }
-  respond(ps, *env, result, profileStartUs);
+  respond(ps, *env, result, profileStartUs, std::move(nested));
 }
 
 void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
                           const pb::Envelope& req,
                           const Future<AnyValue>& result,
-                          int64_t profileStartUs) {
+                          int64_t profileStartUs,
+                          std::shared_ptr<NestedEvents> nested) {
   const uint64_t id = req.request_id();
   const int32_t peer = static_cast<int32_t>(req.from_worker());
   const uint64_t autogradContext = req.autograd_context_id();
   std::string function = req.function();
   result.addDoneCallback([this, ps, id, peer, profileStartUs, autogradContext,
+                          nested = std::move(nested),
                           function =
                               std::move(function)](const Future<AnyValue>& f) {
     CurrentAgentScope scope(self);
@@ -1086,7 +1107,19 @@ void Agent::Impl::respond(const std::shared_ptr<PipeState>& ps,
       ev->set_worker(me.name);
       ev->set_start_us(profileStartUs);
       ev->set_duration_us(profilerNowUs() - profileStartUs);
-      ev->set_thread(std::hash<std::thread::id>()(std::this_thread::get_id()));
+      // The thread that started running it; the nested calls' events
+      // (recorded before their futures completed) follow.
+      ev->set_thread(nested != nullptr ? nested->thread : 0);
+      if (nested != nullptr) {
+        for (auto& e : nested->take()) {
+          auto* n = env.add_events();
+          n->set_name(std::move(e.name));
+          n->set_worker(std::move(e.worker));
+          n->set_start_us(e.startUs);
+          n->set_duration_us(e.durationUs);
+          n->set_thread(e.thread);
+        }
+      }
     }
     auto context = hooks == nullptr ? nullptr : hooks->makeContext(peer);
     Encoder body(context.get());
@@ -1175,13 +1208,19 @@ void Agent::Impl::handleReply(PendingCall&& pc, const pb::Envelope& env,
                               Reply body) {
   if (pc.profiled) {
     const int64_t now = profilerNowUs();
-    Profiler::record(ProfileEvent{
+    auto record = [&pc](ProfileEvent e) {
+      if (pc.nested != nullptr) {
+        pc.nested->add(std::move(e));
+      } else {
+        Profiler::record(std::move(e));
+      }
+    };
+    record(ProfileEvent{
         "rpc#" + pc.function + " " + me.name + " -> " + workers[pc.to].name,
-        me.name, pc.startUs, now - pc.startUs,
-        std::hash<std::thread::id>()(std::this_thread::get_id())});
+        me.name, pc.startUs, now - pc.startUs, pc.thread});
     for (const auto& ev : env.events()) {
-      Profiler::record(ProfileEvent{ev.name(), ev.worker(), ev.start_us(),
-                                    ev.duration_us(), ev.thread()});
+      record(ProfileEvent{ev.name(), ev.worker(), ev.start_us(),
+                          ev.duration_us(), ev.thread()});
     }
   }
   if (env.has_error()) {

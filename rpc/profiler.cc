@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -26,7 +27,39 @@ Collector& collector() {
   return c;
 }
 
+std::atomic<uint64_t> gNextThreadId{1};
+thread_local uint64_t tThreadId = 0;
+thread_local std::shared_ptr<NestedEvents> tNested;
+
 }  // namespace
+
+uint64_t profilerThreadId() {
+  if (tThreadId == 0) {
+    tThreadId = gNextThreadId.fetch_add(1, std::memory_order_relaxed);
+  }
+  return tThreadId;
+}
+
+void NestedEvents::add(ProfileEvent event) {
+  std::lock_guard<std::mutex> lock(mu);
+  events.push_back(std::move(event));
+}
+
+std::vector<ProfileEvent> NestedEvents::take() {
+  std::vector<ProfileEvent> out;
+  std::lock_guard<std::mutex> lock(mu);
+  out.swap(events);
+  return out;
+}
+
+NestedProfileScope::NestedProfileScope(std::shared_ptr<NestedEvents> sink)
+    : previous_(std::exchange(tNested, std::move(sink))) {}
+
+NestedProfileScope::~NestedProfileScope() { tNested = std::move(previous_); }
+
+const std::shared_ptr<NestedEvents>& NestedProfileScope::current() {
+  return tNested;
+}
 
 int64_t profilerNowUs() {
   return std::chrono::duration_cast<std::chrono::microseconds>(

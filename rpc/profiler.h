@@ -17,10 +17,21 @@
 // the steady clock in microseconds: on one host all processes share it; across
 // hosts the remote events keep their own clock's offset (not corrected).
 //
+// A call made by a function that is itself being profiled on the callee
+// (a nested call) is profiled too, whether or not a Profiler is alive in
+// the callee's process: its events ride the outer reply, so the trace
+// shows the nested call inside the outer function's event, on its thread.
+//
+// Thread ids in events and traces are small per-process integers
+// (profilerThreadId()), not hashes: JSON viewers read numbers as doubles
+// and round anything above 2^53.
+//
 // Thread safety: all methods are thread-safe. Profilers may nest; each
 // sees the events recorded during its own lifetime.
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -31,7 +42,7 @@ struct ProfileEvent {
   std::string worker;  // where it ran
   int64_t startUs = 0;
   int64_t durationUs = 0;
-  uint64_t thread = 0;
+  uint64_t thread = 0;  // profilerThreadId() of the thread, in `worker`
 };
 
 class Profiler {
@@ -58,5 +69,39 @@ class Profiler {
 
 // Microseconds on the steady clock (the profiler's time base).
 int64_t profilerNowUs();
+
+// The calling thread's id in traces: 1, 2, 3... in the order threads first
+// ask, stable for the thread's life, never reused in the process, and so
+// far below 2^53.
+uint64_t profilerThreadId();
+
+// Used by the agent. The events of the calls a profiled request's function
+// makes, collected to ride that request's reply. `thread` is the
+// profilerThreadId() of the thread the function runs on.
+struct NestedEvents {
+  uint64_t thread = 0;
+  std::mutex mu;
+  std::vector<ProfileEvent> events;
+
+  void add(ProfileEvent event);
+  std::vector<ProfileEvent> take();
+};
+
+// Used by the agent. While alive, calls made on this thread are profiled
+// and their events go to `sink` (instead of this process's Profilers).
+// Scopes nest; the destructor restores the previous one. Not movable.
+class NestedProfileScope {
+ public:
+  explicit NestedProfileScope(std::shared_ptr<NestedEvents> sink);
+  ~NestedProfileScope();
+  NestedProfileScope(const NestedProfileScope&) = delete;
+  NestedProfileScope& operator=(const NestedProfileScope&) = delete;
+
+  // The calling thread's innermost sink; null outside any scope.
+  static const std::shared_ptr<NestedEvents>& current();
+
+ private:
+  std::shared_ptr<NestedEvents> previous_;
+};
 
 }  // namespace trellis::rpc

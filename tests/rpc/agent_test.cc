@@ -9,12 +9,15 @@
 #include <chrono>
 #include <future>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "agent_group.h"
 #include <trellis/core/error.h>
@@ -540,6 +543,87 @@ TEST(RpcProfiler, RecordsBothEndsAndExportsChromeTrace) {
   rpc::rpcSync<doNothing>("w1");
   rpc::Profiler later;
   EXPECT_TRUE(later.events().empty());
+}
+
+// Trace viewers parse JSON numbers as doubles: a thread id above 2^53 is
+// rounded (and two threads may merge). Ids are small per-process integers.
+TEST(RpcProfiler, ThreadIdsAreSmallStableAndDistinct) {
+  const uint64_t mine = rpc::profilerThreadId();
+  EXPECT_EQ(rpc::profilerThreadId(), mine);
+  std::mutex mu;
+  std::set<uint64_t> ids{mine};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      const uint64_t id = rpc::profilerThreadId();
+      EXPECT_EQ(rpc::profilerThreadId(), id);
+      std::lock_guard<std::mutex> lock(mu);
+      ids.insert(id);
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  EXPECT_EQ(ids.size(), 9u);
+  for (uint64_t id : ids) {
+    EXPECT_GT(id, 0u);
+    EXPECT_LT(id, uint64_t{1} << 53);
+  }
+}
+
+// w0 calls nestedSync on w1, which calls addInts on w2. In the exported
+// trace the nested call (w1's caller-side event) lies inside nestedSync's
+// event on w1, on the same thread row, and w2's addInts inside that.
+TEST(RpcProfiler, NestedCallIsNestedUnderTheOuterEventInTheTrace) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  std::string trace;
+  {
+    rpc::Profiler prof;
+    EXPECT_EQ(rpc::rpcSync<nestedSync>("w1", std::string("w2"), int64_t{5}),
+              105);
+    trace = prof.chromeTrace();
+  }
+  const auto json = nlohmann::json::parse(trace);
+  std::map<std::string, int> pidOf;
+  std::map<std::string, nlohmann::json> byName;
+  int spans = 0;
+  for (const auto& ev : json.at("traceEvents")) {
+    ASSERT_TRUE(ev.at("pid").is_number_integer()) << ev.dump();
+    if (ev.at("ph") == "M") {
+      pidOf[ev.at("args").at("name").get<std::string>()] =
+          ev.at("pid").get<int>();
+      continue;
+    }
+    ++spans;
+    ASSERT_TRUE(ev.at("tid").is_number_unsigned()) << ev.dump();
+    EXPECT_LT(ev.at("tid").get<uint64_t>(), uint64_t{1} << 53) << ev.dump();
+    byName[ev.at("name").get<std::string>()] = ev;
+  }
+  SCOPED_TRACE(trace);
+  ASSERT_EQ(spans, 4);
+  ASSERT_EQ(byName.count("rpc#nestedSync w0 -> w1"), 1u);
+  ASSERT_EQ(byName.count("nestedSync"), 1u);
+  ASSERT_EQ(byName.count("rpc#addInts w1 -> w2"), 1u);
+  ASSERT_EQ(byName.count("addInts"), 1u);
+  const auto& top = byName["rpc#nestedSync w0 -> w1"];
+  const auto& outer = byName["nestedSync"];
+  const auto& inner = byName["rpc#addInts w1 -> w2"];
+  const auto& leaf = byName["addInts"];
+  auto within = [](const nlohmann::json& in, const nlohmann::json& out) {
+    const int64_t s = in.at("ts"), e = s + in.at("dur").get<int64_t>();
+    const int64_t os = out.at("ts"), oe = os + out.at("dur").get<int64_t>();
+    return s >= os && e <= oe;
+  };
+  EXPECT_EQ(top.at("pid"), pidOf.at("w0"));
+  EXPECT_EQ(top.at("tid"), rpc::profilerThreadId());  // this thread called
+  EXPECT_EQ(outer.at("pid"), pidOf.at("w1"));
+  EXPECT_EQ(inner.at("pid"), pidOf.at("w1"));
+  EXPECT_EQ(inner.at("tid"), outer.at("tid"));  // the thread that ran it
+  EXPECT_EQ(leaf.at("pid"), pidOf.at("w2"));
+  EXPECT_TRUE(within(outer, top));
+  EXPECT_TRUE(within(inner, outer));
+  EXPECT_TRUE(within(leaf, inner));
 }
 
 }  // namespace
