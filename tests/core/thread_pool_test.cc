@@ -1,5 +1,5 @@
 #include <atomic>
-#include <latch>
+#include <future>
 #include <stdexcept>
 #include <thread>
 
@@ -54,19 +54,21 @@ TEST(ThreadPoolTest, DrainRunsEveryQueuedTask) {
   std::atomic<int> cancelled{0};
   {
     ThreadPool pool(1, "t");
-    std::latch started(1);
-    std::latch release(1);
-    pool.post([&](const Error&) {
-      started.count_down();
-      release.wait();
+    std::promise<void> started;
+    std::promise<void> release;
+    std::shared_future<void> released = release.get_future().share();
+    pool.post([&started, released](const Error&) {
+      started.set_value();
+      released.wait_for(std::chrono::seconds(30));  // bounded
     });
-    started.wait();
+    ASSERT_EQ(started.get_future().wait_for(std::chrono::seconds(10)),
+              std::future_status::ready);
     for (int i = 0; i < 100; ++i) {
       pool.post([&](const Error& e) { e.ok() ? ++ran : ++cancelled; });
     }
     EXPECT_EQ(pool.queued(), 100u);
     pool.shutdown(ThreadPool::ShutdownMode::kDrain);
-    release.count_down();
+    release.set_value();
     pool.join();
   }
   EXPECT_EQ(ran.load(), 100);
@@ -75,13 +77,15 @@ TEST(ThreadPoolTest, DrainRunsEveryQueuedTask) {
 
 TEST(ThreadPoolTest, CancelFailsEveryQueuedTaskExplicitly) {
   ThreadPool pool(1, "t");
-  std::latch started(1);
-  std::latch release(1);
-  pool.post([&](const Error&) {
-    started.count_down();
-    release.wait();
+  std::promise<void> started;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  pool.post([&started, released](const Error&) {
+    started.set_value();
+    released.wait_for(std::chrono::seconds(30));  // bounded
   });
-  started.wait();
+  ASSERT_EQ(started.get_future().wait_for(std::chrono::seconds(10)),
+            std::future_status::ready);
   std::vector<Future<int>> futures;
   for (int i = 0; i < 50; ++i) {
     futures.push_back(pool.submit([i] { return i; }));
@@ -93,7 +97,7 @@ TEST(ThreadPoolTest, CancelFailsEveryQueuedTaskExplicitly) {
     }
   });
   pool.shutdown(ThreadPool::ShutdownMode::kCancel);
-  release.count_down();
+  release.set_value();
   pool.join();
   for (auto& f : futures) {
     ASSERT_TRUE(f.completed());
