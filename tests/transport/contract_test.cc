@@ -428,7 +428,9 @@ TEST_P(TransportContract, MessagesWrittenBeforeThePeerClosedAreAllDelivered) {
   pp.clientPipe->close();
   pp.client->close();
   ASSERT_TRUE(pp.client->join(kWait));
-  // Give the end of the stream time to arrive before anything is read.
+  // Deliberate delay, not a wait for a condition: it lets the end of the
+  // stream reach the server pipe before anything is read, the harder case.
+  // A shorter delay only makes the test easier; it cannot make it fail.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   for (int i = 0; i < kCount; ++i) {
     auto r = readAsync(pp.serverPipe);
@@ -595,7 +597,8 @@ TEST_P(TransportContract, ConnectToNothingIsAConnectionError) {
     addr = l->address(GetParam().transport);
     l->close();
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // No sleep: close() and connect() run in call order on the context's one
+  // loop thread, so the listener is gone before the connect starts.
   auto p = ctx->connect(addr);
   EXPECT_THROW(writeAsync(*p, Message()).wait(kWait), ConnectionError);
 }
