@@ -62,11 +62,16 @@ at::Tensor addTensors(const at::Tensor& a, const at::Tensor& b) {
 }
 at::Tensor echoTensor(const at::Tensor& t) { return t; }
 int64_t answer() { return 42; }
+int64_t sleepMs(int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
 
 TRELLIS_REMOTE_FUNCTION(noop);
 TRELLIS_REMOTE_FUNCTION(addTensors);
 TRELLIS_REMOTE_FUNCTION(echoTensor);
 TRELLIS_REMOTE_FUNCTION(answer);
+TRELLIS_REMOTE_FUNCTION(sleepMs);
 
 namespace {
 
@@ -516,6 +521,26 @@ void rpcCaller(const Phase& p, store::Store& st) {
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
   us = timeCalls(flags.iters, [] { rpc::remote<answer>("callee").toHere(); });
   addLatency(pre + "_remote_tohere", us, pre + "_noop_rtt");
+
+  // How late a call's timeout fires past its deadline (the unit tests
+  // only check it is not early, and not hung): a 10 ms timeout on a
+  // function that sleeps 100 ms. Last, since the sleeps hold the callee's
+  // worker threads for a while.
+  {
+    constexpr auto kTimeout = std::chrono::milliseconds(10);
+    std::vector<double> late;
+    for (int i = 0; i < 20; ++i) {
+      const auto t0 = Clock::now();
+      try {
+        rpc::rpcSync<sleepMs>({"callee", kTimeout}, int64_t{100});
+        std::fprintf(stderr, "rpc_bench: a call did not time out\n");
+        std::exit(1);
+      } catch (const TimeoutError&) {
+        late.push_back(micros(Clock::now() - t0 - kTimeout));
+      }
+    }
+    addLatency(pre + "_timeout_10ms_overshoot", late, "");
+  }
 
   st.set("rpc/done", "1");
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
