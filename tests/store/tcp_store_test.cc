@@ -393,6 +393,9 @@ TEST(TcpStoreConnectTest, ClientStartedBeforeTheServerRetriesUntilItIsUp) {
     c.set("early", "bird");
     connected = true;
   });
+  // Deliberate delay, not a wait for a state: the client's first attempts
+  // find nothing listening (the case under test). Shorter only makes the
+  // test easier.
   std::this_thread::sleep_for(300ms);
   TCPStoreServerOptions so;
   so.port = port;
@@ -448,6 +451,9 @@ TEST(TcpStoreServerDeathTest, KilledServerFailsEveryClientPromptly) {
       }
     });
   });
+  // Deliberate delay: lets the get reach the server and block there. A get
+  // not yet sent fails with the same ConnectionError, so a short delay
+  // cannot make the test pass wrongly, only less pointed.
   std::this_thread::sleep_for(300ms);
   const int status = proc.signalAndReap(SIGKILL);
   ASSERT_TRUE(WIFSIGNALED(status));
@@ -513,6 +519,8 @@ TEST(TcpStoreServerDeathTest, StoppedEmbeddedServerFailsBlockedClients) {
     } catch (...) {
     }
   });
+  // Deliberate delay: lets the wait reach the server first (same outcome
+  // either way, so it cannot make the test pass wrongly).
   std::this_thread::sleep_for(200ms);
   server->stop();
   server->stop();  // idempotent

@@ -176,6 +176,7 @@ TEST_P(ConnectionContract, WriteAfterCloseCallsBackWithAnError) {
     EXPECT_EQ(fired.load(), 0);
   });
   done.getFuture().wait(kWait);
+  // Negative check: 20 ms for a wrong second call of the callback to show.
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(fired.load(), 1);
 }
