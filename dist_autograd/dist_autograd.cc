@@ -18,6 +18,7 @@
 #include <trellis/dist_autograd/messages.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/autograd_hooks.h>
+#include <trellis/rpc/extension.h>
 #include <trellis/rpc/rpc.h>
 
 namespace trellis::dist_autograd {
@@ -140,10 +141,23 @@ class Receiver : public rpc::GradReceiver {
   std::shared_ptr<RecvRpcBackward> node_;
 };
 
-// The per-agent container of contexts; the agent's AutogradHooks.
-class Container : public rpc::AutogradHooks {
+// The per-agent container of contexts: dist_autograd/'s agent extension
+// (rpc/extension.h), made when the agent starts.
+class Container : public rpc::detail::AgentExtension {
  public:
   explicit Container(Agent& agent) : agent_(agent) {}
+
+  std::string_view name() const override { return "dist_autograd"; }
+  void onSend(rpc::detail::OutgoingMessage& m) override {
+    m.autogradMessageId =
+        recordSend(m.autogradContextId, m.peer, *m.gradTensors);
+    m.autogradRecorded = true;
+  }
+  void onReceive(rpc::detail::IncomingMessage& m) override {
+    m.gradReceiver =
+        recordRecv(m.autogradContextId, m.peer, m.autogradMessageId);
+    m.autogradRecorded = true;
+  }
 
   int32_t rank() const { return agent_.self().rank; }
   Agent& agent() const { return agent_; }
@@ -179,7 +193,7 @@ class Container : public rpc::AutogradHooks {
   }
 
   uint64_t recordSend(uint64_t contextId, int32_t peer,
-                      const std::vector<at::Tensor>& tensors) override {
+                      const std::vector<at::Tensor>& tensors) {
     auto state = find(contextId);
     if (state == nullptr) {
       throwError(Error(Code::kFailedPrecondition,
@@ -199,8 +213,8 @@ class Container : public rpc::AutogradHooks {
       sent.sizes.push_back(t.sizes().vec());
       sent.dtypes.push_back(t.scalar_type());
     }
-    auto node =
-        std::make_shared<SendRpcBackward>(std::move(next), peer, std::move(sent));
+    auto node = std::make_shared<SendRpcBackward>(std::move(next), peer,
+                                                  std::move(sent));
     for (const auto& t : tensors) {
       node->add_input_metadata(t);
     }
@@ -211,7 +225,7 @@ class Container : public rpc::AutogradHooks {
 
   std::unique_ptr<rpc::GradReceiver> recordRecv(uint64_t contextId,
                                                 int32_t peer,
-                                                uint64_t messageId) override {
+                                                uint64_t messageId) {
     // A peer's id: it must not make us create a context no worker could.
     throwIfError(checkContextId(contextId, agent_.worldSize()));
     std::shared_ptr<ContextState> state;
@@ -272,12 +286,12 @@ class Container : public rpc::AutogradHooks {
       if (peer == from || peer == rank()) {
         continue;
       }
-      rpc::CallSpec spec =
+      rpc::detail::CallSpec spec =
           rpc::detail::functionSpec<&detail::releaseContext>(peer);
       spec.recordAutograd = false;
       auto reply = rpc::detail::sendCall<&detail::releaseContext>(
           agent_, peer, spec, id, rank());
-      reply.addDoneCallback([id, peer](const Future<rpc::Reply>& f) {
+      reply.addDoneCallback([id, peer](const Future<rpc::detail::Reply>& f) {
         if (f.hasError()) {
           TRELLIS_LOG_DEBUG("dist_autograd: release of {} on rank {}: {}",
                             contextName(id), peer, f.error().what());
@@ -303,7 +317,7 @@ class Container : public rpc::AutogradHooks {
 };
 
 Container& containerOf(Agent& agent) {
-  auto* c = dynamic_cast<Container*>(agent.autogradHooks());
+  auto* c = agent.extension<Container>();
   if (c == nullptr) {
     throwError(Error(Code::kFailedPrecondition,
                      "rpc agent '" + agent.self().name +
@@ -426,7 +440,7 @@ Future<void> runGraph(Container& container,
       continue;  // nothing flows back through this message
     }
     Agent& agent = container.agent();
-    rpc::CallSpec spec =
+    rpc::detail::CallSpec spec =
         rpc::detail::functionSpec<&detail::propagateGradients>(o.node->peer());
     spec.recordAutograd = false;
     auto reply = rpc::detail::sendCall<&detail::propagateGradients>(
@@ -623,14 +637,8 @@ bool releaseContext(uint64_t contextId, int32_t from) {
 
 namespace {
 
-std::shared_ptr<rpc::AutogradHooks> makeContainer(Agent& agent) {
-  return std::make_shared<Container>(agent);
-}
-
-[[maybe_unused]] const bool kInstalled = [] {
-  Agent::setAutogradHooksFactory(&makeContainer);
-  return true;
-}();
+[[maybe_unused]] const bool kInstalled =
+    rpc::detail::registerExtension<Container>();
 
 }  // namespace
 }  // namespace trellis::dist_autograd

@@ -43,6 +43,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include <trellis/core/auth.h>
@@ -51,6 +52,7 @@
 #include <trellis/core/future.h>
 #include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
+#include <trellis/rpc/detail/call.h>
 #include <trellis/rpc/registry.h>
 
 namespace trellis::store {
@@ -115,64 +117,9 @@ struct ShutdownOptions {
   std::optional<Duration> drainTimeout = std::nullopt;
 };
 
-// What a request carries besides its arguments (internal to rpc/ and rref/;
-// users call the templates in rpc.h).
-struct CallSpec {
-  std::string_view function;
-  uint64_t signature = 0;
-  // Unset: the agent's default timeout. Zero: none.
-  std::optional<Duration> timeout;
-  struct RRefId {
-    uint32_t worker = 0;
-    uint64_t local = 0;
-  };
-  // remote(): the callee keeps the result as owner of `rref`; `fork` is
-  // the caller's user reference.
-  bool storeResultInRRef = false;
-  RRefId rref;
-  RRefId fork;
-  // RRef method call: the target object is the owner value of `target`.
-  bool methodOnRRef = false;
-  RRefId target;
-  // Join the calling thread's distributed-autograd context, if any (user
-  // calls). Protocol messages (RRef bookkeeping, backward, cleanup) set
-  // false.
-  bool recordAutograd = true;
-  // The caller blocks on the reply future and attaches no callback to it
-  // (rpcSync): the future is completed on the transport loop thread, which
-  // saves a thread hop. Never set it for a future users can chain on.
-  bool completeOnLoop = false;
-};
-
-// A reply's encoded result, decoded by the caller's template.
-struct Reply {
-  std::vector<uint8_t> bytes;
-  std::vector<at::Tensor> tensors;
-  int32_t from = -1;
-  // Set when the callee recorded a send function for the result's tensors.
-  uint64_t autogradContextId = 0;
-  uint64_t autogradMessageId = 0;
-};
-
-// Hooks the rref/ layer installs (one set per agent); see rref/rref.h.
-class RRefHooks {
- public:
-  virtual ~RRefHooks() = default;
-  // Callee of remote(): keeps the result (or its error) as owner value.
-  virtual void storeOwnerValue(const CallSpec::RRefId& rref,
-                               const CallSpec::RRefId& fork, int32_t caller,
-                               const Future<AnyValue>& value) = 0;
-  // Callee of a method call: the owner value, once it exists, and its type.
-  virtual Future<std::pair<std::shared_ptr<void>, const char*>> ownerValue(
-      const CallSpec::RRefId& rref) = 0;
-  // Per-message context for encoding/decoding RRefs to/from `peer`.
-  virtual std::unique_ptr<CodecContext> makeContext(int32_t peer) = 0;
-  // Graceful shutdown, before the quiescence check: release this worker's
-  // user references. Returns when the messages are sent (not acknowledged).
-  virtual void releaseUsers() = 0;
-  // After quiescence: the owner values still held, for the leak report.
-  virtual std::vector<std::string> leaks() = 0;
-};
+namespace detail {
+class AgentExtension;
+}
 
 class Agent : public std::enable_shared_from_this<Agent> {
  public:
@@ -203,32 +150,31 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
   // Sends one request; the future carries the reply or the call's error.
   // `context` (from codecContext(to), used to encode `args`) lives until
-  // the request is written.
-  Future<Reply> call(int32_t to, const CallSpec& spec, Encoder&& args,
-                     std::unique_ptr<CodecContext> context = nullptr);
-  // Per-peer context for encoding arguments (RRef forks need it).
+  // the request is written. Internal: the templates of rpc.h and rref.h,
+  // and the layers above, call it.
+  Future<detail::Reply> call(int32_t to, const detail::CallSpec& spec,
+                             Encoder&& args,
+                             std::unique_ptr<CodecContext> context = nullptr);
+  // Per-peer context for encoding arguments and decoding results (RRef
+  // forks need it); null when no extension supplies one.
   std::unique_ptr<CodecContext> codecContext(int32_t peer);
+  // The receiver for a reply's tensors that require grad (null when the
+  // reply carries no autograd message). Throws when the reply's context
+  // was released here.
+  std::unique_ptr<GradReceiver> gradReceiver(const detail::Reply& reply);
 
   // See ShutdownOptions. Throws what a graceful shutdown failed with
   // (TimeoutError, ConnectionError naming the workers), after closing.
   void shutdown(ShutdownOptions options = {});
   bool isShutDown() const;
 
-  void setRRefHooks(std::shared_ptr<RRefHooks> hooks);
-  // rref/ installs a factory at static-init time; start() applies it, so
-  // every agent of a program that links rref/ can own RRefs.
-  using RRefHooksFactory = std::shared_ptr<RRefHooks> (*)(Agent& agent);
-  static void setRRefHooksFactory(RRefHooksFactory factory);
-  RRefHooks* rrefHooks() const;
-
-  // The same for dist_autograd/.
-  using AutogradHooksFactory = std::shared_ptr<AutogradHooks> (*)(Agent& agent);
-  static void setAutogradHooksFactory(AutogradHooksFactory factory);
-  AutogradHooks* autogradHooks() const;
-  // The receiver for a reply's tensors that require grad (null when the
-  // reply carries no autograd message). Throws when the reply's context
-  // was released here.
-  std::unique_ptr<GradReceiver> gradReceiver(const Reply& reply);
+  // This agent's instance of the extension T (rpc/extension.h, internal to
+  // rref/ and dist_autograd/); null when T's layer is not linked in.
+  template <typename T>
+  T* extension() const {
+    return static_cast<T*>(extension(typeid(T)));
+  }
+  detail::AgentExtension* extension(const std::type_info& type) const;
 
   // Counters (tests, monitoring).
   struct Stats {

@@ -3,9 +3,11 @@
 // What the RPC layer knows of distributed autograd (docs/dist_autograd.md).
 //
 // rpc/ sits below dist_autograd/, so it only carries two ids per message
-// (context id, message id) and calls the AutogradHooks that dist_autograd/
-// installs on each agent. Everything about graphs, send and receive
-// functions and backward lives above.
+// (context id, message id) and lets dist_autograd/'s agent extension record
+// them (onSend / onReceive in rpc/extension.h, internal). Everything about
+// graphs, send and receive functions and backward lives above. What stays
+// here is what the installed templates and dist_autograd.h need: the
+// calling thread's context and the receiver a decoder attaches tensors to.
 //
 // The ambient context is per thread: dist_autograd::Context sets it for its
 // scope, and the agent sets it while a user function runs for a request
@@ -14,8 +16,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <cstdint>
-#include <memory>
-#include <vector>
 
 namespace trellis::rpc {
 
@@ -44,27 +44,6 @@ class GradReceiver {
   // views; afterwards it is a non-leaf whose gradient flows back to the
   // sender. May throw: the decoder turns that into its error.
   virtual void attach(at::Tensor& t) = 0;
-};
-
-// Installed by dist_autograd/ (one per agent). Called on the threads that
-// send and receive; implementations are thread-safe.
-class AutogradHooks {
- public:
-  virtual ~AutogradHooks() = default;
-  // A message in `contextId` is about to go to `peer`. `tensors` are the
-  // ones it carries that require grad, in encoding order (maybe none).
-  // Returns the message id for the envelope: 0 when there are none, else
-  // the id of the send function recorded for them. Throws when the context
-  // is not (or no longer) known here; the message is then not sent.
-  virtual uint64_t recordSend(uint64_t contextId, int32_t peer,
-                              const std::vector<at::Tensor>& tensors) = 0;
-  // A message in `contextId` came from `peer`: the context exists here
-  // afterwards and knows the peer. Returns the receiver for its tensors
-  // when `messageId` != 0, else null. Throws FailedPreconditionError when
-  // the context was already released on this worker.
-  virtual std::unique_ptr<GradReceiver> recordRecv(uint64_t contextId,
-                                                   int32_t peer,
-                                                   uint64_t messageId) = 0;
 };
 
 }  // namespace trellis::rpc

@@ -60,6 +60,22 @@ Error parseEnvelope(std::string_view bytes, int32_t worldSize,
     return Error::protocol(
         "envelope: autograd_message_id without autograd_context_id");
   }
+  if (out->extension() > kMaxExtensionId) {
+    return Error::protocol("envelope: extension " +
+                           std::to_string(out->extension()) + " out of range");
+  }
+  if (out->extension_payload().size() > kMaxExtensionPayloadBytes) {
+    return Error::protocol("envelope: extension payload longer than " +
+                           std::to_string(kMaxExtensionPayloadBytes) +
+                           " bytes");
+  }
+  if ((out->extension() != 0 || !out->extension_payload().empty()) &&
+      !expectRequest) {
+    return Error::protocol("envelope: extension fields in a response");
+  }
+  if (!out->extension_payload().empty() && out->extension() == 0) {
+    return Error::protocol("envelope: extension payload without extension");
+  }
   if (out->events_size() > kMaxProfileEvents) {
     return Error::protocol("envelope: more than " +
                            std::to_string(kMaxProfileEvents) +

@@ -11,14 +11,22 @@
 
 namespace trellis::rpc {
 
-constexpr uint32_t kEnvelopeVersion = 1;
+// 2: rref/'s fields became an extension payload (docs/rpc_wire.md).
+constexpr uint32_t kEnvelopeVersion = 2;
 constexpr size_t kMaxFunctionNameBytes = 1024;
 constexpr size_t kMaxErrorMessageBytes = 64 << 10;
 constexpr int kMaxProfileEvents = 1024;
+// Bounds of Envelope.extension and extension_payload (the extensions'
+// wire ids are in rpc/extension.h; what a payload says is checked by its
+// extension).
+constexpr uint32_t kMaxExtensionId = 255;
+constexpr size_t kMaxExtensionPayloadBytes = 1024;
 
 // Parses `bytes` into `out` and checks every field a peer controls: the
 // version, the kind (`expectRequest`), from_worker < worldSize, name and
-// message lengths, the profile event count. A ProtocolError names the field.
+// message lengths, the profile event count, the extension id and its
+// payload's length (a payload only with an extension, only in a request). A
+// ProtocolError names the field.
 Error parseEnvelope(std::string_view bytes, int32_t worldSize,
                     bool expectRequest, wire::Envelope* out);
 

@@ -159,7 +159,7 @@ template <auto Fn, typename... A>
 detail::ResultOf<Fn> rpcSync(const Callee& to, A&&... args) {
   auto agent = Agent::currentShared();
   const int32_t rank = to.resolve(*agent);
-  CallSpec spec = detail::functionSpec<Fn>(to);
+  detail::CallSpec spec = detail::functionSpec<Fn>(to);
   spec.completeOnLoop = true;  // this thread decodes the reply itself
   auto reply =
       detail::sendCall<Fn>(*agent, rank, spec, std::forward<A>(args)...);

@@ -1,3 +1,4 @@
+#include <trellis/core/wire.h>
 #include <trellis/rref/protocol.h>
 
 namespace trellis::rpc::detail {
@@ -59,6 +60,61 @@ void encodeRRefWire(Encoder& e, const RRefWire& w, std::string_view type) {
   out.putVarint(w.child.worker);
   out.putVarint(w.child.local);
   out.putString(type);
+}
+
+namespace {
+
+constexpr uint8_t kStoreResult = 1;
+constexpr uint8_t kMethod = 2;
+
+void putId(::trellis::wire::WireWriter& w, const ProtocolRRefId& id) {
+  w.putVarint(id.worker);
+  w.putVarint(id.local);
+}
+
+ProtocolRRefId readId(::trellis::wire::WireReader& r, int32_t worldSize,
+                      const char* worker, const char* local) {
+  ProtocolRRefId id;
+  id.worker = static_cast<uint32_t>(
+      r.varint(static_cast<uint64_t>(worldSize) - 1, worker));
+  id.local = r.varint(local);
+  return id;
+}
+
+}  // namespace
+
+std::string encodeRRefCall(const RRefCall& call) {
+  ::trellis::wire::WireWriter w;
+  w.putU8(static_cast<uint8_t>((call.storeResult ? kStoreResult : 0) |
+                               (call.method ? kMethod : 0)));
+  if (call.storeResult) {
+    putId(w, call.rref);
+    putId(w, call.fork);
+  }
+  if (call.method) {
+    putId(w, call.target);
+  }
+  const auto& bytes = w.bytes();
+  return std::string(bytes.begin(), bytes.end());
+}
+
+Error decodeRRefCall(std::string_view bytes, int32_t worldSize, RRefCall* out) {
+  ::trellis::wire::WireReader r(bytes, "RRef call payload");
+  const uint8_t flags = r.u8("flags");
+  if (r.ok() && (flags == 0 || (flags & ~(kStoreResult | kMethod)) != 0)) {
+    r.fail("flags", "must ask to keep the result, call a method, or both");
+  }
+  out->storeResult = (flags & kStoreResult) != 0;
+  out->method = (flags & kMethod) != 0;
+  if (out->storeResult) {
+    out->rref = readId(r, worldSize, "rref.worker", "rref.local");
+    out->fork = readId(r, worldSize, "fork.worker", "fork.local");
+  }
+  if (out->method) {
+    out->target = readId(r, worldSize, "target.worker", "target.local");
+  }
+  r.expectEnd();
+  return r.error();
 }
 
 }  // namespace trellis::rpc::detail

@@ -1,21 +1,23 @@
 #pragma once
 
-// The RRef protocol's messages as a peer sends them (docs/rref.md),
-// internal to rref/ and its fuzz target: pure decoding and range checks,
-// no agent. Every id a peer names must be within the group: an RRef or fork
-// id's worker is a rank of the group, as is an owner.
+// The RRef protocol's messages as a peer sends them (docs/rref.md), and
+// the payload rref/'s agent extension puts on remote() and method calls
+// (docs/rpc_wire.md), internal to rref/ and its fuzz target: pure decoding
+// and range checks, no agent. Every id a peer names must be within the
+// group: an RRef or fork id's worker is a rank of the group, as is an
+// owner.
 
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 #include <trellis/core/error.h>
-#include <trellis/rpc/agent.h>
 #include <trellis/rpc/codec.h>
+#include <trellis/rref/rref_id.h>
 
 namespace trellis::rpc::detail {
 
-using ProtocolRRefId = CallSpec::RRefId;
+using ProtocolRRefId = RRefId;
 
 // fork (rref, new fork), delete (rref, fork) and accept (child, child):
 // two ids. DATA_LOSS naming the field when the bytes are not exactly that
@@ -40,5 +42,21 @@ struct RRefWire {
 bool decodeRRefWire(Decoder& d, int32_t worldSize, std::string_view wantType,
                     RRefWire* out);
 void encodeRRefWire(Encoder& e, const RRefWire& w, std::string_view type);
+
+// What a remote() or a method call on an RRef asks of the callee's RRef
+// extension (Envelope.extension_payload): keep the result as the owner
+// value of `rref` (with `fork`, the caller's user reference), and/or run
+// the method on the owner value of `target`. At least one of the two.
+struct RRefCall {
+  bool storeResult = false;
+  ProtocolRRefId rref;
+  ProtocolRRefId fork;
+  bool method = false;
+  ProtocolRRefId target;
+};
+std::string encodeRRefCall(const RRefCall& call);
+// DATA_LOSS naming the field when `bytes` are not exactly one RRefCall or
+// name a worker outside [0, worldSize).
+Error decodeRRefCall(std::string_view bytes, int32_t worldSize, RRefCall* out);
 
 }  // namespace trellis::rpc::detail

@@ -1,11 +1,21 @@
+// rref/: the owner/user protocol (docs/rref.md) and rref/'s agent
+// extension. Over ~600 lines because the protocol's state (RRefContext),
+// its message handlers and the RRefState they drive are one state machine
+// whose invariants (a fork is confirmed before its parent lets go; a
+// delete before its fork leaves a tombstone) read best in one place;
+// protocol.{h,cc} holds the pure decoding.
+
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
 #include <utility>
 
+#include <trellis/core/check.h>
 #include <trellis/core/logging.h>
+#include <trellis/rpc/extension.h>
 #include <trellis/rref/protocol.h>
 #include <trellis/rref/rref.h>
 
@@ -48,10 +58,16 @@ class RRefCodecContext : public CodecContext {
   int32_t peer;
 };
 
-class RRefContext : public RRefHooks,
+// rref/'s agent extension (rpc/extension.h): one per agent, made when the
+// agent starts, so that a worker that never calls into rref/ still owns
+// the results of remote() calls made to it.
+class RRefContext : public AgentExtension,
                     public std::enable_shared_from_this<RRefContext> {
  public:
   explicit RRefContext(Agent& agent) : agent_(&agent) {}
+
+  std::string_view name() const override { return "RRef"; }
+  uint32_t wireId() const override { return kRRefExtension; }
 
   Agent& agent() const { return *agent_; }
   int32_t rank() const { return agent_->self().rank; }
@@ -62,8 +78,59 @@ class RRefContext : public RRefHooks,
 
   // ---- owner side --------------------------------------------------------
 
+  // A request naming this extension: a method call on an RRef's value
+  // and/or a remote() whose result this worker keeps as owner.
+  Future<AnyValue> onRequest(ExtensionRequest& request) override {
+    const std::string& fn = request.entry->name;
+    RRefCall call;
+    if (Error e = decodeRRefCall(request.payload, agent_->worldSize(), &call);
+        !e.ok()) {
+      return makeErrorFuture<AnyValue>(
+          Error::protocol("'" + fn + "': " + e.message()));
+    }
+    if (call.method != (request.entry->classTypeId != nullptr)) {
+      return makeErrorFuture<AnyValue>(
+          Error::invalidArgument("'" + fn + "' is " +
+                                 (request.entry->classTypeId != nullptr
+                                      ? "a method: call it through an RRef"
+                                      : "not a method")));
+    }
+    Future<AnyValue> result;
+    if (call.method) {
+      const char* wantType = request.entry->classTypeId;
+      result =
+          ownerValue(call.target)
+              .then([run = std::move(request.run), wantType,
+                     fn](const std::pair<std::shared_ptr<void>, const char*>&
+                             v) mutable {
+                if (v.second == nullptr ||
+                    std::strcmp(v.second, wantType) != 0) {
+                  throwError(Error::invalidArgument(
+                      "method '" + fn +
+                      "' called on an RRef whose value is of "
+                      "another type"));
+                }
+                // The shared_ptr keeps the object alive while the
+                // method runs.
+                auto holder = v.first;
+                return run(holder.get()).then([holder](const AnyValue& a) {
+                  return a;
+                });
+              });
+    } else {
+      result = request.run(nullptr);
+    }
+    if (call.storeResult) {
+      storeOwnerValue(call.rref, call.fork, request.caller, result);
+      // The reply only confirms (or fails) the creation; no value travels.
+      result = result.then([](const AnyValue&) { return AnyValue{}; });
+    }
+    return result;
+  }
+
+  // Callee of remote(): keeps the result (or its error) as owner value.
   void storeOwnerValue(const RRefId& rref, const RRefId& fork, int32_t caller,
-                       const Future<AnyValue>& value) override {
+                       const Future<AnyValue>& value) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       OwnerEntry& e = owners_[keyOf(rref)];
@@ -96,8 +163,9 @@ class RRefContext : public RRefHooks,
     maybeFree(keyOf(rref));
   }
 
+  // Callee of a method call: the owner value, once it exists, and its type.
   Future<std::pair<std::shared_ptr<void>, const char*>> ownerValue(
-      const RRefId& rref) override {
+      const RRefId& rref) {
     Future<AnyValue> f;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -207,11 +275,12 @@ class RRefContext : public RRefHooks,
 
   // ---- hooks -------------------------------------------------------------
 
-  std::unique_ptr<CodecContext> makeContext(int32_t peer) override {
+  std::unique_ptr<CodecContext> codecContext(int32_t peer) override {
     return std::make_unique<RRefCodecContext>(shared_from_this(), peer);
   }
 
-  void releaseUsers() override {
+  // Graceful shutdown: releases this worker's user references.
+  void beforeQuiescence() override {
     std::map<Key, std::shared_ptr<RRefState>> children;
     std::vector<std::shared_ptr<RRefState>> live;
     {
@@ -303,13 +372,13 @@ class RRefContext : public RRefHooks,
 };
 
 RRefContext& contextOf(Agent& agent) {
-  auto* hooks = dynamic_cast<RRefContext*>(agent.rrefHooks());
-  if (hooks == nullptr) {
+  auto* context = agent.extension<RRefContext>();
+  if (context == nullptr) {
     throwError(Error(Code::kFailedPrecondition,
                      "agent '" + agent.self().name +
                          "' has no RRef support (link trellis::rref)"));
   }
-  return *hooks;
+  return *context;
 }
 
 // ---- protocol handlers (run on the owner / parent's worker threads) --------
@@ -369,10 +438,6 @@ uint64_t fetchSignature() {
       kFetchFn);
 }
 
-std::shared_ptr<RRefHooks> makeHooks(Agent& agent) {
-  return std::make_shared<RRefContext>(agent);
-}
-
 bool registerProtocol() {
   auto add = [](std::string_view name, uint64_t sig,
                 Future<AnyValue> (*fn)(Decoder&, void*)) {
@@ -386,7 +451,7 @@ bool registerProtocol() {
   add(kDeleteFn, RRefContext::protocolSignature(kDeleteFn), &handleDelete);
   add(kAcceptFn, RRefContext::protocolSignature(kAcceptFn), &handleAccept);
   add(kFetchFn, fetchSignature(), &handleFetch);
-  Agent::setRRefHooksFactory(&makeHooks);
+  registerExtension<RRefContext>();
   return true;
 }
 
@@ -579,6 +644,30 @@ std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId) {
 }
 
 void ensureRRefSupport(Agent& agent) { (void)contextOf(agent); }
+
+void setMethodTarget(CallSpec& spec, const RRefId& target) {
+  RRefCall call;
+  call.method = true;
+  call.target = target;
+  spec.extension = kRRefExtension;
+  spec.extensionPayload = encodeRRefCall(call);
+}
+
+void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork) {
+  RRefCall call;
+  if (spec.extension == kRRefExtension) {
+    // A method call made before: keep its target. Our own bytes.
+    TRELLIS_CHECK(decodeRRefCall(spec.extensionPayload,
+                                 std::numeric_limits<int32_t>::max(), &call)
+                      .ok(),
+                  "RRef call payload");
+  }
+  call.storeResult = true;
+  call.rref = rref;
+  call.fork = fork;
+  spec.extension = kRRefExtension;
+  spec.extensionPayload = encodeRRefCall(call);
+}
 
 }  // namespace detail
 

@@ -45,10 +45,9 @@
 #include <trellis/rpc/codec.h>
 #include <trellis/rpc/registry.h>
 #include <trellis/rpc/rpc.h>
+#include <trellis/rref/rref_id.h>
 
 namespace trellis::rpc {
-
-using RRefId = CallSpec::RRefId;
 
 namespace detail {
 
@@ -97,8 +96,14 @@ Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
                          std::optional<Duration> timeout);
 void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state);
 std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId);
-// Installs the RRef hooks on `agent` if it has none yet.
+// Throws FailedPreconditionError when `agent` has no RRef extension.
 void ensureRRefSupport(Agent& agent);
+// What rref/'s agent extension adds to a request (rpc/extension.h): run a
+// method on the owner value of `target`; keep the result as the owner
+// value of `rref`, `fork` being the caller's user reference. The two
+// combine (a method's result kept in a new RRef).
+void setMethodTarget(CallSpec& spec, const RRefId& target);
+void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork);
 
 }  // namespace detail
 
@@ -173,7 +178,7 @@ class RRef {
 
   template <auto M, typename... A>
   detail::ResultOf<M> rpcSync(A&&... args) const {
-    CallSpec spec = methodSpec<M>();
+    detail::CallSpec spec = methodSpec<M>();
     spec.completeOnLoop = true;  // this thread decodes the reply itself
     auto reply = sendMethod<M>(spec, std::forward<A>(args)...);
     return detail::decodeReplyHere<detail::ResultOf<M>>(reply.wait(),
@@ -188,20 +193,20 @@ class RRef {
 
  private:
   template <auto M>
-  CallSpec methodSpec() const {
+  detail::CallSpec methodSpec() const {
     static_assert(std::is_base_of_v<typename detail::Traits<M>::Class, T>,
                   "this method belongs to another class than the RRef's");
-    CallSpec spec;
+    detail::CallSpec spec;
     spec.signature = detail::fingerprintOf<M>();  // first: "not registered"
     spec.function = RemoteName<M>::value;
     spec.timeout = timeout_;
-    spec.methodOnRRef = true;
-    spec.target = state_->id();
+    detail::setMethodTarget(spec, state_->id());
     return spec;
   }
 
   template <auto M, typename... A>
-  Future<Reply> sendMethod(const CallSpec& spec, A&&... args) const {
+  Future<detail::Reply> sendMethod(const detail::CallSpec& spec,
+                                   A&&... args) const {
     auto agent = state_->agent();
     return detail::sendCall<M>(*agent, state_->owner(), spec,
                                std::forward<A>(args)...);
@@ -222,9 +227,7 @@ RRefOf<ResultOf<Fn>> remoteCall(Agent& agent, int32_t to, CallSpec spec,
   using V = typename RRefValue<WireType<ResultOf<Fn>>>::type;
   ensureRRefSupport(agent);
   auto state = makeCreatorState(agent, to, typeid(V).name());
-  spec.storeResultInRRef = true;
-  spec.rref = state->id();
-  spec.fork = state->fork();
+  setStoreResult(spec, state->id(), state->fork());
   auto reply = sendCall<Fn>(agent, to, spec, std::forward<A>(args)...);
   std::weak_ptr<RRefState> weak = state;
   reply.addDoneCallback([weak](const Future<Reply>& f) {
@@ -240,7 +243,7 @@ RRefOf<ResultOf<Fn>> remoteCall(Agent& agent, int32_t to, CallSpec spec,
 template <typename T>
 template <auto M, typename... A>
 auto RRef<T>::remote(A&&... args) const {
-  CallSpec spec = methodSpec<M>();
+  detail::CallSpec spec = methodSpec<M>();
   auto agent = state_->agent();
   return detail::remoteCall<M>(*agent, state_->owner(), spec,
                                std::forward<A>(args)...);

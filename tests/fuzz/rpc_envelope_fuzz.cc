@@ -1,6 +1,8 @@
 // Fuzzes the RPC envelope parser and validator (rpc/envelope.cc): any bytes
 // must give either a valid envelope or a ProtocolError, never a crash or an
-// unbounded allocation.
+// unbounded allocation. A valid one keeps the bounds the agent relies on,
+// the extension fields' among them (an extension payload only in a
+// request, only with an extension id, at most kMaxExtensionPayloadBytes).
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -17,6 +19,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   trellis::rpc::wire::Envelope env;
   trellis::Error e = trellis::rpc::parseEnvelope(bytes, world, request, &env);
   if (e.ok()) {
+    if (env.extension() > trellis::rpc::kMaxExtensionId ||
+        env.extension_payload().size() >
+            trellis::rpc::kMaxExtensionPayloadBytes ||
+        (!env.extension_payload().empty() && env.extension() == 0) ||
+        (!request && env.extension() != 0)) {
+      __builtin_trap();
+    }
     // A valid envelope re-serialises and parses back to the same checks.
     trellis::rpc::wire::Envelope again;
     e = trellis::rpc::parseEnvelope(env.SerializeAsString(), world, request,

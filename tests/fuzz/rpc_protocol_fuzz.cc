@@ -1,12 +1,14 @@
 // Fuzz target for the RPC layer's own protocol messages, which any worker
 // of the group can send: the RRef protocol's fork, delete, accept and
-// fetch arguments and an RRef travelling as an argument (rref/protocol.h),
+// fetch arguments, an RRef travelling as an argument, and the RRef
+// extension's payload of remote() and method calls (rref/protocol.h),
 // and distributed autograd's gradient and release messages with their
 // checks (dist_autograd/messages.h). Arbitrary bytes must never crash,
 // throw, read outside the message or accept an id outside the group; what
 // decodes must re-encode to the same values.
 //
-// Input: byte 0 selects the message (and, / 8, a world size of 1-32);
+// Input: byte 0 selects the message (% 4, or 4 for the RRef call payload
+// when byte 0 % 8 is 4; / 8, a world size of 1-32);
 // for gradients, byte 1 is the number of received buffers (mod 4) and one
 // u16 length per buffer follows; the rest is the message's argument bytes.
 #include <ATen/core/Tensor.h>
@@ -94,6 +96,34 @@ void rrefWire(std::span<const uint8_t> args, int32_t world) {
   require(!rd::decodeRRefWire(other, world, "i", &back));
 }
 
+// The payload rref/'s extension reads from Envelope.extension_payload.
+void rrefCall(std::span<const uint8_t> args, int32_t world) {
+  const std::string_view bytes(reinterpret_cast<const char*>(args.data()),
+                               args.size());
+  rd::RRefCall call;
+  const auto e = rd::decodeRRefCall(bytes, world, &call);
+  if (!e.ok()) {
+    require(e.code() == Code::kDataLoss);
+    return;
+  }
+  require(call.storeResult || call.method);
+  require(!call.storeResult ||
+          (inGroup(call.rref, world) && inGroup(call.fork, world)));
+  require(!call.method || inGroup(call.target, world));
+  // What decodes re-encodes to the same bytes (the encoding is canonical
+  // but for overlong varints, which re-encode shorter).
+  const std::string again = rd::encodeRRefCall(call);
+  rd::RRefCall back;
+  require(rd::decodeRRefCall(again, world, &back).ok());
+  require(back.storeResult == call.storeResult && back.method == call.method);
+  require(!call.storeResult || (back.rref.worker == call.rref.worker &&
+                                back.rref.local == call.rref.local &&
+                                back.fork.worker == call.fork.worker &&
+                                back.fork.local == call.fork.local));
+  require(!call.method || (back.target.worker == call.target.worker &&
+                           back.target.local == call.target.local));
+}
+
 // propagateGradients(contextId, messageId, retainGraph, gradients), its
 // arguments decoded as the registry does, then checked against a message
 // that sent a float [2, 3] and a double [4] tensor.
@@ -156,6 +186,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const int32_t world = 1 + (data[0] / 8) % 32;
   const std::span<const uint8_t> rest(data + 1, size - 1);
+  if (data[0] % 8 == 4) {
+    rrefCall(rest, world);
+    return 0;
+  }
   switch (data[0] % 4) {
     case 0:
       twoIds(rest, world);

@@ -144,7 +144,7 @@ TEST(RpcAgent, WorkerInfos) {
 TEST(RpcAgent, UnknownFunctionAndSignatureMismatchAreRemoteErrors) {
   Group g(2);
   rpc::Encoder args;
-  rpc::CallSpec spec;
+  rpc::detail::CallSpec spec;
   spec.function = "noSuchFunction";
   auto f = g[0].call(1, spec, std::move(args));
   try {
@@ -165,6 +165,50 @@ TEST(RpcAgent, UnknownFunctionAndSignatureMismatchAreRemoteErrors) {
     EXPECT_NE(e.error().message().find("signature mismatch"),
               std::string::npos);
   }
+}
+
+// An extension payload that does not decode (here rref/'s, whose first
+// byte must name what the call asks for) fails that request alone, as a
+// ProtocolError the caller gets back; the pipe stays open and the callee
+// goes on serving. So does an extension the callee does not have.
+TEST(RpcAgent, MalformedExtensionPayloadFailsThatRequestOnly) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 1, 1), 2);  // opens the pipe
+  const auto pipesBefore = g[1].stats().openPipes;
+  auto callWith = [&](uint32_t extension, std::string payload) {
+    rpc::Encoder args;
+    rpc::encodeArgs(args, int64_t{1}, int64_t{2});
+    rpc::detail::CallSpec spec;
+    spec.function = "addInts";
+    spec.signature = rpc::detail::fingerprintOf<addInts>();
+    spec.extension = extension;
+    spec.extensionPayload = std::move(payload);
+    return g[0].call(1, spec, std::move(args));
+  };
+  for (const std::string& payload :
+       {std::string("\x07"), std::string("\x01\x00"),
+        std::string("\x02\x05\x01"), std::string("\x02\x00\x01\x00")}) {
+    auto f = callWith(1, payload);
+    try {
+      f.wait(10s);
+      FAIL() << "payload of " << payload.size() << " bytes was accepted";
+    } catch (const trellis::RemoteError& e) {
+      EXPECT_EQ(e.code(), trellis::Code::kDataLoss) << e.what();
+      EXPECT_NE(e.error().message().find("RRef call payload"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  auto unknown = callWith(200, "x");
+  try {
+    unknown.wait(10s);
+    FAIL();
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_EQ(e.code(), trellis::Code::kFailedPrecondition) << e.what();
+  }
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 20, 22), 42);
+  EXPECT_EQ(g[1].stats().openPipes, pipesBefore);
 }
 
 TEST(RpcAgent, AsyncFunctionsHoldNoThread) {

@@ -1,0 +1,232 @@
+#include "call_table.h"
+
+#include <functional>
+
+#include "rendezvous.h"
+#include <trellis/rpc/profiler.h>
+
+namespace trellis::rpc::detail {
+
+namespace {
+
+// The call table whose timer thread this is.
+thread_local const CallTable* tTimerOf = nullptr;
+
+}  // namespace
+
+CallTable::CallTable(Agent* agent, ThreadPool& completions,
+                     const std::vector<WorkerInfo>& workers)
+    : agent_(agent), completions_(completions), workers_(workers) {}
+
+CallTable::~CallTable() { join(); }
+
+void CallTable::start() {
+  timerThread_ = std::thread([this] { timerLoop(); });
+}
+
+bool CallTable::add(uint64_t id, Call call) {
+  bool wakeTimer = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      return false;
+    }
+    if (call.timeout > Duration::zero()) {
+      const auto at = Clock::now() + call.timeout;
+      call.timer_ = timers_.emplace(at, id);
+      call.hasTimer_ = true;
+      if (at < timerWakeAt_) {
+        timerWakeAt_ = at;
+        wakeTimer = true;
+      }
+    }
+    pending_.emplace(id, std::move(call));
+    if (wakeTimer) {
+      timerCv_.notify_one();
+    }
+  }
+  return true;
+}
+
+std::optional<CallTable::Call> CallTable::take(uint64_t id,
+                                               const PipeState* pipe) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pending_.find(id);
+  if (it == pending_.end() || (pipe != nullptr && it->second.pipe != pipe)) {
+    return std::nullopt;
+  }
+  if (it->second.hasTimer_) {
+    timers_.erase(it->second.timer_);
+  }
+  std::optional<Call> call(std::move(it->second));
+  pending_.erase(it);
+  if (quiescing_.load(std::memory_order_acquire)) {
+    idleCv_.notify_all();  // under mu_
+  }
+  return call;
+}
+
+void CallTable::fail(uint64_t id, const Error& error) {
+  auto call = take(id, nullptr);
+  if (!call) {
+    return;
+  }
+  Error e(error.code(), "rpc of '" + call->function + "' to " +
+                            describeWorker(workers_[call->to]) + ": " +
+                            error.message());
+  failLater(std::move(*call), std::move(e));
+}
+
+std::vector<uint64_t> CallTable::callsOn(const PipeState* pipe) const {
+  std::vector<uint64_t> ids;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, call] : pending_) {
+    if (call.pipe == pipe) {
+      ids.push_back(id);
+    }
+  }
+  return ids;
+}
+
+void CallTable::failLater(Call&& call, Error error) {
+  completions_.post([agent = agent_, promise = std::move(call.promise),
+                     e = std::move(error)](const Error&) mutable {
+    CurrentAgentScope scope(agent);
+    promise.setError(std::move(e));
+  });
+}
+
+void CallTable::complete(Call&& call, const wire::Envelope& env, Reply body,
+                         const std::string& selfName) const {
+  if (call.profiled) {
+    const int64_t now = profilerNowUs();
+    Profiler::record(
+        ProfileEvent{"rpc#" + call.function + " " + selfName + " -> " +
+                         workers_[call.to].name,
+                     selfName, call.startUs, now - call.startUs,
+                     std::hash<std::thread::id>()(std::this_thread::get_id())});
+    for (const auto& ev : env.events()) {
+      Profiler::record(ProfileEvent{ev.name(), ev.worker(), ev.start_us(),
+                                    ev.duration_us(), ev.thread()});
+    }
+  }
+  if (env.has_error()) {
+    const auto& info = env.error();
+    RemoteOrigin origin{info.worker(), info.function(), info.exception_type()};
+    std::string msg = info.message();
+    // The code the callee raised with; one this build does not know (a
+    // newer or a hostile peer) reads as UNKNOWN.
+    const uint32_t raw = info.code();
+    const Code code =
+        raw >= 1 && raw <= static_cast<uint32_t>(Code::kUnauthenticated)
+            ? static_cast<Code>(raw)
+            : Code::kUnknown;
+    call.promise.setError(
+        Error::remote(std::move(origin), std::move(msg), code));
+    return;
+  }
+  body.autogradContextId = env.autograd_context_id();
+  body.autogradMessageId = env.autograd_message_id();
+  call.promise.setValue(std::move(body));
+}
+
+size_t CallTable::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
+}
+
+std::vector<uint64_t> CallTable::stop() {
+  std::vector<uint64_t> ids;
+  std::lock_guard<std::mutex> lock(mu_);
+  stopping_ = true;
+  for (const auto& [id, call] : pending_) {
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+bool CallTable::stopped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopping_;
+}
+
+void CallTable::join() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  timerCv_.notify_all();
+  if (timerThread_.joinable()) {
+    timerThread_.join();
+  }
+}
+
+bool CallTable::onTimerThread() const { return tTimerOf == this; }
+
+void CallTable::timerLoop() {
+  tTimerOf = this;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!closed_) {
+    if (timers_.empty()) {
+      timerWakeAt_ = Clock::time_point::max();
+      timerCv_.wait(lock);
+      continue;
+    }
+    const auto next = timers_.begin()->first;
+    if (Clock::now() < next) {
+      timerWakeAt_ = next;
+      timerCv_.wait_until(lock, next);
+      continue;
+    }
+    std::vector<Call> expired;
+    const auto now = Clock::now();
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      const uint64_t id = timers_.begin()->second;
+      timers_.erase(timers_.begin());
+      auto it = pending_.find(id);
+      if (it != pending_.end()) {
+        it->second.hasTimer_ = false;
+        expired.push_back(std::move(it->second));
+        pending_.erase(it);
+      }
+    }
+    if (!expired.empty() && quiescing_.load(std::memory_order_acquire)) {
+      idleCv_.notify_all();  // under mu_
+    }
+    lock.unlock();
+    for (auto& call : expired) {
+      Error e =
+          Error::timeout("rpc of '" + call.function + "' to " +
+                         describeWorker(workers_[call.to]) +
+                         " timed out after " + formatDuration(call.timeout));
+      failLater(std::move(call), std::move(e));
+    }
+    lock.lock();
+  }
+}
+
+void CallTable::setQuiescing(bool on) {
+  quiescing_.store(on, std::memory_order_release);
+}
+
+void CallTable::notifyIdle() {
+  if (quiescing_.load(std::memory_order_acquire)) {
+    // Taken and released so that a waiter between its check and its wait
+    // cannot miss this notification.
+    { std::lock_guard<std::mutex> lock(mu_); }
+    idleCv_.notify_all();
+  }
+}
+
+void CallTable::waitIdle(Deadline deadline,
+                         const std::function<bool()>& othersIdle) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto idle = [&] { return pending_.empty() && othersIdle(); };
+  if (deadline.isNever()) {
+    idleCv_.wait(lock, idle);
+  } else {
+    idleCv_.wait_until(lock, deadline.timePoint(), idle);
+  }
+}
+
+}  // namespace trellis::rpc::detail

@@ -1,0 +1,276 @@
+#include "connections.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include "rendezvous.h"
+#include <trellis/core/logging.h>
+#include <trellis/core/net.h>
+#include <trellis/core/worker_env.h>
+#include <trellis/transport/context.h>
+#include <trellis/transport/listener.h>
+#include <trellis/transport/pipe.h>
+
+namespace trellis::rpc::detail {
+
+namespace tp = trellis::transport;
+
+namespace {
+
+// A receive buffer for a CPU tensor of `length` bytes: from the pool from
+// 1 MiB on (core/buffer_pool.h says why), else from libtorch.
+at::Tensor receiveBuffer(BufferPool& pool, size_t length) {
+  const auto options = at::TensorOptions().dtype(at::kByte);
+  if (length < BufferPool::kMinPooledBytes) {
+    return at::empty({static_cast<int64_t>(length)}, options);
+  }
+  auto buffer = pool.take(length);
+  void* data = buffer.get();
+  // The tensor's deleter holds the buffer: it goes back to the pool when
+  // the last tensor viewing it dies.
+  return at::from_blob(
+      data, {static_cast<int64_t>(length)},
+      [buffer = std::move(buffer)](void*) mutable { buffer.reset(); }, options);
+}
+
+}  // namespace
+
+Connections::Connections(const WorkerInfo& self, int32_t worldSize,
+                         const RpcOptions& options,
+                         const std::vector<WorkerInfo>& workers,
+                         OnMessage onMessage, OnFailed onFailed)
+    : self_(self),
+      worldSize_(worldSize),
+      options_(options),
+      workers_(workers),
+      onMessage_(std::move(onMessage)),
+      onFailed_(std::move(onFailed)) {}
+
+Connections::~Connections() {
+  closeTransport();
+  forget();
+}
+
+std::string Connections::listen() {
+  const std::string host = net::chooseLocalAddress(
+      options_.localAddress, masterFromEnvironment().addr);
+  tp::ContextOptions co;
+  co.name = "rpc." + self_.name;
+  co.token = options_.token;
+  co.tokenFromEnvironment = false;
+  co.transports = options_.transports;
+  co.channels = options_.channels;
+  co.limits.maxPayloadBytes = options_.maxMessageBytes;
+  ctx_ = tp::Context::create(co);
+  listener_ = ctx_->listen({"uv://" + net::bracketIfIpv6(host) + ":0"});
+  std::string address = listener_->address("uv");
+  accept();
+  return address;
+}
+
+void Connections::beginExpectedWork() { ctx_->beginExpectedWork(); }
+void Connections::endExpectedWork() { ctx_->endExpectedWork(); }
+bool Connections::inLoop() const { return ctx_ != nullptr && ctx_->inLoop(); }
+
+void Connections::closeTransport() {
+  if (ctx_ != nullptr) {
+    ctx_->close();
+    if (!ctx_->join(std::chrono::seconds(30))) {
+      TRELLIS_LOG_ERROR("rpc agent {}: transport loop did not stop in 30 s",
+                        self_.name);
+    }
+  }
+}
+
+void Connections::forget() {
+  std::lock_guard<std::mutex> lock(mu_);
+  forgotten_ = true;
+  outPipes_.clear();
+  inPipes_.clear();
+}
+
+bool Connections::forgotten() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return forgotten_;
+}
+
+size_t Connections::openPipes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outPipes_.size() + inPipes_.size();
+}
+
+std::string Connections::describePeer(const PipeState& ps) const {
+  const int32_t peer = ps.peer;
+  return peer >= 0 ? describeWorker(workers_[peer])
+                   : "peer " + ps.pipe->peerAddress();
+}
+
+// ---- sending ---------------------------------------------------------------
+
+std::shared_ptr<PipeState> Connections::outPipe(int32_t to) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = outPipes_.find(to);
+  if (it != outPipes_.end()) {
+    return it->second;
+  }
+  auto ps = std::make_shared<PipeState>();
+  ps->outgoing = true;
+  ps->peer = to;
+  ps->pipe = ctx_->connect(workers_[to].address);
+  outPipes_.emplace(to, ps);
+  armRead(ps);
+  return ps;
+}
+
+void Connections::send(const std::shared_ptr<PipeState>& ps,
+                       const wire::Envelope& env, Encoder&& body,
+                       std::unique_ptr<CodecContext> context,
+                       std::function<void(const Error&)> done) {
+  struct Held {
+    std::vector<uint8_t> bytes;
+    std::vector<at::Tensor> tensors;
+    std::unique_ptr<CodecContext> context;
+  };
+  auto held = std::make_shared<Held>();
+  held->bytes = body.wire().release();
+  held->tensors = body.tensors();
+  held->context = std::move(context);
+  tp::Message m;
+  m.descriptor = env.SerializeAsString();
+  m.payloads.push_back({held->bytes.data(), held->bytes.size()});
+  for (const auto& t : held->tensors) {
+    tp::Message::Tensor mt;
+    mt.data = t.data_ptr();
+    mt.length = t.nbytes();
+    if (t.is_cuda()) {
+      mt.device = tp::Device::cuda(t.get_device());
+    }
+    m.tensors.push_back(mt);
+  }
+  sent_.fetch_add(1, std::memory_order_relaxed);
+  ps->pipe->write(std::move(m),
+                  [held, done = std::move(done)](const Error& e) mutable {
+                    held.reset();  // buffers may go now
+                    done(e);
+                  });
+}
+
+// ---- receiving -------------------------------------------------------------
+
+void Connections::accept() {
+  listener_->accept([this](const Error& e, std::shared_ptr<tp::Pipe> pipe) {
+    if (!e.ok()) {
+      if (e.code() != Code::kCancelled) {
+        TRELLIS_LOG_WARN("rpc agent {}: listener stopped: {}", self_.name,
+                         e.what());
+      }
+      return;
+    }
+    auto ps = std::make_shared<PipeState>();
+    ps->pipe = std::move(pipe);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (forgotten_) {
+        ps->pipe->close();
+        return;
+      }
+      inPipes_.insert(ps);
+    }
+    armRead(ps);
+    accept();
+  });
+}
+
+void Connections::armRead(const std::shared_ptr<PipeState>& ps) {
+  ps->pipe->readDescriptor([this, ps](const Error& e, tp::Descriptor desc) {
+    if (!e.ok()) {
+      fail(ps, e);
+      return;
+    }
+    onDescriptor(ps, std::move(desc));
+  });
+}
+
+void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
+                               tp::Descriptor desc) {
+  auto env = std::make_shared<wire::Envelope>();
+  const std::string where = "rpc agent '" + self_.name + "': message from " +
+                            ps->pipe->peerAddress() + ": ";
+  auto bad = [&](const std::string& what) {
+    fail(ps, Error::protocol(where + what));
+  };
+  if (Error e =
+          parseEnvelope(desc.descriptor, worldSize_, !ps->outgoing, env.get());
+      !e.ok()) {
+    return bad(e.message());
+  }
+  const auto from = static_cast<int32_t>(env->from_worker());
+  int32_t known = -1;
+  if (!ps->peer.compare_exchange_strong(known, from) && known != from) {
+    return bad("from_worker " + std::to_string(from) + " on a pipe of rank " +
+               std::to_string(known));
+  }
+  if (desc.payloadLengths.size() != 1) {
+    return bad("expected 1 payload, got " +
+               std::to_string(desc.payloadLengths.size()));
+  }
+  if (desc.payloadLengths[0] > options_.maxMessageBytes) {
+    return bad("payload of " + std::to_string(desc.payloadLengths[0]) +
+               " bytes exceeds maxMessageBytes");
+  }
+  auto body = std::make_shared<Reply>();
+  body->from = from;
+  tp::Allocation alloc;
+  try {
+    body->bytes.resize(desc.payloadLengths[0]);
+    alloc.payloads.push_back({body->bytes.data(), body->bytes.size()});
+    for (const auto& t : desc.tensors) {
+      at::TensorOptions o = at::TensorOptions().dtype(at::kByte);
+      if (t.device.type == tp::DeviceType::kCuda) {
+        o = o.device(at::Device(at::kCUDA,
+                                static_cast<c10::DeviceIndex>(t.device.index)));
+      }
+      at::Tensor buf = t.device.type == tp::DeviceType::kCpu
+                           ? receiveBuffer(receiveBuffers_, t.length)
+                           : at::empty({static_cast<int64_t>(t.length)}, o);
+      alloc.tensors.push_back({buf.data_ptr(), t.length});
+      body->tensors.push_back(std::move(buf));
+    }
+  } catch (...) {
+    return bad("cannot allocate the receive buffers: " +
+               errorFromCurrentException().message());
+  }
+  const auto arrived = Clock::now();
+  ps->pipe->read(std::move(alloc),
+                 [this, ps, env, body, arrived](const Error& e) {
+                   if (!e.ok()) {
+                     fail(ps, e);
+                     return;
+                   }
+                   received_.fetch_add(1, std::memory_order_relaxed);
+                   onMessage_(ps, env, std::move(*body), arrived);
+                 });
+  armRead(ps);
+}
+
+void Connections::fail(const std::shared_ptr<PipeState>& ps,
+                       const Error& error) {
+  if (ps->failed.exchange(true)) {
+    return;
+  }
+  ps->pipe->close();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ps->outgoing) {
+      auto it = outPipes_.find(ps->peer);
+      if (it != outPipes_.end() && it->second == ps) {
+        outPipes_.erase(it);
+      }
+    } else {
+      inPipes_.erase(ps);
+    }
+  }
+  onFailed_(ps, error);
+}
+
+}  // namespace trellis::rpc::detail

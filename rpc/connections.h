@@ -1,0 +1,122 @@
+#pragma once
+
+// The agent's pipes (internal; docs/rpc.md, "Starting and stopping"): the
+// transport context and its listener, the pipes to and from peers (opened
+// lazily, on the first call), writing envelopes with their payload and
+// tensors, and reading them into buffers allocated after the descriptor
+// (large CPU tensors from a BufferPool). Malformed envelopes close the
+// pipe they came on and nothing else.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "envelope.h"
+#include <trellis/core/buffer_pool.h>
+#include <trellis/core/deadline.h>
+#include <trellis/rpc/agent.h>
+
+namespace trellis::transport {
+class Context;
+class Listener;
+class Pipe;
+struct Descriptor;
+}  // namespace trellis::transport
+
+namespace trellis::rpc::detail {
+
+// One pipe and what the agent knows about it. Outgoing pipes carry this
+// worker's requests and their replies; incoming ones the peer's requests.
+struct PipeState {
+  std::shared_ptr<transport::Pipe> pipe;
+  bool outgoing = false;
+  std::atomic<int32_t> peer{-1};  // incoming: learned from the first message
+  std::atomic<bool> failed{false};
+};
+
+class Connections {
+ public:
+  // A whole message (envelope checked, buffers filled), on the loop.
+  using OnMessage = std::function<void(const std::shared_ptr<PipeState>&,
+                                       std::shared_ptr<wire::Envelope>,
+                                       Reply body, Clock::time_point arrived)>;
+  // A pipe failed (once per pipe; it is closed and forgotten already).
+  using OnFailed =
+      std::function<void(const std::shared_ptr<PipeState>&, const Error&)>;
+
+  // `self` and `workers` are the agent's (workers filled by the rendezvous
+  // before any pipe is opened to them).
+  Connections(const WorkerInfo& self, int32_t worldSize,
+              const RpcOptions& options, const std::vector<WorkerInfo>& workers,
+              OnMessage onMessage, OnFailed onFailed);
+  ~Connections();
+  Connections(const Connections&) = delete;
+  Connections& operator=(const Connections&) = delete;
+
+  // Creates the transport context, listens on the chosen local address and
+  // starts accepting. Returns the address to advertise.
+  std::string listen();
+
+  // The pipe to `to`, opened on first use.
+  std::shared_ptr<PipeState> outPipe(int32_t to);
+  // Writes `env` with `body` on `ps`; `context` lives until written.
+  // `done` gets the write's error.
+  void send(const std::shared_ptr<PipeState>& ps, const wire::Envelope& env,
+            Encoder&& body, std::unique_ptr<CodecContext> context,
+            std::function<void(const Error&)> done);
+  // Closes `ps` and reports it once to OnFailed.
+  void fail(const std::shared_ptr<PipeState>& ps, const Error& error);
+  // "worker 'w1' (rank 1)", or the address of a peer not known yet.
+  std::string describePeer(const PipeState& ps) const;
+
+  // The transport loop expects work (docs/threads.md, "Spinning").
+  void beginExpectedWork();
+  void endExpectedWork();
+  bool inLoop() const;
+
+  // Closing: closeTransport() closes and joins the transport loop (every
+  // pipe callback has run after it); forget() drops the pipes and refuses
+  // pipes accepted later. Both idempotent.
+  void closeTransport();
+  void forget();
+  bool forgotten() const;
+
+  uint64_t sent() const { return sent_.load(); }
+  uint64_t received() const { return received_.load(); }
+  size_t openPipes() const;
+
+ private:
+  void accept();
+  void armRead(const std::shared_ptr<PipeState>& ps);
+  void onDescriptor(const std::shared_ptr<PipeState>& ps,
+                    transport::Descriptor desc);
+
+  const WorkerInfo& self_;
+  const int32_t worldSize_;
+  const RpcOptions& options_;
+  const std::vector<WorkerInfo>& workers_;
+  const OnMessage onMessage_;
+  const OnFailed onFailed_;
+
+  std::shared_ptr<transport::Context> ctx_;
+  std::shared_ptr<transport::Listener> listener_;
+  BufferPool receiveBuffers_;
+
+  // Guards the pipe maps and `forgotten_`. Never held while a pipe is
+  // written or read.
+  mutable std::mutex mu_;
+  std::map<int32_t, std::shared_ptr<PipeState>> outPipes_;
+  std::set<std::shared_ptr<PipeState>> inPipes_;
+  bool forgotten_ = false;
+
+  std::atomic<uint64_t> sent_{0};
+  std::atomic<uint64_t> received_{0};
+};
+
+}  // namespace trellis::rpc::detail

@@ -1,0 +1,224 @@
+#include "dispatch.h"
+
+#include <functional>
+#include <thread>
+
+#include <trellis/rpc/profiler.h>
+
+namespace trellis::rpc::detail {
+
+Dispatcher::Dispatcher(Agent* agent, const WorkerInfo& self,
+                       const Extensions& extensions, size_t threads,
+                       std::function<void()> done)
+    : agent_(agent),
+      self_(self),
+      extensions_(extensions),
+      done_(std::move(done)),
+      pool_(threads, "rpc-" + self.name) {}
+
+Dispatcher::~Dispatcher() { close(); }
+
+void Dispatcher::close() {
+  pool_.shutdown(ThreadPool::ShutdownMode::kCancel);
+  pool_.join();
+}
+
+void Dispatcher::dispatch(Request request) {
+  running_.fetch_add(1);
+  if (const FunctionEntry* entry =
+          Registry::global().find(request.env->function());
+      entry != nullptr && entry->runOnLoop) {
+    handle(request);
+    return;
+  }
+  pool_.post([this, r = std::make_shared<Request>(std::move(request))](
+                 const Error& e) {
+    if (!e.ok()) {  // pool shut down (closed at once)
+      running_.fetch_sub(1);
+      done_();
+      return;
+    }
+    CurrentAgentScope scope(agent_);
+    handle(*r);
+  });
+}
+
+void Dispatcher::handle(Request& request) {
+  const wire::Envelope& env = *request.env;
+  const FunctionEntry* entry = Registry::global().find(env.function());
+  const int64_t profileStartUs = env.profile() ? profilerNowUs() : 0;
+  auto fail = [&](Error e) {
+    respond(request, makeErrorFuture<AnyValue>(std::move(e)), profileStartUs);
+  };
+  if (env.timeout_us() > 0 &&
+      Clock::now() - request.arrived >
+          std::chrono::microseconds(static_cast<int64_t>(env.timeout_us()))) {
+    return fail(Error::timeout("'" + env.function() + "' waited on '" +
+                               self_.name +
+                               "' longer than its timeout for a free worker "
+                               "thread and was not run"));
+  }
+  if (entry == nullptr) {
+    return fail(Error::notFound("function '" + env.function() +
+                                "' is not registered on worker '" + self_.name +
+                                "'"));
+  }
+  if (entry->signature != env.signature()) {
+    return fail(Error(Code::kFailedPrecondition,
+                      "signature mismatch for '" + env.function() +
+                          "': the caller and worker '" + self_.name +
+                          "' were built with different parameter or result "
+                          "types"));
+  }
+  if (env.extension() == kNoExtension && entry->classTypeId != nullptr) {
+    // A method needs its object: only rref/'s extension names one.
+    return fail(Error::invalidArgument("'" + env.function() +
+                                       "' is a method: call it through an "
+                                       "RRef"));
+  }
+  const int32_t caller = request.body.from;
+  const uint64_t autogradContext = env.autograd_context_id();
+  std::shared_ptr<GradReceiver> receiver;
+  if (autogradContext != 0) {
+    IncomingMessage in;
+    in.peer = caller;
+    in.autogradContextId = autogradContext;
+    in.autogradMessageId = env.autograd_message_id();
+    try {
+      if (!extensions_.recordRecv(in)) {
+        return fail(Error(Code::kFailedPrecondition,
+                          "'" + env.function() +
+                              "' was called inside a distributed-autograd "
+                              "context, but worker '" +
+                              self_.name +
+                              "' has no dist_autograd support linked "
+                              "in"));
+      }
+    } catch (...) {
+      return fail(errorFromCurrentException());
+    }
+    receiver = std::move(in.gradReceiver);
+  }
+  auto context = extensions_.codecContext(caller);
+  auto run = [entry, body = std::move(request.body), autogradContext,
+              receiver = std::move(receiver),
+              context = std::shared_ptr<CodecContext>(std::move(context))](
+                 void* target) mutable {
+    Decoder dec(body.bytes, std::move(body.tensors), context.get());
+    dec.setGradReceiver(receiver.get());
+    // Nested calls of the function join the caller's context.
+    AutogradContextScope scope(autogradContext);
+    return entry->invoke(dec, target);
+  };
+  if (env.extension() == kNoExtension) {
+    return respond(request, run(nullptr), profileStartUs);
+  }
+  AgentExtension* extension = extensions_.findWire(env.extension());
+  if (extension == nullptr) {
+    return fail(Error(Code::kFailedPrecondition,
+                      "'" + env.function() + "' needs extension " +
+                          std::to_string(env.extension()) +
+                          (env.extension() == kRRefExtension ? " (RRef)" : "") +
+                          ", but worker '" + self_.name +
+                          "' has no support for it linked in"));
+  }
+  ExtensionRequest x;
+  x.entry = entry;
+  x.caller = caller;
+  x.payload = env.extension_payload();
+  x.run = std::move(run);
+  Future<AnyValue> result;
+  try {
+    result = extension->onRequest(x);
+  } catch (...) {
+    result = makeErrorFuture<AnyValue>(errorFromCurrentException());
+  }
+  respond(request, result, profileStartUs);
+}
+
+void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
+                         int64_t profileStartUs) {
+  const wire::Envelope& req = *request.env;
+  const uint64_t id = req.request_id();
+  const int32_t peer = static_cast<int32_t>(req.from_worker());
+  const uint64_t autogradContext = req.autograd_context_id();
+  std::string function = req.function();
+  result.addDoneCallback([this, respond = std::move(request.respond), id, peer,
+                          profileStartUs, autogradContext,
+                          function =
+                              std::move(function)](const Future<AnyValue>& f) {
+    CurrentAgentScope scope(agent_);
+    wire::Envelope env;
+    env.set_version(kEnvelopeVersion);
+    env.set_kind(wire::Envelope::RESPONSE);
+    env.set_request_id(id);
+    env.set_from_worker(static_cast<uint32_t>(self_.rank));
+    if (profileStartUs != 0) {
+      auto* ev = env.add_events();
+      ev->set_name(function);
+      ev->set_worker(self_.name);
+      ev->set_start_us(profileStartUs);
+      ev->set_duration_us(profilerNowUs() - profileStartUs);
+      ev->set_thread(std::hash<std::thread::id>()(std::this_thread::get_id()));
+    }
+    auto context = extensions_.codecContext(peer);
+    Encoder body(context.get());
+    Error error = f.error();
+    if (error.ok()) {
+      try {
+        const AnyValue& v = f.value();
+        if (v.value == nullptr) {
+          encodeValue<std::monostate>(body, std::monostate{});
+        } else if (v.encode == nullptr) {
+          error = Error::invalidArgument(
+              "the result of '" + function +
+              "' has no wire encoding (declare it serializable, or return it "
+              "through remote() and call methods on the RRef)");
+        } else {
+          v.encode(body, v.value.get());
+        }
+        if (autogradContext != 0 && !body.gradTensors().empty()) {
+          // The result's gradient comes back to this worker's graph.
+          OutgoingMessage out;
+          out.peer = peer;
+          out.autogradContextId = autogradContext;
+          out.gradTensors = &body.gradTensors();
+          if (!extensions_.recordSend(out)) {
+            throwError(Error(Code::kFailedPrecondition,
+                             "no dist_autograd support linked in"));
+          }
+          env.set_autograd_context_id(autogradContext);
+          env.set_autograd_message_id(out.autogradMessageId);
+        }
+      } catch (...) {
+        error = errorFromCurrentException();
+      }
+    }
+    if (!error.ok()) {
+      env.clear_autograd_context_id();
+      env.clear_autograd_message_id();
+      body = Encoder(context.get());
+      encodeValue<std::monostate>(body, std::monostate{});
+      auto* info = env.mutable_error();
+      info->set_code(static_cast<uint32_t>(error.code()));
+      info->set_message(error.message());
+      if (const RemoteOrigin* o = error.remoteOrigin();
+          o != nullptr && !o->worker.empty()) {
+        info->set_worker(o->worker);  // raised further down a nested call
+        info->set_function(o->function);
+        info->set_exception_type(o->exceptionType);
+      } else {
+        info->set_worker(self_.name);
+        info->set_function(function);
+        if (o != nullptr) {
+          info->set_exception_type(o->exceptionType);
+        }
+      }
+    }
+    respond(env, std::move(body), std::move(context));
+    running_.fetch_sub(1);
+    done_();
+  });
+}
+
+}  // namespace trellis::rpc::detail

@@ -1,0 +1,70 @@
+#pragma once
+
+// The callee's side of a call (internal; docs/rpc.md, "Threads"): checks a
+// request against the registry, lets the extension it names (rref/'s, for
+// remote() and methods on RRefs) and distributed autograd take part, runs
+// the user function on the worker pool (or on the loop for the few
+// functions marked runOnLoop), and encodes the response with its profile
+// event.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "envelope.h"
+#include <trellis/core/deadline.h>
+#include <trellis/core/thread_pool.h>
+#include <trellis/rpc/agent.h>
+#include <trellis/rpc/extension.h>
+
+namespace trellis::rpc::detail {
+
+class Dispatcher {
+ public:
+  // Writes a response to the caller; called exactly once per request, on
+  // any thread.
+  using Respond = std::function<void(const wire::Envelope& env, Encoder&& body,
+                                     std::unique_ptr<CodecContext> context)>;
+
+  struct Request {
+    std::shared_ptr<wire::Envelope> env;  // parsed and checked
+    Reply body;                           // arguments; from = the caller
+    Clock::time_point arrived;
+    Respond respond;
+  };
+
+  // `done` runs after each request's response was handed to `respond` (or
+  // the request was dropped by a pool closed at once).
+  Dispatcher(Agent* agent, const WorkerInfo& self, const Extensions& extensions,
+             size_t threads, std::function<void()> done);
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  // On the transport loop: runs the request there (runOnLoop functions)
+  // or on the worker pool.
+  void dispatch(Request request);
+
+  // Requests received and not yet answered.
+  uint64_t running() const { return running_.load(); }
+  bool inPool() const { return pool_.inPool(); }
+  // Closing at once: queued requests are dropped (their callers' calls
+  // fail on their side), running ones finish; joins the pool.
+  void close();
+
+ private:
+  void handle(Request& request);
+  void respond(Request& request, const Future<AnyValue>& result,
+               int64_t profileStartUs);
+
+  Agent* agent_;
+  const WorkerInfo& self_;
+  const Extensions& extensions_;
+  std::function<void()> done_;
+  ThreadPool pool_;
+  std::atomic<uint64_t> running_{0};
+};
+
+}  // namespace trellis::rpc::detail

@@ -1,0 +1,161 @@
+#include "rendezvous.h"
+
+#include <algorithm>
+#include <cctype>
+
+#include <trellis/core/deadline.h>
+#include <trellis/core/logging.h>
+#include <trellis/core/net.h>
+#include <trellis/core/worker_env.h>
+#include <trellis/rpc/registry.h>
+#include <trellis/store/store.h>
+#include <trellis/store/tcp_store.h>
+
+namespace trellis::rpc::detail {
+
+namespace {
+
+constexpr size_t kMaxWorkerNameBytes = 128;
+
+bool validWorkerName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxWorkerNameBytes) {
+    return false;
+  }
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' ||
+           c == '-' || c == '.' || c == ':';
+  });
+}
+
+std::string workerKey(int32_t rank) {
+  return std::string(kStoreKeyPrefix) + "worker/" + std::to_string(rank);
+}
+
+// The store from MASTER_ADDR / MASTER_PORT, like torch's env://.
+void makeStore(int32_t rank, const RpcOptions& options, Group& group) {
+  const MasterEndpoint master = masterFromEnvironment();
+  if (!master.complete()) {
+    throwError(Error::invalidArgument(
+        "rpc::init needs a rendezvous store: set RpcOptions::store, or "
+        "MASTER_ADDR and MASTER_PORT"));
+  }
+  const std::string& addr = master.addr;
+  const uint16_t p = master.port;
+  if (rank == 0) {
+    store::TCPStoreServerOptions so;
+    so.host = addr;
+    so.port = p;
+    so.jobToken = options.token;
+    group.storeServer = std::make_unique<store::TCPStoreServer>(so);
+  }
+  store::TCPStoreOptions co;
+  co.host = addr;
+  co.port = p;
+  co.jobToken = options.token;
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+      options.initTimeout);
+  co.timeout = ms;
+  co.connectTimeout = ms;
+  group.store = std::make_shared<store::TCPStore>(co);
+  group.ownStore = true;
+  group.storeDescription = "the rendezvous store at " +
+                           net::bracketIfIpv6(addr) + ":" + std::to_string(p);
+}
+
+}  // namespace
+
+Group::Group() = default;
+Group::~Group() = default;
+
+void checkStartArguments(const std::string& name, int32_t rank,
+                         int32_t worldSize, const RpcOptions& options) {
+  if (!validWorkerName(name)) {
+    throwError(Error::invalidArgument(
+        "worker name '" + name +
+        "' must be 1-128 characters of [A-Za-z0-9_.:-]"));
+  }
+  if (worldSize < 1 || worldSize > kMaxWorldSize) {
+    throwError(Error::invalidArgument(
+        "world size " + std::to_string(worldSize) + " must be in [1, 65535]"));
+  }
+  if (rank < 0 || rank >= worldSize) {
+    throwError(Error::invalidArgument("rank " + std::to_string(rank) +
+                                      " must be in [0, " +
+                                      std::to_string(worldSize) + ")"));
+  }
+  if (options.numWorkerThreads < 1 || options.numCompletionThreads < 1) {
+    throwError(Error::invalidArgument(
+        "RpcOptions: numWorkerThreads and numCompletionThreads must be >= 1"));
+  }
+  throwIfError(Registry::global().status());
+}
+
+std::string describeWorker(const WorkerInfo& w) {
+  return "worker '" + w.name + "' (rank " + std::to_string(w.rank) + ")";
+}
+
+void rendezvous(const WorkerInfo& me, int32_t worldSize,
+                const RpcOptions& options, Group& group) {
+  if (group.store == nullptr) {
+    group.store = options.store;
+  }
+  const Deadline deadline = Deadline::fromTimeout(options.initTimeout);
+  if (group.store == nullptr) {
+    makeStore(me.rank, options, group);
+  }
+  store::Store& store = *group.store;
+  store.set(workerKey(me.rank), me.name + "\n" + me.address);
+  std::vector<std::string> keys;
+  for (int32_t r = 0; r < worldSize; ++r) {
+    keys.push_back(workerKey(r));
+  }
+  try {
+    store.wait(keys, std::chrono::duration_cast<std::chrono::milliseconds>(
+                         deadline.isNever() ? Duration::zero()
+                                            : deadline.remaining()));
+  } catch (const TimeoutError&) {
+    std::string missing;
+    for (int32_t r = 0; r < worldSize && missing.size() < 200; ++r) {
+      if (!store.check({keys[r]})) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    throwError(Error::timeout("rpc::init of '" + me.name + "': ranks [" +
+                              missing + "] did not join within " +
+                              formatDuration(options.initTimeout)));
+  }
+  const auto values = store.multiGet(keys);
+  group.workers.resize(worldSize);
+  for (int32_t r = 0; r < worldSize; ++r) {
+    const std::string v(values[r].begin(), values[r].end());
+    const size_t nl = v.find('\n');
+    WorkerInfo w;
+    w.rank = r;
+    if (nl != std::string::npos) {
+      w.name = v.substr(0, nl);
+      w.address = v.substr(nl + 1);
+    }
+    if (!validWorkerName(w.name) || w.address.rfind("uv://", 0) != 0 ||
+        w.address.size() > 512) {
+      throwError(
+          Error::protocol("rpc::init: malformed rendezvous entry for "
+                          "rank " +
+                          std::to_string(r)));
+    }
+    if (auto [it, fresh] = group.byName.emplace(w.name, r); !fresh) {
+      throwError(Error(Code::kAlreadyExists,
+                       "rpc::init: ranks " + std::to_string(it->second) +
+                           " and " + std::to_string(r) +
+                           " both use the worker name '" + w.name + "'"));
+    }
+    group.workers[r] = std::move(w);
+  }
+  if (group.ownStore) {
+    group.storeDescription +=
+        " (served by " + describeWorker(group.workers[0]) + ")";
+  }
+  TRELLIS_LOG_DEBUG("rpc agent {} (rank {}/{}) listening on {}", me.name,
+                    me.rank, worldSize, me.address);
+}
+
+}  // namespace trellis::rpc::detail
