@@ -307,10 +307,13 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
   call.function = std::string(spec.function);
   call.pipe = ps.get();
   call.timeout = timeout;
-  if (Profiler::active()) {
+  const auto& nested = NestedProfileScope::current();
+  if (nested != nullptr || Profiler::active()) {
     env.set_profile(true);
     call.profiled = true;
     call.startUs = profilerNowUs();
+    call.thread = profilerThreadId();
+    call.nested = nested;
   }
   call.completeOnLoop = spec.completeOnLoop;
   if (!d.calls->add(id, std::move(call))) {

@@ -100,14 +100,20 @@ void CallTable::complete(Call&& call, const wire::Envelope& env, Reply body,
                          const std::string& selfName) const {
   if (call.profiled) {
     const int64_t now = profilerNowUs();
-    Profiler::record(
-        ProfileEvent{"rpc#" + call.function + " " + selfName + " -> " +
-                         workers_[call.to].name,
-                     selfName, call.startUs, now - call.startUs,
-                     std::hash<std::thread::id>()(std::this_thread::get_id())});
+    auto record = [&call](ProfileEvent e) {
+      if (call.nested != nullptr) {
+        call.nested->add(std::move(e));
+      } else {
+        Profiler::record(std::move(e));
+      }
+    };
+    record(ProfileEvent{"rpc#" + call.function + " " + selfName + " -> " +
+                            workers_[call.to].name,
+                        selfName, call.startUs, now - call.startUs,
+                        call.thread});
     for (const auto& ev : env.events()) {
-      Profiler::record(ProfileEvent{ev.name(), ev.worker(), ev.start_us(),
-                                    ev.duration_us(), ev.thread()});
+      record(ProfileEvent{ev.name(), ev.worker(), ev.start_us(),
+                          ev.duration_us(), ev.thread()});
     }
   }
   if (env.has_error()) {

@@ -21,6 +21,7 @@
 #include <trellis/core/future.h>
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
+#include <trellis/rpc/profiler.h>
 
 namespace trellis::rpc::detail {
 
@@ -38,6 +39,10 @@ class CallTable {
     Duration timeout{0};  // zero: none
     bool profiled = false;
     int64_t startUs = 0;
+    uint64_t thread = 0;  // profilerThreadId() of the caller
+    // Set when the caller is a profiled request's function: the events go
+    // to its reply instead of this process's profilers.
+    std::shared_ptr<NestedEvents> nested;
     bool completeOnLoop = false;
 
    private:

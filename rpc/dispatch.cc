@@ -1,6 +1,7 @@
 #include "dispatch.h"
 
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include <trellis/rpc/profiler.h>
@@ -47,8 +48,14 @@ void Dispatcher::handle(Request& request) {
   const wire::Envelope& env = *request.env;
   const FunctionEntry* entry = Registry::global().find(env.function());
   const int64_t profileStartUs = env.profile() ? profilerNowUs() : 0;
+  std::shared_ptr<NestedEvents> nested;
+  if (env.profile()) {
+    nested = std::make_shared<NestedEvents>();
+    nested->thread = profilerThreadId();
+  }
   auto fail = [&](Error e) {
-    respond(request, makeErrorFuture<AnyValue>(std::move(e)), profileStartUs);
+    respond(request, makeErrorFuture<AnyValue>(std::move(e)), profileStartUs,
+            nested);
   };
   if (env.timeout_us() > 0 &&
       Clock::now() - request.arrived >
@@ -102,16 +109,21 @@ void Dispatcher::handle(Request& request) {
   auto context = extensions_.codecContext(caller);
   auto run = [entry, body = std::move(request.body), autogradContext,
               receiver = std::move(receiver),
-              context = std::shared_ptr<CodecContext>(std::move(context))](
-                 void* target) mutable {
+              context = std::shared_ptr<CodecContext>(std::move(context)),
+              nested](void* target) mutable {
     Decoder dec(body.bytes, std::move(body.tensors), context.get());
     dec.setGradReceiver(receiver.get());
-    // Nested calls of the function join the caller's context.
+    // Nested calls of the function join the caller's context, and its
+    // profile when it is profiled.
     AutogradContextScope scope(autogradContext);
+    std::optional<NestedProfileScope> profile;
+    if (nested != nullptr) {
+      profile.emplace(nested);
+    }
     return entry->invoke(dec, target);
   };
   if (env.extension() == kNoExtension) {
-    return respond(request, run(nullptr), profileStartUs);
+    return respond(request, run(nullptr), profileStartUs, std::move(nested));
   }
   AgentExtension* extension = extensions_.findWire(env.extension());
   if (extension == nullptr) {
@@ -133,11 +145,12 @@ void Dispatcher::handle(Request& request) {
   } catch (...) {
     result = makeErrorFuture<AnyValue>(errorFromCurrentException());
   }
-  respond(request, result, profileStartUs);
+  respond(request, result, profileStartUs, std::move(nested));
 }
 
 void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
-                         int64_t profileStartUs) {
+                         int64_t profileStartUs,
+                         std::shared_ptr<NestedEvents> nested) {
   const wire::Envelope& req = *request.env;
   const uint64_t id = req.request_id();
   const int32_t peer = static_cast<int32_t>(req.from_worker());
@@ -145,6 +158,7 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
   std::string function = req.function();
   result.addDoneCallback([this, respond = std::move(request.respond), id, peer,
                           profileStartUs, autogradContext,
+                          nested = std::move(nested),
                           function =
                               std::move(function)](const Future<AnyValue>& f) {
     CurrentAgentScope scope(agent_);
@@ -159,7 +173,19 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
       ev->set_worker(self_.name);
       ev->set_start_us(profileStartUs);
       ev->set_duration_us(profilerNowUs() - profileStartUs);
-      ev->set_thread(std::hash<std::thread::id>()(std::this_thread::get_id()));
+      // The thread that started running it; the nested calls' events
+      // (recorded before their futures completed) follow.
+      ev->set_thread(nested != nullptr ? nested->thread : 0);
+      if (nested != nullptr) {
+        for (auto& e : nested->take()) {
+          auto* n = env.add_events();
+          n->set_name(std::move(e.name));
+          n->set_worker(std::move(e.worker));
+          n->set_start_us(e.startUs);
+          n->set_duration_us(e.durationUs);
+          n->set_thread(e.thread);
+        }
+      }
     }
     auto context = extensions_.codecContext(peer);
     Encoder body(context.get());

@@ -18,6 +18,7 @@
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/extension.h>
+#include <trellis/rpc/profiler.h>
 
 namespace trellis::rpc::detail {
 
@@ -56,8 +57,11 @@ class Dispatcher {
 
  private:
   void handle(Request& request);
+  // `nested` (profiled requests only) collects the events of the calls the
+  // function makes; they ride the response.
   void respond(Request& request, const Future<AnyValue>& result,
-               int64_t profileStartUs);
+               int64_t profileStartUs,
+               std::shared_ptr<NestedEvents> nested = nullptr);
 
   Agent* agent_;
   const WorkerInfo& self_;
