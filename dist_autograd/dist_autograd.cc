@@ -1,3 +1,10 @@
+// Distributed autograd on one worker (docs/dist_autograd.md): the send and
+// receive graph nodes, the per-agent container of contexts (dist_autograd's
+// rpc agent extension, which also admits requests through the step gate),
+// and the backward pass across workers. Over 600 lines: the three share
+// ContextState and its locking rules, which read best side by side; the
+// gate's own logic is in step_gate.cc, the message checks in messages.cc.
+
 #include <ATen/ops/ones_like.h>
 #include <atomic>
 #include <deque>
@@ -16,6 +23,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/messages.h>
+#include <trellis/dist_autograd/step_gate.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/extension.h>
@@ -65,6 +73,8 @@ class SendRpcBackward : public ag::Node {
   }
 
   int32_t peer() const { return peer_; }
+  // Set by the first gradient that arrives (the gate counts it once).
+  bool markAnswered() { return !answered_.exchange(true); }
   // Checks gradients that arrived from the network against what was sent.
   Error check(const std::vector<at::Tensor>& grads) const {
     return detail::checkGradients(sent_, grads);
@@ -73,6 +83,7 @@ class SendRpcBackward : public ag::Node {
  private:
   int32_t peer_;
   detail::SentTensors sent_;
+  std::atomic<bool> answered_{false};
 };
 
 // The receiver's end: grad_fn of the tensors a message brought. The
@@ -107,8 +118,14 @@ class RecvRpcBackward : public ag::Node {
 
 // One context on one worker.
 struct ContextState {
-  explicit ContextState(uint64_t id) : id(id) {}
+  explicit ContextState(uint64_t id) : id(id), slot(id) {}
   const uint64_t id;
+  // Its standing in the worker's StepGate (guarded by the gate).
+  detail::GateSlot slot;
+  std::shared_ptr<detail::GateSlot> gateSlot(
+      const std::shared_ptr<ContextState>& self) {
+    return {self, &slot};  // aliasing: no allocation
+  }
 
   std::mutex mu;
   std::unordered_map<uint64_t, std::shared_ptr<SendRpcBackward>> sends;
@@ -145,7 +162,7 @@ class Receiver : public rpc::GradReceiver {
 // (rpc/extension.h), made when the agent starts.
 class Container : public rpc::detail::AgentExtension {
  public:
-  explicit Container(Agent& agent) : agent_(agent) {}
+  explicit Container(Agent& agent) : agent_(agent), gate_(agent.self().name) {}
 
   std::string_view name() const override { return "dist_autograd"; }
   void onSend(rpc::detail::OutgoingMessage& m) override {
@@ -161,6 +178,7 @@ class Container : public rpc::detail::AgentExtension {
 
   int32_t rank() const { return agent_.self().rank; }
   Agent& agent() const { return agent_; }
+  detail::StepGate& gate() { return gate_; }
 
   uint64_t newContext() {
     const uint64_t id =
@@ -201,8 +219,10 @@ class Container : public rpc::detail::AgentExtension {
                            " is not alive on worker '" + agent_.self().name +
                            "'" + (released(contextId) ? " (released)" : "")));
     }
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->knownWorkers.insert(peer);
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->knownWorkers.insert(peer);
+    }
     if (tensors.empty()) {
       return 0;
     }
@@ -219,7 +239,13 @@ class Container : public rpc::detail::AgentExtension {
       node->add_input_metadata(t);
     }
     const uint64_t messageId = nextMessage_.fetch_add(1);
-    state->sends.emplace(messageId, std::move(node));
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->sends.emplace(messageId, std::move(node));
+    }
+    // Until its gradient arrives, the graph behind it may need the values
+    // of this worker's parameters as they are now.
+    gate_.sendRecorded(state->slot);
     return messageId;
   }
 
@@ -253,6 +279,24 @@ class Container : public rpc::detail::AgentExtension {
     return std::make_unique<Receiver>(contextId, peer, messageId);
   }
 
+  Future<void> admitRequest(uint64_t contextId, int32_t /*peer*/,
+                            Deadline deadline) override {
+    auto state = find(contextId);
+    if (state == nullptr) {  // released since recordRecv
+      return makeErrorFuture<void>(
+          Error(Code::kFailedPrecondition,
+                "distributed-autograd " + contextName(contextId) +
+                    " was released on worker '" + agent_.self().name + "'"));
+    }
+    return gate_.admit(state->gateSlot(state), deadline);
+  }
+
+  void requestDone(uint64_t contextId) override {
+    if (auto state = find(contextId)) {
+      gate_.requestDone(state->slot);
+    }
+  }
+
   // Forgets the context here and tells the workers it reached (except
   // `from`, who told us); they do the same. Returns false when it was not
   // alive here.
@@ -274,6 +318,10 @@ class Container : public rpc::detail::AgentExtension {
         }
       }
     }
+    // Not under mu_: it may let a waiting step through, on this thread.
+    // A request that found the context before the erase is refused by the
+    // gate (the slot is marked released).
+    gate_.release(state->slot);
     std::vector<int32_t> peers;
     {
       std::lock_guard<std::mutex> lock(state->mu);
@@ -314,6 +362,9 @@ class Container : public rpc::detail::AgentExtension {
   std::deque<uint64_t> tombstoneOrder_;
   std::atomic<uint64_t> nextContext_{1};
   std::atomic<uint64_t> nextMessage_{1};
+  // Declared last: destroyed first, failing what it holds while the
+  // contexts still exist.
+  detail::StepGate gate_;
 };
 
 Container& containerOf(Agent& agent) {
@@ -508,6 +559,19 @@ GradientMap Context::gradients() const {
 
 // ---- free functions --------------------------------------------------------
 
+namespace detail {
+
+GateRef gateOf(rpc::Agent& agent, uint64_t contextId) {
+  Container& container = containerOf(agent);
+  auto state = container.find(contextId);
+  if (state == nullptr) {
+    return {&container.gate(), nullptr};
+  }
+  return {&container.gate(), state->gateSlot(state)};
+}
+
+}  // namespace detail
+
 void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
               bool retainGraph) {
   Agent& agent = Agent::current();
@@ -558,8 +622,16 @@ void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
   if (!retainGraph) {
     // The whole tree has answered: no gradient can arrive here any more.
     // Other workers free their part of the graph with the context.
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->sends.clear();
+    uint32_t unanswered = 0;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      for (auto& [id, send] : state->sends) {
+        unanswered += send->markAnswered() ? 1 : 0;
+      }
+      state->sends.clear();
+    }
+    // Sends whose tensors did not reach the loss: no gradient comes now.
+    container.gate().sendsDropped(state->slot, unanswered);
   }
 }
 
@@ -616,9 +688,13 @@ Future<bool> propagateGradients(uint64_t contextId, uint64_t messageId,
   for (uint32_t i = 0; i < send->num_inputs(); ++i) {
     roots.emplace_back(send, i);
   }
-  return runGraph(container, state, roots, gradients, retainGraph).then([] {
-    return true;
-  });
+  auto done = runGraph(container, state, roots, gradients, retainGraph);
+  // The engine has run this worker's part for the message (or failed): the
+  // graph behind it no longer needs the parameters' current values.
+  if (send->markAnswered()) {
+    container.gate().sendAnswered(state->slot);
+  }
+  return done.then([] { return true; });
 }
 
 bool releaseContext(uint64_t contextId, int32_t from) {

@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <c10/core/ScalarType.h>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <string>
@@ -13,7 +15,9 @@
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
 #include <trellis/dist_autograd/dist_autograd.h>
+#include <trellis/dist_autograd/messages.h>
 #include <trellis/dist_autograd/optimizer.h>
+#include <trellis/dist_autograd/step_gate.h>
 #include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/rpc/serializable.h>
@@ -127,8 +131,12 @@ class LocalOptimizer {
       : params_(std::move(params)),
         optimizer_(makeTorchOptimizer(config, params_)) {}
 
-  // Applies the gradients this worker accumulated in `contextId`.
-  void step(uint64_t contextId) {
+  // Applies the gradients this worker accumulated in `contextId`, once no
+  // other context's backward pass still needs the parameters' current
+  // values here (StepGate, docs/dist_autograd.md). `waitUs` bounds that
+  // wait (0: none); the step itself is not interrupted.
+  Future<void> step(uint64_t contextId, int64_t waitUs) {
+    auto& agent = rpc::Agent::current();
     GradientMap grads;
     try {
       grads = getGradients(contextId);
@@ -137,8 +145,37 @@ class LocalOptimizer {
       // parameters has a gradient in it: nothing to apply. (A context that
       // was released here before the step is indistinguishable; its
       // gradients are gone either way.)
-      return;
+      return makeReadyFuture();
     }
+    bool any = false;
+    for (const auto& p : params_) {
+      any = any || grads.contains(p);
+    }
+    if (!any) {
+      return makeReadyFuture();  // changes nothing: no need to wait
+    }
+    GateRef ref = gateOf(agent, contextId);
+    if (ref.slot == nullptr) {
+      return makeReadyFuture();  // released just now: gradients are gone
+    }
+    const Deadline deadline =
+        waitUs > 0 ? Deadline::after(std::chrono::microseconds(waitUs))
+                   : Deadline::never();
+    // The RRef's holder keeps this object alive until the future completes.
+    return ref.gate
+        ->beginWrite(ref.slot, deadline,
+                     "the step of " + contextName(contextId))
+        .then([this, ref, grads = std::move(grads)] {
+          struct EndWrite {
+            const GateRef& ref;
+            ~EndWrite() { ref.gate->endWrite(*ref.slot); }
+          } end{ref};
+          apply(grads);
+        });
+  }
+
+ private:
+  void apply(const GradientMap& grads) {
     std::lock_guard<std::mutex> lock(stepMutex());
     // torch::optim steps every parameter whose .grad is defined, so each
     // one gets exactly its context gradient (or none), whatever .grad held;
@@ -166,7 +203,6 @@ class LocalOptimizer {
     }
   }
 
- private:
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
@@ -210,18 +246,29 @@ TRELLIS_REMOTE_METHODS(trellis::dist_autograd::detail::LocalOptimizer, step);
 
 namespace trellis::dist_autograd {
 
+using detail::contextName;
 using detail::LocalOptimizer;
 
 namespace {
 
 // `f` failing with its error prefixed by `context` (the owner's name).
-Future<void> withContext(const Future<void>& f, std::string context) {
+// With `ownerTimeout`, a DEADLINE_EXCEEDED the owner raised itself (its
+// StepGate wait) becomes a local TimeoutError, as the same wait on this
+// worker would be; other remote errors stay RemoteErrors.
+Future<void> withContext(const Future<void>& f, std::string context,
+                         bool ownerTimeout = false) {
   Promise<void> promise;
   auto out = promise.getFuture();
-  f.addDoneCallback([promise, context = std::move(context)](
-                        const Future<void>& done) mutable {
+  f.addDoneCallback([promise, context = std::move(context),
+                     ownerTimeout](const Future<void>& done) mutable {
     if (done.hasError()) {
-      promise.setError(done.error().withContext(context));
+      const Error& e = done.error();
+      if (ownerTimeout && e.code() == Code::kDeadlineExceeded &&
+          e.remoteOrigin() != nullptr) {
+        promise.setError(Error::timeout(context + ": " + e.message()));
+        return;
+      }
+      promise.setError(e.withContext(context));
     } else {
       promise.setValue();
     }
@@ -237,6 +284,22 @@ Deadline waitDeadline(Duration callTimeout) {
   return callTimeout > Duration::zero()
              ? Deadline::after(callTimeout + std::chrono::seconds(1))
              : Deadline::never();
+}
+
+// How long an owner's step may wait for other contexts' backward passes
+// (in microseconds, 0 = no limit): the call's timeout less a margin, so
+// that the owner's error, which names the contexts it waited for, arrives
+// before the call's own timer fires with a bare "timed out".
+int64_t ownerWaitUs(Duration callTimeout) {
+  if (callTimeout <= Duration::zero()) {
+    return 0;
+  }
+  const Duration margin =
+      std::min<Duration>(callTimeout / 10, std::chrono::milliseconds(500));
+  return std::max<int64_t>(
+      1, std::chrono::duration_cast<std::chrono::microseconds>(callTimeout -
+                                                               margin)
+             .count());
 }
 
 // Waits for every owner's future; throws the first error to arrive, or a
@@ -348,6 +411,7 @@ void DistributedOptimizer::step(const Context& context) { step(context.id()); }
 
 void DistributedOptimizer::step(uint64_t contextId) {
   const Deadline deadline = waitDeadline(impl_->waitLimit);
+  const int64_t waitUs = ownerWaitUs(impl_->waitLimit);
   std::vector<Future<void>> done;
   done.reserve(impl_->owners.size());
   {
@@ -358,8 +422,9 @@ void DistributedOptimizer::step(uint64_t contextId) {
       const auto& owner = impl_->owners[i];
       done.push_back(withContext(
           (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
-              .rpcAsync<&LocalOptimizer::step>(contextId),
-          "DistributedOptimizer: step on '" + impl_->ownerNames[i] + "'"));
+              .rpcAsync<&LocalOptimizer::step>(contextId, waitUs),
+          "DistributedOptimizer: step on '" + impl_->ownerNames[i] + "'",
+          /*ownerTimeout=*/true));
     }
   }
   waitOwners(done, impl_->ownerNames, deadline, impl_->waitLimit, "step");

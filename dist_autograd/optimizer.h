@@ -32,6 +32,13 @@
 //    gradients; the previous ones (normally undefined) are put back
 //    afterwards, also when the step fails. The step messages are sent
 //    outside the context (they do not join it).
+//  - On each owner, the step waits until no other context's backward pass
+//    still needs the owner's parameter values as they are (a context that
+//    ran a forward there and has not finished its backward or been
+//    released); meanwhile new requests of other contexts wait on that owner
+//    (docs/dist_autograd.md, "Steps and backward passes"). When that wait
+//    outlasts the timeout, step throws TimeoutError naming the owner and
+//    the contexts it waited for, and that owner's parameters are unchanged.
 //  - `timeout` bounds each call and each wait (unset: the agent's default
 //    call timeout; zero: none; negative: InvalidArgumentError).
 //  - The update equals torch::optim's for the same gradients: the local

@@ -117,6 +117,8 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
         d.connections->endExpectedWork();
         d.calls->notifyIdle();
       });
+  d.dispatcher->setHoldHooks([&d] { d.connections->endExpectedWork(); },
+                             [&d] { d.connections->beginExpectedWork(); });
   d.connections = std::make_unique<detail::Connections>(
       d.me, d.worldSize, d.options, d.group.workers,
       [&d](const std::shared_ptr<PipeState>& ps,

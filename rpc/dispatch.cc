@@ -105,12 +105,81 @@ void Dispatcher::handle(Request& request) {
       return fail(errorFromCurrentException());
     }
     receiver = std::move(in.gradReceiver);
+    // Admission (dist_autograd/ holds a request behind an optimizer step
+    // on this worker; rpc/extension.h).
+    const Deadline deadline =
+        env.timeout_us() > 0
+            ? Deadline::at(request.arrived +
+                           std::chrono::microseconds(
+                               static_cast<int64_t>(env.timeout_us())))
+            : Deadline::never();
+    AgentExtension* gate = in.recordedBy;
+    Future<void> admitted =
+        gate->admitRequest(autogradContext, caller, deadline);
+    if (!admitted.completed()) {
+      // Held: give the worker thread back, and stop the loop's polling for
+      // a reply that is not coming soon. The outcome is handled on a
+      // worker thread (it may come on the extension's timer thread, or
+      // while it is destroyed at close).
+      if (held_) {
+        held_();
+      }
+      admitted.addDoneCallback(
+          [this, r = std::make_shared<Request>(std::move(request)), entry,
+           receiver = std::move(receiver), profileStartUs, nested, gate,
+           autogradContext](const Future<void>& f) {
+            pool_.post([this, r, entry, receiver, profileStartUs, nested, gate,
+                        autogradContext, f](const Error& pe) mutable {
+              if (resumed_) {
+                resumed_();
+              }
+              if (!pe.ok()) {  // pool shut down (closed at once)
+                if (!f.hasError()) {
+                  gate->requestDone(autogradContext);
+                }
+                running_.fetch_sub(1);
+                done_();
+                return;
+              }
+              CurrentAgentScope scope(agent_);
+              if (f.hasError()) {
+                respond(*r, makeErrorFuture<AnyValue>(f.error()),
+                        profileStartUs, std::move(nested));
+                return;
+              }
+              run(*r, entry, std::move(receiver), profileStartUs,
+                  std::move(nested), gate);
+            });
+          });
+      return;
+    }
+    if (admitted.hasError()) {
+      return fail(admitted.error());
+    }
+    return run(request, entry, std::move(receiver), profileStartUs,
+               std::move(nested), gate);
   }
+  run(request, entry, std::move(receiver), profileStartUs, std::move(nested),
+      nullptr);
+}
+
+void Dispatcher::run(Request& request, const FunctionEntry* entry,
+                     std::shared_ptr<GradReceiver> receiver,
+                     int64_t profileStartUs,
+                     std::shared_ptr<NestedEvents> nested,
+                     AgentExtension* gate) {
+  const wire::Envelope& env = *request.env;
+  const int32_t caller = request.body.from;
+  const uint64_t autogradContext = env.autograd_context_id();
+  auto fail = [&](Error e) {
+    respond(request, makeErrorFuture<AnyValue>(std::move(e)), profileStartUs,
+            nested, gate);
+  };
   auto context = extensions_.codecContext(caller);
-  auto run = [entry, body = std::move(request.body), autogradContext,
-              receiver = std::move(receiver),
-              context = std::shared_ptr<CodecContext>(std::move(context)),
-              nested](void* target) mutable {
+  auto invoke = [entry, body = std::move(request.body), autogradContext,
+                 receiver = std::move(receiver),
+                 context = std::shared_ptr<CodecContext>(std::move(context)),
+                 nested](void* target) mutable {
     Decoder dec(body.bytes, std::move(body.tensors), context.get());
     dec.setGradReceiver(receiver.get());
     // Nested calls of the function join the caller's context, and its
@@ -123,7 +192,8 @@ void Dispatcher::handle(Request& request) {
     return entry->invoke(dec, target);
   };
   if (env.extension() == kNoExtension) {
-    return respond(request, run(nullptr), profileStartUs, std::move(nested));
+    return respond(request, invoke(nullptr), profileStartUs, std::move(nested),
+                   gate);
   }
   AgentExtension* extension = extensions_.findWire(env.extension());
   if (extension == nullptr) {
@@ -138,19 +208,20 @@ void Dispatcher::handle(Request& request) {
   x.entry = entry;
   x.caller = caller;
   x.payload = env.extension_payload();
-  x.run = std::move(run);
+  x.run = std::move(invoke);
   Future<AnyValue> result;
   try {
     result = extension->onRequest(x);
   } catch (...) {
     result = makeErrorFuture<AnyValue>(errorFromCurrentException());
   }
-  respond(request, result, profileStartUs, std::move(nested));
+  respond(request, result, profileStartUs, std::move(nested), gate);
 }
 
 void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
                          int64_t profileStartUs,
-                         std::shared_ptr<NestedEvents> nested) {
+                         std::shared_ptr<NestedEvents> nested,
+                         AgentExtension* gate) {
   const wire::Envelope& req = *request.env;
   const uint64_t id = req.request_id();
   const int32_t peer = static_cast<int32_t>(req.from_worker());
@@ -158,7 +229,7 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
   std::string function = req.function();
   result.addDoneCallback([this, respond = std::move(request.respond), id, peer,
                           profileStartUs, autogradContext,
-                          nested = std::move(nested),
+                          nested = std::move(nested), gate,
                           function =
                               std::move(function)](const Future<AnyValue>& f) {
     CurrentAgentScope scope(agent_);
@@ -240,6 +311,11 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
           info->set_exception_type(o->exceptionType);
         }
       }
+    }
+    if (gate != nullptr) {
+      // The reply's send function (if any) is recorded: the request stops
+      // counting as running in its context here.
+      gate->requestDone(autogradContext);
     }
     respond(env, std::move(body), std::move(context));
     running_.fetch_sub(1);

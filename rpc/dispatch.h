@@ -47,6 +47,12 @@ class Dispatcher {
   // On the transport loop: runs the request there (runOnLoop functions)
   // or on the worker pool.
   void dispatch(Request request);
+  // `held` runs when a request is held at admission (its worker thread
+  // is given back), `resumed` when it goes on. Call before any request.
+  void setHoldHooks(std::function<void()> held, std::function<void()> resumed) {
+    held_ = std::move(held);
+    resumed_ = std::move(resumed);
+  }
 
   // Requests received and not yet answered.
   uint64_t running() const { return running_.load(); }
@@ -59,14 +65,24 @@ class Dispatcher {
   void handle(Request& request);
   // `nested` (profiled requests only) collects the events of the calls the
   // function makes; they ride the response.
+  // The second half of handle(), once the request is admitted. `gate`:
+  // the extension that admitted it (requestDone goes to it once the
+  // result is encoded), null when it was not gated.
+  void run(Request& request, const FunctionEntry* entry,
+           std::shared_ptr<GradReceiver> receiver, int64_t profileStartUs,
+           std::shared_ptr<NestedEvents> nested, AgentExtension* gate);
   void respond(Request& request, const Future<AnyValue>& result,
                int64_t profileStartUs,
-               std::shared_ptr<NestedEvents> nested = nullptr);
+               std::shared_ptr<NestedEvents> nested = nullptr,
+               AgentExtension* gate = nullptr);
 
   Agent* agent_;
   const WorkerInfo& self_;
   const Extensions& extensions_;
   std::function<void()> done_;
+  // Set once before the first request (setHoldHooks).
+  std::function<void()> held_;
+  std::function<void()> resumed_;
   ThreadPool pool_;
   std::atomic<uint64_t> running_{0};
 };

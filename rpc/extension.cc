@@ -109,10 +109,18 @@ bool Extensions::recordSend(OutgoingMessage& message) const {
   return false;
 }
 
+Future<void> AgentExtension::admitRequest(uint64_t /*contextId*/,
+                                          int32_t /*peer*/,
+                                          Deadline /*deadline*/) {
+  static const Future<void> admitted = makeReadyFuture();
+  return admitted;
+}
+
 bool Extensions::recordRecv(IncomingMessage& message) const {
   for (const auto& e : list_) {
     e.extension->onReceive(message);
     if (message.autogradRecorded) {
+      message.recordedBy = e.extension.get();
       return true;
     }
   }

@@ -30,6 +30,11 @@
 //    and what becomes of its result (kept as an RRef's owner value). A
 //    payload that does not decode is a ProtocolError for that request
 //    only: the caller gets it as a RemoteError, the pipe stays open.
+//  - admitRequest / requestDone: a user request inside a
+//    distributed-autograd context, on the extension that recorded its
+//    receive, before its function runs / once its result is encoded
+//    (dist_autograd/ holds requests behind an optimizer step; contract
+//    below).
 //  - beforeQuiescence: graceful shutdown, before the group's idleness
 //    check: release this worker's references (the messages are sent, not
 //    acknowledged, when it returns).
@@ -50,6 +55,7 @@
 #include <typeindex>
 #include <vector>
 
+#include <trellis/core/deadline.h>
 #include <trellis/core/future.h>
 #include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
@@ -66,6 +72,8 @@ namespace trellis::rpc::detail {
 inline constexpr uint32_t kNoExtension = 0;
 inline constexpr uint32_t kRRefExtension = 1;
 // A payload is at most 1 KiB (rpc/envelope.h checks it on arrival).
+
+class AgentExtension;
 
 // A request or response this worker is about to send.
 struct OutgoingMessage {
@@ -92,6 +100,8 @@ struct IncomingMessage {
   // is 0).
   bool autogradRecorded = false;
   std::unique_ptr<GradReceiver> gradReceiver;
+  // The extension that recorded it (set by Extensions::recordRecv).
+  AgentExtension* recordedBy = nullptr;
 };
 
 // A request naming an extension, on the callee. The function is registered
@@ -119,6 +129,25 @@ class AgentExtension {
   }
   virtual void onSend(OutgoingMessage& /*message*/) {}
   virtual void onReceive(IncomingMessage& /*message*/) {}
+  // Admission of a user request whose envelope carries `contextId` (!= 0),
+  // after this extension's onReceive recorded it and before its function
+  // runs. Protocol messages (backward, release, RRef bookkeeping, optimizer
+  // steps) carry no context and never come here.
+  //  - Returns a completed future when the request may run now (the usual
+  //    case; it should allocate nothing). Otherwise a pending one that
+  //    completes when it may run, or fails with DEADLINE_EXCEEDED at
+  //    `deadline` (the request's own timeout; never() for none),
+  //    FAILED_PRECONDITION when the context is released meanwhile, or
+  //    CANCELLED when the extension is destroyed. The agent holds no worker
+  //    thread while it is pending; its callback may run on any thread.
+  //  - Once it has succeeded, the request counts as running in the context
+  //    until requestDone(contextId), which the agent calls exactly once,
+  //    after the result has been encoded (onSend for the reply included)
+  //    or has failed. A failed admission is not followed by requestDone.
+  //  - Never throws; a refusal is the future's error.
+  virtual Future<void> admitRequest(uint64_t contextId, int32_t peer,
+                                    Deadline deadline);
+  virtual void requestDone(uint64_t /*contextId*/) {}
   // Returns the result the agent answers with.
   virtual Future<AnyValue> onRequest(ExtensionRequest& request);
 
