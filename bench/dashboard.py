@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Runs the benchmarks and prints the dashboard table of docs/benchmarks.md.
+
+  bench/dashboard.py build/dev/bench               # run all four, print table
+  bench/dashboard.py build/dev/bench --only rpc    # one program
+  bench/dashboard.py build/dev/bench --before OLD/bench
+      # also run the programs of an older build, alternating with the new
+      # ones, and print each figure before and after (same run, same load)
+  bench/dashboard.py --from-json DIR               # table from saved runs
+
+Each program prints one JSON object per line (--json). The table lists the
+figures that have a target (the issues that set them are named in
+docs/benchmarks.md) plus a few orientation figures; a ratio is the figure
+over the baseline named next to it, both from the same run. Raw output of
+every program is kept under --out (default /tmp/trellis-bench) for the
+rows the table leaves out.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# name -> (program file, extra arguments, command shown in the table)
+PROGRAMS = {
+    "transport": ("transport_bench_tensorpipe", [], "transport_bench_tensorpipe"),
+    "store": ("store_bench", [], "store_bench"),
+    "rpc": ("rpc_bench", [], "rpc_bench"),
+    "dist_autograd": ("dist_autograd_bench", [], "dist_autograd_bench"),
+}
+
+# (program, figure, baseline or None, comparison, threshold)
+# comparison: "<=", ">=", "<" on the ratio (or on the value when there is no
+# baseline); None: shown for orientation, no target.
+ROWS = [
+    ("transport", "uv_rtt_8B_median", "tcp_rtt_8B_median", "<=", 1.3),
+    ("transport", "uv_rtt_8B_median", "tensorpipe_uv_rtt_8B_median", "<=", 1.0),
+    ("transport", "uv_throughput_1MiB", "tensorpipe_uv_throughput_1MiB", ">=", 1.0),
+    ("transport", "uv_throughput_64MiB", "tcp_64KiB_reads_throughput_64MiB", ">=", 0.9),
+    ("transport", "shm_rtt_8B_median", "tcp_rtt_8B_median", "<=", 0.25),
+    ("transport", "shm_throughput_1MiB", "tensorpipe_shm_throughput_1MiB", ">=", 1.0),
+    ("transport", "shm_throughput_64MiB", "tensorpipe_shm_throughput_64MiB", ">=", 1.0),
+    ("transport", "cma_throughput_64MiB", "tensorpipe_cma_throughput_64MiB", ">=", 1.0),
+    ("store", "set_latency_median", "raw_tcp_rtt_median", None, None),
+    ("store", "set_ops_per_s_c16", "raw_tcp_round_trips_per_s", None, None),
+    ("store", "set_wait_wakeup_median", "raw_tcp_rtt_after_idle_median", None, None),
+    ("rpc", "rpc_uv_noop_rtt_median", "transport_uv_rtt_8B_median", "<=", 1.3),
+    ("rpc", "rpc_uv_noop_rtt_median", "grpc_unary_rtt_8B_median", "<", 1.0),
+    ("rpc", "rpc_shm_noop_rtt_median", "transport_shm_rtt_8B_median", "<=", 4.0),
+    ("rpc", "rpc_shm_noop_rtt_median", "grpc_unary_rtt_8B_median", "<", 1.0),
+    ("rpc", "rpc_uv_echo_1KiB", "transport_uv_echo_1KiB", ">=", 0.5),
+    ("rpc", "rpc_shm_echo_1KiB", "transport_shm_echo_1KiB", ">=", 0.5),
+    ("rpc", "rpc_uv_echo_64KiB", "transport_uv_echo_64KiB", ">=", 0.5),
+    ("rpc", "rpc_shm_echo_64KiB", "transport_shm_echo_64KiB", ">=", 0.5),
+    ("rpc", "rpc_uv_echo_64MiB", "transport_uv_echo_64MiB", ">=", 0.8),
+    ("rpc", "rpc_shm_echo_64MiB", "transport_shm_echo_64MiB", ">=", 0.8),
+    ("rpc", "rpc_uv_remote_tohere_median", "rpc_uv_noop_rtt_median", "<=", 1.5),
+    ("rpc", "rpc_shm_remote_tohere_median", "rpc_shm_noop_rtt_median", "<=", 1.5),
+    ("rpc", "rpc_shm_calls_per_s_64_in_flight", None, None, None),
+    ("dist_autograd", "ps_dist_iter_median", "ps_local_iter_median", "<=", 1.5),
+    ("dist_autograd", "ps_dist_wakeups_per_iter", None, "<=", 6.0),
+    ("dist_autograd", "tiny_dist_iter_median", "tiny_local_iter_median", None, None),
+]
+
+
+def run_program(bindir, name, outdir, tag):
+    exe, extra, _ = PROGRAMS[name]
+    path = os.path.join(bindir, exe)
+    if name == "transport" and not os.access(path, os.X_OK):
+        # Built without libtensorpipe-dev: the same rows minus TensorPipe's.
+        path = os.path.join(bindir, "transport_bench")
+    if not os.access(path, os.X_OK):
+        sys.exit(f"dashboard: {path} is missing or not executable (build it: "
+                 f"cmake --build build/dev --target {exe})")
+    out = os.path.join(outdir, f"{name}.{tag}.json")
+    started = time.monotonic()
+    with open(out, "w") as f:
+        proc = subprocess.run([path, "--json", *extra], stdout=f,
+                              stderr=subprocess.DEVNULL, timeout=900)
+    if proc.returncode != 0:
+        sys.exit(f"dashboard: {path} exited with {proc.returncode}; "
+                 f"its output is in {out}")
+    print(f"# {name} ({tag}): {time.monotonic() - started:.0f} s -> {out}",
+          file=sys.stderr)
+    return load(out)
+
+
+def load(path):
+    figures = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            figures[row["metric"]] = (row["value"], row["unit"])
+    return figures
+
+
+def fmt(value):
+    if value >= 1000:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+def verdict(value, op, threshold):
+    ok = {"<=": value <= threshold, ">=": value >= threshold,
+          "<": value < threshold}[op]
+    return f"{op} {threshold:g} {'✔' if ok else '✘'}"
+
+
+def dashboard(results, bindir_shown):
+    lines = ["| figure | value | baseline | ratio | target | command |",
+             "|---|---:|---|---:|---|---|"]
+    for prog, figure, base, op, threshold in ROWS:
+        figs = results.get(prog)
+        if figs is None or figure not in figs:
+            continue
+        value, unit = figs[figure]
+        cmd = f"`{bindir_shown}/{PROGRAMS[prog][2]}`"
+        if base is None:
+            target = verdict(value, op, threshold) if op else ""
+            lines.append(f"| `{figure}` | {fmt(value)} {unit} | — | — | "
+                         f"{target} | {cmd} |")
+            continue
+        if base not in figs:
+            continue
+        bvalue, bunit = figs[base]
+        ratio = value / bvalue if bvalue else float("nan")
+        target = verdict(ratio, op, threshold) if op else ""
+        lines.append(f"| `{figure}` | {fmt(value)} {unit} | `{base}` "
+                     f"{fmt(bvalue)} {bunit} | {ratio:.2f} | {target} | {cmd} |")
+    return "\n".join(lines)
+
+
+def before_after(before, after):
+    lines = ["| figure | before | after | after / before |",
+             "|---|---:|---:|---:|"]
+    seen = set()
+    for prog, figure, base, _, _ in ROWS:
+        for name in (figure, base):
+            if name is None or (prog, name) in seen:
+                continue
+            seen.add((prog, name))
+            b = before.get(prog, {}).get(name)
+            a = after.get(prog, {}).get(name)
+            if a is None or b is None:
+                continue
+            ratio = a[0] / b[0] if b[0] else float("nan")
+            lines.append(f"| `{name}` | {fmt(b[0])} {b[1]} | {fmt(a[0])} "
+                         f"{a[1]} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("bindir", nargs="?", help="folder with the bench programs")
+    p.add_argument("--before", help="older build's bench folder to compare")
+    p.add_argument("--only", action="append", choices=sorted(PROGRAMS))
+    p.add_argument("--out", default="/tmp/trellis-bench")
+    p.add_argument("--from-json", help="folder of <program>.after.json files")
+    args = p.parse_args()
+    names = args.only or list(PROGRAMS)
+    os.makedirs(args.out, exist_ok=True)
+    after, before = {}, {}
+    if args.from_json:
+        for name in names:
+            path = os.path.join(args.from_json, f"{name}.after.json")
+            if os.path.exists(path):
+                after[name] = load(path)
+            path = os.path.join(args.from_json, f"{name}.before.json")
+            if os.path.exists(path):
+                before[name] = load(path)
+    else:
+        if not args.bindir:
+            p.error("give the bench folder, or --from-json")
+        for name in names:
+            if args.before:
+                before[name] = run_program(args.before, name, args.out, "before")
+            after[name] = run_program(args.bindir, name, args.out, "after")
+    shown = os.path.relpath(args.bindir) if args.bindir else "build/dev/bench"
+    print(dashboard(after, shown))
+    if before:
+        print()
+        print(before_after(before, after))
+
+
+if __name__ == "__main__":
+    main()
