@@ -70,23 +70,6 @@ TEST(DistAutogradProcess, WorkerKilledDuringBackwardFailsItNamingTheWorker) {
   EXPECT_TRUE(exitedZero(s1)) << job.stderrOf(1);
 }
 
-// True once /proc says `pid` is stopped (state T), within `limit`.
-bool waitStopped(pid_t pid, std::chrono::milliseconds limit) {
-  const auto end = Clock::now() + limit;
-  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
-  while (Clock::now() < end) {
-    const std::string stat = readFile(path);
-    // "pid (comm) S ...": the state follows the last ')'.
-    const size_t paren = stat.rfind(')');
-    if (paren != std::string::npos && paren + 2 < stat.size() &&
-        stat[paren + 2] == 'T') {
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return false;
-}
-
 // Issue 14: with the ps SIGSTOPped, trainers died with SIGABRT
 // ("ThreadPool::join() called from one of its own workers") once their
 // calls timed out, in 2 of 3 runs. Every kind of call to a stopped peer
@@ -113,7 +96,7 @@ TEST(DistAutogradProcess,
     ASSERT_EQ(lineStartingWith(job[1], "ready", 60000), "ready")
         << job.stderrOf(1);
     ASSERT_EQ(::kill(job[0].pid, SIGSTOP), 0);  // a pid this test started
-    ASSERT_TRUE(waitStopped(job[0].pid, 5000ms));
+    ASSERT_TRUE(waitUntilStopped(job[0].pid, 5000ms));
     std::ofstream(job.path("go")) << "go\n";
     std::map<std::string, std::string> ops;
     for (size_t k = 0; k < function.size() + 1; ++k) {
