@@ -291,6 +291,10 @@ int driveStopped(const std::string& mode, const std::string& goFile) {
       op = nullptr;
     });
   };
+  // Open the pipe first with a generous timeout (slow under TSan): the
+  // set-up below uses the 1 s default, meant for the stopped w0, and the
+  // objects it makes keep that timeout for their own calls.
+  rpc::rpcSync<addInts>({"w0", 30s}, 0, 0);
   auto rref = rpc::remote<makeValue>("w0");
   rref.waitConfirmed(10s);
   dist::DistributedOptimizer opt(dist::SGD{.lr = 0.1},
