@@ -1,0 +1,476 @@
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include <trellis/collectives/cpu/algorithms.h>
+#include <trellis/collectives/reduce_kernels.h>
+#include <trellis/core/check.h>
+#include <trellis/core/mutex.h>
+
+namespace trellis::collectives::detail {
+
+namespace {
+
+// Bound on the wait for callbacks after the mesh was aborted: closing the
+// pipes ends every read and write, so this only guards against a bug.
+constexpr auto kDrainTime = std::chrono::seconds(30);
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// One round of sends and receives, waited for together.
+class Exchange {
+ public:
+  explicit Exchange(AlgoContext& c) : c_(c), st_(std::make_shared<State>()) {}
+  ~Exchange() {
+    TRELLIS_DCHECK(idle(), "an Exchange was destroyed with operations posted");
+  }
+  Exchange(const Exchange&) = delete;
+  Exchange& operator=(const Exchange&) = delete;
+
+  void send(int peer, uint32_t step, const void* data, size_t bytes) {
+    add(peer, false);
+    c_.mesh.sendCollective(peer, c_.fp, step, data, bytes, done(peer, false));
+  }
+  void recv(int peer, uint32_t step, void* data, size_t bytes) {
+    add(peer, true);
+    c_.mesh.recvCollective(peer, c_.fp, step, data, bytes, done(peer, true));
+  }
+
+  // Waits for everything posted. At the deadline the group is aborted with
+  // a TimeoutError naming what this rank still waited for; the buffers are
+  // released only once every callback has fired.
+  Error wait() {
+    MutexLock lock(st_->mu);
+    while (st_->pending > 0) {
+      if (!st_->cv.waitUntil(st_->mu, c_.deadline.timePoint())) {
+        break;
+      }
+    }
+    if (st_->pending == 0) {
+      return st_->first;
+    }
+    const std::string waiting = describeWaiting();
+    st_->mu.unlock();
+    c_.mesh.abort(Error::timeout(
+        c_.mesh.description() + ": rank " + std::to_string(c_.mesh.rank()) +
+        " timed out in " + c_.fp.toString() + " waiting for " + waiting));
+    st_->mu.lock();
+    const auto until = Clock::now() + kDrainTime;
+    while (st_->pending > 0 && st_->cv.waitUntil(st_->mu, until)) {
+    }
+    TRELLIS_CHECK(st_->pending == 0,
+                  "collective buffers still borrowed by the transport 30 s "
+                  "after the group was aborted");
+    return st_->first.ok() ? c_.mesh.error() : st_->first;
+  }
+
+ private:
+  struct State {
+    Mutex mu;
+    CondVar cv;
+    int pending TRELLIS_GUARDED_BY(mu) = 0;
+    Error first TRELLIS_GUARDED_BY(mu);
+    // (peer, is receive) of every operation not yet called back.
+    std::vector<std::pair<int, bool>> open TRELLIS_GUARDED_BY(mu);
+  };
+
+  bool idle() {
+    MutexLock lock(st_->mu);
+    return st_->pending == 0;
+  }
+
+  void add(int peer, bool isRecv) {
+    MutexLock lock(st_->mu);
+    ++st_->pending;
+    st_->open.emplace_back(peer, isRecv);
+  }
+
+  Mesh::Callback done(int peer, bool isRecv) {
+    return [st = st_, peer, isRecv](const Error& e) {
+      MutexLock lock(st->mu);
+      if (!e.ok() && st->first.ok()) {
+        st->first = e;
+      }
+      for (auto it = st->open.begin(); it != st->open.end(); ++it) {
+        if (*it == std::make_pair(peer, isRecv)) {
+          st->open.erase(it);
+          break;
+        }
+      }
+      if (--st->pending == 0) {
+        st->cv.notifyAll();
+      }
+    };
+  }
+
+  std::string describeWaiting() TRELLIS_REQUIRES(st_->mu) {
+    std::string recvs, sends;
+    for (const auto& [peer, isRecv] : st_->open) {
+      std::string& s = isRecv ? recvs : sends;
+      s += (s.empty() ? "" : ", ") + std::to_string(peer);
+    }
+    std::string out;
+    if (!recvs.empty()) {
+      out = "data from rank(s) " + recvs;
+    }
+    if (!sends.empty()) {
+      out += (out.empty() ? "" : " and ") + std::string("rank(s) ") + sends +
+             " to take its data";
+    }
+    return out;
+  }
+
+  AlgoContext& c_;
+  std::shared_ptr<State> st_;
+};
+
+size_t chunkCount(size_t count, int n, int c) {
+  const size_t base = count / static_cast<size_t>(n);
+  const size_t rem = count % static_cast<size_t>(n);
+  return base + (static_cast<size_t>(c) < rem ? 1 : 0);
+}
+size_t chunkOffset(size_t count, int n, int c) {
+  const size_t base = count / static_cast<size_t>(n);
+  const size_t rem = count % static_cast<size_t>(n);
+  const size_t uc = static_cast<size_t>(c);
+  return uc * base + std::min(uc, rem);
+}
+
+// Reduce-scatter around the ring over `count` elements at `data` in place,
+// split into size() chunks: rank r ends holding chunk r reduced over every
+// rank. Steps 0..n-2.
+Error ringReduceScatter(AlgoContext& c, uint8_t* data, size_t count,
+                        uint8_t* tmp) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  const size_t es = elementSize(c.fp.dtype);
+  const int right = mod(r + 1, n);
+  const int left = mod(r - 1, n);
+  for (int s = 0; s < n - 1; ++s) {
+    const int sendC = mod(r - s - 1, n);
+    const int recvC = mod(r - s - 2, n);
+    const size_t recvCount = chunkCount(count, n, recvC);
+    Exchange ex(c);
+    ex.send(right, static_cast<uint32_t>(s),
+            data + chunkOffset(count, n, sendC) * es,
+            chunkCount(count, n, sendC) * es);
+    ex.recv(left, static_cast<uint32_t>(s), tmp, recvCount * es);
+    if (Error e = ex.wait(); !e.ok()) {
+      return e;
+    }
+    reduceInto(data + chunkOffset(count, n, recvC) * es, tmp, recvCount,
+               c.fp.dtype, c.fp.reduceOp);
+  }
+  return Error();
+}
+
+Error ringAllreduce(AlgoContext& c, uint8_t* data, size_t count) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  const size_t es = elementSize(c.fp.dtype);
+  uint8_t* tmp = c.scratch.get(chunkCount(count, n, 0) * es);
+  if (Error e = ringReduceScatter(c, data, count, tmp); !e.ok()) {
+    return e;
+  }
+  const int right = mod(r + 1, n);
+  const int left = mod(r - 1, n);
+  for (int s = 0; s < n - 1; ++s) {
+    const int sendC = mod(r - s, n);
+    const int recvC = mod(r - s - 1, n);
+    Exchange ex(c);
+    ex.send(right, static_cast<uint32_t>(n - 1 + s),
+            data + chunkOffset(count, n, sendC) * es,
+            chunkCount(count, n, sendC) * es);
+    ex.recv(left, static_cast<uint32_t>(n - 1 + s),
+            data + chunkOffset(count, n, recvC) * es,
+            chunkCount(count, n, recvC) * es);
+    if (Error e = ex.wait(); !e.ok()) {
+      return e;
+    }
+  }
+  return Error();
+}
+
+// Recursive doubling among the largest power of two p2 <= n; ranks p2..n-1
+// first fold their data into rank - p2 and get the result back at the end.
+Error recursiveDoubling(AlgoContext& c, uint8_t* data, size_t count) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  const size_t bytes = count * elementSize(c.fp.dtype);
+  int p2 = 1;
+  while (p2 * 2 <= n) {
+    p2 *= 2;
+  }
+  const int extra = n - p2;
+  const uint32_t lastStep = 1000;
+  uint8_t* tmp = c.scratch.get(bytes);
+  if (r >= p2) {
+    Exchange ex(c);
+    ex.send(r - p2, 0, data, bytes);
+    ex.recv(r - p2, lastStep, data, bytes);
+    return ex.wait();
+  }
+  if (r < extra) {
+    Exchange ex(c);
+    ex.recv(r + p2, 0, tmp, bytes);
+    if (Error e = ex.wait(); !e.ok()) {
+      return e;
+    }
+    reduceInto(data, tmp, count, c.fp.dtype, c.fp.reduceOp);
+  }
+  uint32_t step = 1;
+  for (int mask = 1; mask < p2; mask <<= 1, ++step) {
+    const int partner = r ^ mask;
+    Exchange ex(c);
+    ex.send(partner, step, data, bytes);
+    ex.recv(partner, step, tmp, bytes);
+    if (Error e = ex.wait(); !e.ok()) {
+      return e;
+    }
+    reduceInto(data, tmp, count, c.fp.dtype, c.fp.reduceOp);
+  }
+  if (r < extra) {
+    Exchange ex(c);
+    ex.send(r + p2, lastStep, data, bytes);
+    return ex.wait();
+  }
+  return Error();
+}
+
+}  // namespace
+
+uint8_t* Scratch::get(size_t bytes) {
+  if (buf_.size() < bytes) {
+    buf_.resize(bytes);
+  }
+  return buf_.data();
+}
+
+AllreduceAlgo allreduceAlgoFromEnvironment() {
+  const char* v = std::getenv("TRELLIS_COLLECTIVES_ALGO");
+  if (v == nullptr || *v == '\0' || std::string_view(v) == "auto") {
+    return AllreduceAlgo::kAuto;
+  }
+  if (std::string_view(v) == "ring") {
+    return AllreduceAlgo::kRing;
+  }
+  if (std::string_view(v) == "rd") {
+    return AllreduceAlgo::kRecursiveDoubling;
+  }
+  throwError(Error::invalidArgument("TRELLIS_COLLECTIVES_ALGO='" +
+                                    std::string(v) +
+                                    "' is not one of auto, ring, rd"));
+}
+
+Error allreduce(AlgoContext& c, void* data, size_t count) {
+  const int n = c.mesh.size();
+  auto* p = static_cast<uint8_t*>(data);
+  if (n > 1) {
+    const size_t bytes = count * elementSize(c.fp.dtype);
+    bool ring = bytes > kSmallAllreduceBytes;
+    if (c.algo != AllreduceAlgo::kAuto) {
+      ring = c.algo == AllreduceAlgo::kRing;
+    }
+    Error e =
+        ring ? ringAllreduce(c, p, count) : recursiveDoubling(c, p, count);
+    if (!e.ok()) {
+      return e;
+    }
+  }
+  if (c.fp.reduceOp == ReduceOp::kAvg) {
+    divideBy(p, count, c.fp.dtype, n);
+  }
+  return Error();
+}
+
+Error broadcast(AlgoContext& c, void* data, size_t bytes) {
+  const int n = c.mesh.size();
+  const int root = c.fp.root;
+  const int vr = mod(c.mesh.rank() - root, n);
+  int mask = 1;
+  while (mask < n) {
+    if (vr & mask) {
+      Exchange ex(c);
+      ex.recv(mod(vr - mask + root, n), 0, data, bytes);
+      if (Error e = ex.wait(); !e.ok()) {
+        return e;
+      }
+      break;
+    }
+    mask <<= 1;
+  }
+  Exchange ex(c);
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (vr + mask < n) {
+      ex.send(mod(vr + mask + root, n), 0, data, bytes);
+    }
+  }
+  return ex.wait();
+}
+
+Error reduce(AlgoContext& c, void* data, size_t count) {
+  const int n = c.mesh.size();
+  const int root = c.fp.root;
+  const int vr = mod(c.mesh.rank() - root, n);
+  const size_t bytes = count * elementSize(c.fp.dtype);
+  // Non-roots keep their input: they accumulate in scratch.
+  uint8_t* region = c.scratch.get(2 * bytes);
+  uint8_t* tmp = region;
+  uint8_t* acc = vr == 0 ? static_cast<uint8_t*>(data) : region + bytes;
+  if (vr != 0 && bytes > 0) {
+    std::memcpy(acc, data, bytes);
+  }
+  for (int mask = 1; mask < n; mask <<= 1) {
+    if (vr & mask) {
+      Exchange ex(c);
+      ex.send(mod(vr - mask + root, n), 0, acc, bytes);
+      return ex.wait();
+    }
+    if (vr + mask < n) {
+      Exchange ex(c);
+      ex.recv(mod(vr + mask + root, n), 0, tmp, bytes);
+      if (Error e = ex.wait(); !e.ok()) {
+        return e;
+      }
+      reduceInto(acc, tmp, count, c.fp.dtype, c.fp.reduceOp);
+    }
+  }
+  if (c.fp.reduceOp == ReduceOp::kAvg) {
+    divideBy(acc, count, c.fp.dtype, n);
+  }
+  return Error();
+}
+
+Error allgather(AlgoContext& c, const void* input, size_t bytes,
+                std::span<void* const> outputs) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  auto* own = outputs[static_cast<size_t>(r)];
+  if (own != input && bytes > 0) {
+    std::memcpy(own, input, bytes);
+  }
+  const int right = mod(r + 1, n);
+  const int left = mod(r - 1, n);
+  for (int s = 0; s < n - 1; ++s) {
+    Exchange ex(c);
+    ex.send(right, static_cast<uint32_t>(s),
+            outputs[static_cast<size_t>(mod(r - s, n))], bytes);
+    ex.recv(left, static_cast<uint32_t>(s),
+            outputs[static_cast<size_t>(mod(r - s - 1, n))], bytes);
+    if (Error e = ex.wait(); !e.ok()) {
+      return e;
+    }
+  }
+  return Error();
+}
+
+Error gather(AlgoContext& c, const void* input, size_t bytes,
+             std::span<void* const> outputs) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  Exchange ex(c);
+  if (r != c.fp.root) {
+    ex.send(c.fp.root, 0, input, bytes);
+    return ex.wait();
+  }
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == r) {
+      if (outputs[static_cast<size_t>(r)] != input && bytes > 0) {
+        std::memcpy(outputs[static_cast<size_t>(r)], input, bytes);
+      }
+    } else {
+      ex.recv(peer, 0, outputs[static_cast<size_t>(peer)], bytes);
+    }
+  }
+  return ex.wait();
+}
+
+Error scatter(AlgoContext& c, std::span<const void* const> inputs, void* output,
+              size_t bytes) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  Exchange ex(c);
+  if (r != c.fp.root) {
+    ex.recv(c.fp.root, 0, output, bytes);
+    return ex.wait();
+  }
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == r) {
+      if (inputs[static_cast<size_t>(r)] != output && bytes > 0) {
+        std::memcpy(output, inputs[static_cast<size_t>(r)], bytes);
+      }
+    } else {
+      ex.send(peer, 0, inputs[static_cast<size_t>(peer)], bytes);
+    }
+  }
+  return ex.wait();
+}
+
+Error reduceScatter(AlgoContext& c, std::span<const void* const> inputs,
+                    void* output, size_t count) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  const size_t bytes = count * elementSize(c.fp.dtype);
+  const size_t total = bytes * static_cast<size_t>(n);
+  uint8_t* work = c.scratch.get(total + bytes);
+  uint8_t* tmp = work + total;
+  for (int i = 0; i < n; ++i) {
+    if (bytes > 0) {
+      std::memcpy(work + bytes * static_cast<size_t>(i),
+                  inputs[static_cast<size_t>(i)], bytes);
+    }
+  }
+  if (Error e = ringReduceScatter(c, work, count * static_cast<size_t>(n), tmp);
+      !e.ok()) {
+    return e;
+  }
+  uint8_t* mine = work + bytes * static_cast<size_t>(r);
+  if (c.fp.reduceOp == ReduceOp::kAvg) {
+    divideBy(mine, count, c.fp.dtype, n);
+  }
+  if (bytes > 0) {
+    std::memcpy(output, mine, bytes);
+  }
+  return Error();
+}
+
+Error alltoall(AlgoContext& c, const uint8_t* input,
+               std::span<const size_t> inOffsets,
+               std::span<const size_t> inLengths, uint8_t* output,
+               std::span<const size_t> outOffsets,
+               std::span<const size_t> outLengths) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  const auto ur = static_cast<size_t>(r);
+  TRELLIS_DCHECK(inLengths[ur] == outLengths[ur],
+                 "alltoall: own block sizes checked by the caller");
+  if (inLengths[ur] > 0) {
+    std::memmove(output + outOffsets[ur], input + inOffsets[ur], inLengths[ur]);
+  }
+  Exchange ex(c);
+  for (int s = 1; s < n; ++s) {
+    const auto to = static_cast<size_t>(mod(r + s, n));
+    const auto from = static_cast<size_t>(mod(r - s, n));
+    ex.send(static_cast<int>(to), 0, input + inOffsets[to], inLengths[to]);
+    ex.recv(static_cast<int>(from), 0, output + outOffsets[from],
+            outLengths[from]);
+  }
+  return ex.wait();
+}
+
+Error barrier(AlgoContext& c) {
+  const int n = c.mesh.size();
+  const int r = c.mesh.rank();
+  uint32_t step = 0;
+  for (int dist = 1; dist < n; dist <<= 1, ++step) {
+    Exchange ex(c);
+    ex.send(mod(r + dist, n), step, nullptr, 0);
+    ex.recv(mod(r - dist, n), step, nullptr, 0);
+    if (Error e = ex.wait(); !e.ok()) {
+      return e;
+    }
+  }
+  return Error();
+}
+
+}  // namespace trellis::collectives::detail

@@ -1,0 +1,79 @@
+#pragma once
+// The cpu backend's algorithms over a Mesh (not installed; no libtorch).
+// Each runs one collective on the calling thread (the group's worker) and
+// returns once every send and receive it posted has called back, so the
+// caller's buffers are free again whatever the outcome.
+//
+// Which algorithm runs (docs/collectives.md, "Algorithms"):
+//  - allreduce: recursive doubling (with the non-power-of-two fold) up to
+//    kSmallAllreduceBytes, ring reduce-scatter + allgather above.
+//    TRELLIS_COLLECTIVES_ALGO=ring|rd forces one (tests cover both).
+//  - broadcast, reduce: binomial trees rooted at the root.
+//  - allgather: ring. gather, scatter: direct to/from the root.
+//  - reduceScatter: ring. alltoall: pairwise exchange. barrier:
+//    dissemination with empty messages.
+// Every rank reduces in the same order, so all ranks end with bit-identical
+// results (each pairwise reduction is commutative in IEEE arithmetic).
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <trellis/collectives/cpu/mesh.h>
+#include <trellis/collectives/dtype.h>
+#include <trellis/core/deadline.h>
+
+namespace trellis::collectives::detail {
+
+constexpr size_t kSmallAllreduceBytes = 256 * 1024;
+
+enum class AllreduceAlgo { kAuto, kRing, kRecursiveDoubling };
+// TRELLIS_COLLECTIVES_ALGO: unset/"auto", "ring" or "rd"; anything else is
+// an InvalidArgumentError naming the variable and the value.
+AllreduceAlgo allreduceAlgoFromEnvironment();
+
+// Reusable memory for received chunks: grows, never shrinks, so the hot
+// path touches no fresh pages once warm.
+class Scratch {
+ public:
+  uint8_t* get(size_t bytes);
+
+ private:
+  std::vector<uint8_t> buf_;
+};
+
+struct AlgoContext {
+  Mesh& mesh;
+  Fingerprint fp;
+  Deadline deadline;
+  Scratch& scratch;
+  AllreduceAlgo algo = AllreduceAlgo::kAuto;
+};
+
+Error allreduce(AlgoContext& c, void* data, size_t count);
+Error broadcast(AlgoContext& c, void* data, size_t bytes);
+// Only the root's `data` changes.
+Error reduce(AlgoContext& c, void* data, size_t count);
+// outputs[r] receives rank r's `bytes`; `input` may be outputs[rank].
+Error allgather(AlgoContext& c, const void* input, size_t bytes,
+                std::span<void* const> outputs);
+// outputs: the root's, one per rank; empty elsewhere.
+Error gather(AlgoContext& c, const void* input, size_t bytes,
+             std::span<void* const> outputs);
+// inputs: the root's, one per rank; empty elsewhere.
+Error scatter(AlgoContext& c, std::span<const void* const> inputs, void* output,
+              size_t bytes);
+// inputs: one block of `count` elements per rank; output gets block `rank`
+// reduced over all ranks.
+Error reduceScatter(AlgoContext& c, std::span<const void* const> inputs,
+                    void* output, size_t count);
+// Block r of `input` (inLengths[r] bytes at inOffsets[r]) goes to rank r;
+// block r of `output` comes from rank r.
+Error alltoall(AlgoContext& c, const uint8_t* input,
+               std::span<const size_t> inOffsets,
+               std::span<const size_t> inLengths, uint8_t* output,
+               std::span<const size_t> outOffsets,
+               std::span<const size_t> outLengths);
+Error barrier(AlgoContext& c);
+
+}  // namespace trellis::collectives::detail

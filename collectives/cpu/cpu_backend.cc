@@ -1,0 +1,173 @@
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include <trellis/collectives/cpu/algorithms.h>
+#include <trellis/collectives/cpu/cpu_backend.h>
+#include <trellis/core/mutex.h>
+
+namespace trellis::collectives::detail {
+
+namespace {
+
+class CpuBackend final : public ProcessGroup::Backend {
+ public:
+  CpuBackend(std::unique_ptr<Mesh> mesh, Duration timeout)
+      : mesh_(std::move(mesh)),
+        timeout_(timeout),
+        algo_(allreduceAlgoFromEnvironment()),
+        worker_([this] { run(); }) {}
+
+  ~CpuBackend() override {
+    {
+      MutexLock lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notifyAll();
+    // Ops still queued fail with the mesh's error once it is torn down;
+    // abort first so the op running now ends promptly.
+    mesh_->abort(Error::cancelled(mesh_->description() +
+                                  " was destroyed on rank " +
+                                  std::to_string(mesh_->rank())));
+    worker_.join();
+    mesh_.reset();
+  }
+
+  void enqueue(OpSpec op, Done done) override {
+    {
+      MutexLock lock(mu_);
+      queue_.push_back({std::move(op), std::move(done)});
+    }
+    cv_.notifyAll();
+  }
+
+  void send(int peer, int64_t tag, DType dtype, const void* data, size_t bytes,
+            Done done) override {
+    mesh_->sendTagged(peer, tag, dtype, data, bytes, std::move(done));
+  }
+
+  void recv(int peer, int64_t tag, DType dtype, void* data, size_t bytes,
+            SourceDone done) override {
+    mesh_->recvTagged(peer, tag, dtype, data, bytes, std::move(done));
+  }
+
+ private:
+  struct Item {
+    OpSpec op;
+    Done done;
+  };
+
+  void run() {
+    for (;;) {
+      Item item;
+      {
+        MutexLock lock(mu_);
+        while (queue_.empty() && !stopping_) {
+          cv_.wait(mu_);
+        }
+        if (queue_.empty()) {
+          return;
+        }
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      Error e = mesh_->error();
+      if (e.ok()) {
+        e = runOne(item.op);
+      }
+      item.done(e);
+    }
+  }
+
+  Error runOne(OpSpec& op) {
+    mesh_->noteStarted(op.fp);
+    AlgoContext c{*mesh_, op.fp, Deadline::fromTimeout(timeout_), scratch_,
+                  algo_};
+    switch (op.fp.op) {
+      case OpType::kAllreduce:
+        return allreduce(c, op.data, op.count);
+      case OpType::kAllreduceCoalesced:
+        return allreduceCoalesced(c, op);
+      case OpType::kBroadcast:
+        return broadcast(c, op.data, op.count * elementSize(op.fp.dtype));
+      case OpType::kReduce:
+        return reduce(c, op.data, op.count);
+      case OpType::kAllgather:
+        return allgather(c, op.inputs[0], op.bytes, op.outputs);
+      case OpType::kGather:
+        return gather(c, op.inputs[0], op.bytes, op.outputs);
+      case OpType::kScatter:
+        return scatter(c, op.inputs, op.outputs[0], op.bytes);
+      case OpType::kReduceScatter:
+        return reduceScatter(c, op.inputs, op.outputs[0], op.count);
+      case OpType::kAlltoall:
+        return alltoall(c, static_cast<const uint8_t*>(op.inputs[0]),
+                        op.inOffsets, op.inLengths,
+                        static_cast<uint8_t*>(op.outputs[0]), op.outOffsets,
+                        op.outLengths);
+      case OpType::kBarrier:
+        return barrier(c);
+      case OpType::kSend:
+      case OpType::kRecv:
+        break;
+    }
+    return Error::internal("cpu backend: op " +
+                           std::string(toString(op.fp.op)) +
+                           " reached the collective queue");
+  }
+
+  // The tensors are packed into one buffer, reduced as one, unpacked.
+  Error allreduceCoalesced(AlgoContext& c, OpSpec& op) {
+    const size_t es = elementSize(op.fp.dtype);
+    size_t total = 0;
+    for (size_t n : op.counts) {
+      total += n;
+    }
+    if (flat_.size() < total * es) {
+      flat_.resize(total * es);
+    }
+    size_t at = 0;
+    for (size_t i = 0; i < op.counts.size(); ++i) {
+      if (op.counts[i] > 0) {
+        std::memcpy(flat_.data() + at, op.outputs[i], op.counts[i] * es);
+      }
+      at += op.counts[i] * es;
+    }
+    if (Error e = allreduce(c, flat_.data(), total); !e.ok()) {
+      return e;
+    }
+    at = 0;
+    for (size_t i = 0; i < op.counts.size(); ++i) {
+      if (op.counts[i] > 0) {
+        std::memcpy(op.outputs[i], flat_.data() + at, op.counts[i] * es);
+      }
+      at += op.counts[i] * es;
+    }
+    return Error();
+  }
+
+  std::unique_ptr<Mesh> mesh_;
+  const Duration timeout_;
+  const AllreduceAlgo algo_;
+  // Touched only by the worker thread.
+  Scratch scratch_;
+  std::vector<uint8_t> flat_;
+
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Item> queue_ TRELLIS_GUARDED_BY(mu_);
+  bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
+  std::thread worker_;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup::Backend> createCpuBackend(store::Store& store,
+                                                        int rank, int size,
+                                                        MeshOptions options) {
+  const Duration timeout = options.timeout;
+  auto mesh = Mesh::connect(store, rank, size, std::move(options));
+  return std::make_unique<CpuBackend>(std::move(mesh), timeout);
+}
+
+}  // namespace trellis::collectives::detail

@@ -1,0 +1,679 @@
+#include <ATen/ATen.h>
+
+#include <trellis/collectives/backend.h>
+#include <trellis/collectives/cpu/cpu_backend.h>
+#include <trellis/collectives/process_group.h>
+#include <trellis/collectives/reduce_kernels.h>
+#include <trellis/core/worker_env.h>
+#include <trellis/store/prefix_store.h>
+#include <trellis/store/tcp_store.h>
+
+namespace trellis::collectives {
+
+using detail::DType;
+using detail::Fingerprint;
+using detail::OpSpec;
+using detail::OpType;
+
+// What the front end made of one call: the backend's view plus the tensors
+// that must live until it is done.
+struct ProcessGroup::Op {
+  OpSpec spec;
+  std::vector<at::Tensor> keep;     // borrowed until done
+  std::vector<at::Tensor> outputs;  // the Work's value
+};
+
+namespace {
+
+[[noreturn]] void bad(const std::string& message) {
+  throwError(Error::invalidArgument(message));
+}
+
+DType dtypeOf(const at::Tensor& t, const std::string& what) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kDouble:
+      return DType::kFloat64;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kChar:
+      return DType::kInt8;
+    case at::kByte:
+      return DType::kUInt8;
+    case at::kInt:
+      return DType::kInt32;
+    case at::kLong:
+      return DType::kInt64;
+    case at::kBool:
+      return DType::kBool;
+    default:
+      break;
+  }
+  bad(what + ": dtype " + std::string(c10::toString(t.scalar_type())) +
+      " is not supported (float32, float64, float16, bfloat16, int8, uint8, "
+      "int32, int64, bool)");
+}
+
+void checkRoot(int root, int size, const std::string& what) {
+  if (root < 0 || root >= size) {
+    bad(what + ": root " + std::to_string(root) + " is outside [0, " +
+        std::to_string(size) + ")");
+  }
+}
+
+void checkReduceOp(DType dtype, ReduceOp op, const std::string& what) {
+  if (static_cast<uint8_t>(op) > static_cast<uint8_t>(ReduceOp::kBxor)) {
+    bad(what + ": unknown ReduceOp " + std::to_string(static_cast<int>(op)));
+  }
+  if (!detail::supports(dtype, op)) {
+    bad(what + ": ReduceOp " + std::string(toString(op)) +
+        " is for integer and bool tensors, not " +
+        std::string(detail::toString(dtype)));
+  }
+}
+
+std::string shapeOf(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    s += (i ? ", " : "") + std::to_string(t.size(i));
+  }
+  return s + "]";
+}
+
+// The checks every tensor argument gets; returns its dtype.
+DType checkTensor(const at::Tensor& t, const std::string& what) {
+  if (!t.defined()) {
+    bad(what + ": the tensor is undefined");
+  }
+  if (t.layout() != at::kStrided) {
+    bad(what + ": only dense (strided) tensors are supported");
+  }
+  if (!t.device().is_cpu()) {
+    bad(what + ": the tensor is on " + t.device().str() +
+        "; the cpu backend takes CPU tensors");
+  }
+  if (!t.is_contiguous()) {
+    bad(what + ": the tensor of shape " + shapeOf(t) +
+        " is not contiguous (pass t.contiguous())");
+  }
+  return dtypeOf(t, what);
+}
+
+void checkSameKind(const at::Tensor& t, DType dtype, uint64_t count,
+                   const std::string& what, const std::string& reference) {
+  const DType d = checkTensor(t, what);
+  if (d != dtype) {
+    bad(what + ": dtype " + std::string(detail::toString(d)) +
+        " differs from " + reference + "'s " +
+        std::string(detail::toString(dtype)));
+  }
+  if (static_cast<uint64_t>(t.numel()) != count) {
+    bad(what + ": " + std::to_string(t.numel()) + " elements, but " +
+        reference + " has " + std::to_string(count));
+  }
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h = (h ^ c) * 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(std::string backend, std::string name, int rank,
+                           int size, Duration timeout,
+                           std::shared_ptr<store::Store> store,
+                           std::unique_ptr<Backend> impl,
+                           ProcessGroupOptions options)
+    : backend_(std::move(backend)),
+      name_(std::move(name)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      store_(std::move(store)),
+      impl_(std::move(impl)),
+      options_(std::move(options)) {}
+
+ProcessGroup::~ProcessGroup() = default;
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(
+    const std::string& backend, std::shared_ptr<store::Store> store, int rank,
+    int worldSize, ProcessGroupOptions options) {
+  if (!store) {
+    bad("ProcessGroup::create: the store is null");
+  }
+  if (worldSize < 1) {
+    bad("ProcessGroup::create: world size " + std::to_string(worldSize) +
+        " must be at least 1");
+  }
+  if (rank < 0 || rank >= worldSize) {
+    bad("ProcessGroup::create: rank " + std::to_string(rank) +
+        " is outside [0, " + std::to_string(worldSize) + ")");
+  }
+  const Duration timeout = options.timeout.value_or(kDefaultTimeout);
+  if (timeout <= Duration::zero()) {
+    bad("ProcessGroup::create: the timeout must be positive");
+  }
+  const std::string name = options.name.empty() ? "default" : options.name;
+  if (backend != "cpu") {
+    bad("ProcessGroup::create: unknown backend '" + backend +
+        "' (this build has: cpu)");
+  }
+  // Each rank counts the groups of this name it created; they agree as long
+  // as every rank creates the same groups, so a group re-created after a
+  // failure meets in fresh keys.
+  const int64_t generation =
+      store->add("pg/" + name + "/generation/" + std::to_string(rank), 1);
+  const std::string groupId = name + "#" + std::to_string(generation);
+  auto groupStore =
+      std::make_shared<store::PrefixStore>("pg/" + groupId + "/", store);
+  detail::MeshOptions mo;
+  mo.groupId = groupId;
+  mo.description = "group '" + name + "'";
+  mo.token = options.token;
+  mo.localAddress = options.localAddress;
+  mo.timeout = timeout;
+  auto impl = detail::createCpuBackend(*groupStore, rank, worldSize, mo);
+  return std::shared_ptr<ProcessGroup>(
+      new ProcessGroup(backend, name, rank, worldSize, timeout,
+                       std::move(store), std::move(impl), std::move(options)));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::fromEnvironment(
+    const std::string& backend, ProcessGroupOptions options) {
+  const WorkerEnv env = WorkerEnv::fromEnvironment();
+  if (!env.master.complete()) {
+    bad("ProcessGroup::fromEnvironment needs MASTER_ADDR and MASTER_PORT");
+  }
+  if (!options.token) {
+    options.token = env.jobToken;
+  }
+  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      options.timeout.value_or(kDefaultTimeout));
+  std::shared_ptr<store::TCPStoreServer> server;
+  if (env.rank == 0) {
+    store::TCPStoreServerOptions so;
+    so.host = env.master.addr;
+    so.port = env.master.port;
+    so.jobToken = options.token;
+    server = std::make_shared<store::TCPStoreServer>(so);
+  }
+  store::TCPStoreOptions co;
+  co.host = env.master.addr;
+  co.port = env.master.port;
+  co.jobToken = options.token;
+  co.timeout = timeout;
+  co.connectTimeout = timeout;
+  auto client = std::make_shared<store::TCPStore>(co);
+  // The group's store keeps the server (rank 0) alive as long as it lives.
+  std::shared_ptr<store::Store> s(client.get(), [client, server](auto*) {});
+  return create(backend, std::move(s), env.rank, env.worldSize,
+                std::move(options));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(
+    std::vector<int> ranks, ProcessGroupOptions options) {
+  if (ranks.empty()) {
+    bad("newGroup: the ranks list is empty");
+  }
+  std::vector<bool> seen(static_cast<size_t>(size_), false);
+  std::string list;
+  int subRank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int r = ranks[i];
+    if (r < 0 || r >= size_) {
+      bad("newGroup: rank " + std::to_string(r) + " is outside group '" +
+          name_ + "' of size " + std::to_string(size_));
+    }
+    if (seen[static_cast<size_t>(r)]) {
+      bad("newGroup: rank " + std::to_string(r) + " is listed twice");
+    }
+    seen[static_cast<size_t>(r)] = true;
+    list += (i ? "," : "") + std::to_string(r);
+    if (r == rank_) {
+      subRank = static_cast<int>(i);
+    }
+  }
+  int n = 0;
+  {
+    MutexLock lock(issueMu_);
+    n = ++subgroups_;
+  }
+  if (subRank < 0) {
+    return nullptr;
+  }
+  if (options.name.empty()) {
+    options.name = name_ + "." + std::to_string(n);
+  }
+  // Ranks that pass different lists meet under different names and fail
+  // at connect, naming both groups.
+  char digest[17];
+  std::snprintf(digest, sizeof digest, "%016llx",
+                static_cast<unsigned long long>(fnv1a(list)));
+  options.name += "-" + std::string(digest, 8);
+  if (!options.timeout) {
+    options.timeout = timeout_;
+  }
+  if (!options.token) {
+    options.token = options_.token;
+  }
+  if (options.localAddress.empty()) {
+    options.localAddress = options_.localAddress;
+  }
+  return create(backend_, store_, subRank, static_cast<int>(ranks.size()),
+                std::move(options));
+}
+
+Work ProcessGroup::enqueue(Op op) {
+  Promise<std::vector<at::Tensor>> promise;
+  auto future = promise.getFuture();
+  std::string description;
+  auto finish = [promise, keep = std::move(op.keep),
+                 outputs = std::move(op.outputs)](const Error& e) mutable {
+    if (e.ok()) {
+      promise.setValue(std::move(outputs));
+    } else {
+      promise.setError(e);
+    }
+    keep.clear();
+  };
+  {
+    MutexLock lock(issueMu_);
+    op.spec.fp.seq = nextSeq_++;
+    description = op.spec.fp.toString() + " on group '" + name_ + "'";
+    impl_->enqueue(std::move(op.spec), std::move(finish));
+  }
+  return Work(std::move(future), std::move(description));
+}
+
+Work ProcessGroup::allreduce(at::Tensor tensor, ReduceOp op) {
+  const std::string what = "allreduce";
+  Op o;
+  o.spec.fp = {0,
+               OpType::kAllreduce,
+               checkTensor(tensor, what),
+               op,
+               -1,
+               static_cast<uint64_t>(tensor.numel())};
+  checkReduceOp(o.spec.fp.dtype, op, what);
+  o.spec.data = tensor.data_ptr();
+  o.spec.count = static_cast<size_t>(tensor.numel());
+  o.outputs = {tensor};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::allreduceCoalesced(std::vector<at::Tensor> tensors,
+                                      ReduceOp op) {
+  const std::string what = "allreduceCoalesced";
+  if (tensors.empty()) {
+    bad(what + ": no tensors");
+  }
+  Op o;
+  const DType dtype = checkTensor(tensors[0], what + ": tensors[0]");
+  checkReduceOp(dtype, op, what);
+  uint64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string w = what + ": tensors[" + std::to_string(i) + "]";
+    if (checkTensor(tensors[i], w) != dtype) {
+      bad(w + ": dtype " +
+          std::string(c10::toString(tensors[i].scalar_type())) +
+          " differs from tensors[0]'s");
+    }
+    o.spec.outputs.push_back(tensors[i].data_ptr());
+    o.spec.counts.push_back(static_cast<size_t>(tensors[i].numel()));
+    total += static_cast<uint64_t>(tensors[i].numel());
+  }
+  o.spec.fp = {0, OpType::kAllreduceCoalesced, dtype, op, -1, total};
+  o.outputs = tensors;
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::broadcast(at::Tensor tensor, int root) {
+  const std::string what = "broadcast";
+  checkRoot(root, size_, what);
+  Op o;
+  o.spec.fp = {0,
+               OpType::kBroadcast,
+               checkTensor(tensor, what),
+               ReduceOp::kSum,
+               root,
+               static_cast<uint64_t>(tensor.numel())};
+  o.spec.data = tensor.data_ptr();
+  o.spec.count = static_cast<size_t>(tensor.numel());
+  o.outputs = {tensor};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::reduce(at::Tensor tensor, int root, ReduceOp op) {
+  const std::string what = "reduce";
+  checkRoot(root, size_, what);
+  Op o;
+  o.spec.fp = {0,
+               OpType::kReduce,
+               checkTensor(tensor, what),
+               op,
+               root,
+               static_cast<uint64_t>(tensor.numel())};
+  checkReduceOp(o.spec.fp.dtype, op, what);
+  o.spec.data = tensor.data_ptr();
+  o.spec.count = static_cast<size_t>(tensor.numel());
+  o.outputs = {tensor};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::allgather(std::vector<at::Tensor> outputs,
+                             at::Tensor input) {
+  const std::string what = "allgather";
+  const DType dtype = checkTensor(input, what + ": input");
+  const auto count = static_cast<uint64_t>(input.numel());
+  if (outputs.size() != static_cast<size_t>(size_)) {
+    bad(what + ": " + std::to_string(outputs.size()) +
+        " output tensors for a group of " + std::to_string(size_));
+  }
+  Op o;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    checkSameKind(outputs[i], dtype, count,
+                  what + ": outputs[" + std::to_string(i) + "]", "the input");
+    o.spec.outputs.push_back(outputs[i].data_ptr());
+  }
+  o.spec.fp = {0, OpType::kAllgather, dtype, ReduceOp::kSum, -1, count};
+  o.spec.inputs = {input.data_ptr()};
+  o.spec.bytes = count * detail::elementSize(dtype);
+  o.keep = {input};
+  o.outputs = outputs;
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::allgatherIntoTensor(at::Tensor output, at::Tensor input) {
+  const std::string what = "allgatherIntoTensor";
+  const DType dtype = checkTensor(input, what + ": input");
+  const auto count = static_cast<uint64_t>(input.numel());
+  checkSameKind(output, dtype, count * static_cast<uint64_t>(size_),
+                what + ": output", "size() x the input");
+  Op o;
+  const size_t bytes = count * detail::elementSize(dtype);
+  auto* base = static_cast<uint8_t*>(output.data_ptr());
+  for (int r = 0; r < size_; ++r) {
+    o.spec.outputs.push_back(base + bytes * static_cast<size_t>(r));
+  }
+  o.spec.fp = {0, OpType::kAllgather, dtype, ReduceOp::kSum, -1, count};
+  o.spec.inputs = {input.data_ptr()};
+  o.spec.bytes = bytes;
+  o.keep = {input};
+  o.outputs = {output};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
+                          int root) {
+  const std::string what = "gather";
+  checkRoot(root, size_, what);
+  const DType dtype = checkTensor(input, what + ": input");
+  const auto count = static_cast<uint64_t>(input.numel());
+  Op o;
+  if (rank_ == root) {
+    if (outputs.size() != static_cast<size_t>(size_)) {
+      bad(what + ": the root passed " + std::to_string(outputs.size()) +
+          " output tensors for a group of " + std::to_string(size_));
+    }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      checkSameKind(outputs[i], dtype, count,
+                    what + ": outputs[" + std::to_string(i) + "]", "the input");
+      o.spec.outputs.push_back(outputs[i].data_ptr());
+    }
+  } else if (!outputs.empty()) {
+    bad(what + ": only the root (rank " + std::to_string(root) +
+        ") passes output tensors");
+  }
+  o.spec.fp = {0, OpType::kGather, dtype, ReduceOp::kSum, root, count};
+  o.spec.inputs = {input.data_ptr()};
+  o.spec.bytes = count * detail::elementSize(dtype);
+  o.keep = {input};
+  o.outputs = outputs;
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
+                           int root) {
+  const std::string what = "scatter";
+  checkRoot(root, size_, what);
+  const DType dtype = checkTensor(output, what + ": output");
+  const auto count = static_cast<uint64_t>(output.numel());
+  Op o;
+  if (rank_ == root) {
+    if (inputs.size() != static_cast<size_t>(size_)) {
+      bad(what + ": the root passed " + std::to_string(inputs.size()) +
+          " input tensors for a group of " + std::to_string(size_));
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkSameKind(inputs[i], dtype, count,
+                    what + ": inputs[" + std::to_string(i) + "]", "the output");
+      o.spec.inputs.push_back(inputs[i].data_ptr());
+    }
+  } else if (!inputs.empty()) {
+    bad(what + ": only the root (rank " + std::to_string(root) +
+        ") passes input tensors");
+  }
+  o.spec.fp = {0, OpType::kScatter, dtype, ReduceOp::kSum, root, count};
+  o.spec.outputs = {output.data_ptr()};
+  o.spec.bytes = count * detail::elementSize(dtype);
+  o.keep = inputs;
+  o.outputs = {output};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::reduceScatter(at::Tensor output,
+                                 std::vector<at::Tensor> inputs, ReduceOp op) {
+  const std::string what = "reduceScatter";
+  const DType dtype = checkTensor(output, what + ": output");
+  checkReduceOp(dtype, op, what);
+  const auto count = static_cast<uint64_t>(output.numel());
+  if (inputs.size() != static_cast<size_t>(size_)) {
+    bad(what + ": " + std::to_string(inputs.size()) +
+        " input tensors for a group of " + std::to_string(size_));
+  }
+  Op o;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameKind(inputs[i], dtype, count,
+                  what + ": inputs[" + std::to_string(i) + "]", "the output");
+    o.spec.inputs.push_back(inputs[i].data_ptr());
+  }
+  o.spec.fp = {0, OpType::kReduceScatter, dtype, op, -1, count};
+  o.spec.outputs = {output.data_ptr()};
+  o.spec.count = count;
+  o.keep = inputs;
+  o.outputs = {output};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::reduceScatterTensor(at::Tensor output, at::Tensor input,
+                                       ReduceOp op) {
+  const std::string what = "reduceScatterTensor";
+  const DType dtype = checkTensor(output, what + ": output");
+  checkReduceOp(dtype, op, what);
+  const auto count = static_cast<uint64_t>(output.numel());
+  checkSameKind(input, dtype, count * static_cast<uint64_t>(size_),
+                what + ": input", "size() x the output");
+  Op o;
+  const size_t bytes = count * detail::elementSize(dtype);
+  const auto* base = static_cast<const uint8_t*>(input.data_ptr());
+  for (int r = 0; r < size_; ++r) {
+    o.spec.inputs.push_back(base + bytes * static_cast<size_t>(r));
+  }
+  o.spec.fp = {0, OpType::kReduceScatter, dtype, op, -1, count};
+  o.spec.outputs = {output.data_ptr()};
+  o.spec.count = count;
+  o.keep = {input};
+  o.outputs = {output};
+  return enqueue(std::move(o));
+}
+
+namespace {
+
+// Byte offsets and lengths of the dim-0 blocks of `t`: equal blocks when
+// `splits` is empty, else the given row counts.
+void blocks(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
+            const std::string& what, std::vector<size_t>& offsets,
+            std::vector<size_t>& lengths) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const size_t rowBytes =
+      rows == 0 ? 0
+                : static_cast<size_t>(t.nbytes()) / static_cast<size_t>(rows);
+  std::vector<int64_t> s = splits;
+  if (s.empty()) {
+    if (rows % size != 0) {
+      bad(what + ": dim 0 of size " + std::to_string(rows) +
+          " does not split evenly over " + std::to_string(size) +
+          " ranks (pass split sizes)");
+    }
+    s.assign(static_cast<size_t>(size), rows / size);
+  } else if (s.size() != static_cast<size_t>(size)) {
+    bad(what + ": " + std::to_string(s.size()) +
+        " split sizes for a group of " + std::to_string(size));
+  }
+  int64_t sum = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] < 0 || s[i] > rows - sum) {
+      bad(what + ": split sizes do not fit dim 0 of size " +
+          std::to_string(rows) + " (entry " + std::to_string(i) + " is " +
+          std::to_string(s[i]) + ")");
+    }
+    offsets.push_back(static_cast<size_t>(sum) * rowBytes);
+    lengths.push_back(static_cast<size_t>(s[i]) * rowBytes);
+    sum += s[i];
+  }
+  if (sum != rows) {
+    bad(what + ": split sizes sum to " + std::to_string(sum) + ", dim 0 has " +
+        std::to_string(rows));
+  }
+}
+
+}  // namespace
+
+Work ProcessGroup::alltoall(at::Tensor output, at::Tensor input,
+                            std::vector<int64_t> outputSplits,
+                            std::vector<int64_t> inputSplits) {
+  const std::string what = "alltoall";
+  const DType dtype = checkTensor(input, what + ": input");
+  if (checkTensor(output, what + ": output") != dtype) {
+    bad(what + ": output dtype differs from the input's");
+  }
+  if (input.dim() > 0 && output.dim() > 0 &&
+      input.numel() / std::max<int64_t>(input.size(0), 1) !=
+          output.numel() / std::max<int64_t>(output.size(0), 1)) {
+    bad(what + ": rows of the input " + shapeOf(input) + " and the output " +
+        shapeOf(output) + " differ in size");
+  }
+  Op o;
+  blocks(input, inputSplits, size_, what + ": input", o.spec.inOffsets,
+         o.spec.inLengths);
+  blocks(output, outputSplits, size_, what + ": output", o.spec.outOffsets,
+         o.spec.outLengths);
+  const auto self = static_cast<size_t>(rank_);
+  if (o.spec.inLengths[self] != o.spec.outLengths[self]) {
+    bad(what + ": this rank's own block is " +
+        std::to_string(o.spec.inLengths[self]) + " bytes in the input but " +
+        std::to_string(o.spec.outLengths[self]) + " in the output");
+  }
+  const bool even = inputSplits.empty() && outputSplits.empty();
+  // Uneven splits differ between ranks by design: sizes are then checked
+  // block by block, as each arrives.
+  o.spec.fp = {0,     OpType::kAlltoall,
+               dtype, ReduceOp::kSum,
+               -1,    even ? static_cast<uint64_t>(input.numel()) : 0};
+  o.spec.inputs = {input.data_ptr()};
+  o.spec.outputs = {output.data_ptr()};
+  o.keep = {input};
+  o.outputs = {output};
+  return enqueue(std::move(o));
+}
+
+Work ProcessGroup::barrier() {
+  Op o;
+  o.spec.fp = {0, OpType::kBarrier, DType::kUInt8, ReduceOp::kSum, -1, 0};
+  return enqueue(std::move(o));
+}
+
+namespace {
+
+void checkPeer(int peer, int rank, int size, const std::string& what) {
+  if (peer < 0 || peer >= size) {
+    bad(what + ": rank " + std::to_string(peer) + " is outside [0, " +
+        std::to_string(size) + ")");
+  }
+  if (peer == rank) {
+    bad(what + ": rank " + std::to_string(peer) + " is this rank");
+  }
+}
+
+}  // namespace
+
+Work ProcessGroup::send(at::Tensor tensor, int dst, int64_t tag) {
+  const std::string what = "send";
+  checkPeer(dst, rank_, size_, what);
+  const DType dtype = checkTensor(tensor, what);
+  Promise<std::vector<at::Tensor>> promise;
+  auto future = promise.getFuture();
+  impl_->send(dst, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+              [promise, tensor](const Error& e) mutable {
+                if (e.ok()) {
+                  promise.setValue({tensor});
+                } else {
+                  promise.setError(e);
+                }
+              });
+  return Work(std::move(future),
+              "send(" + std::string(detail::toString(dtype)) + "[" +
+                  std::to_string(tensor.numel()) + "], to rank " +
+                  std::to_string(dst) + ", tag " + std::to_string(tag) +
+                  ") on group '" + name_ + "'");
+}
+
+Work ProcessGroup::recv(at::Tensor tensor, int src, int64_t tag) {
+  checkPeer(src, rank_, size_, "recv");
+  const DType dtype = checkTensor(tensor, "recv");
+  Promise<std::vector<at::Tensor>> promise;
+  auto future = promise.getFuture();
+  impl_->recv(src, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+              [promise, tensor](const Error& e, int) mutable {
+                if (e.ok()) {
+                  promise.setValue({tensor});
+                } else {
+                  promise.setError(e);
+                }
+              });
+  return Work(std::move(future),
+              "recv(" + std::string(detail::toString(dtype)) + "[" +
+                  std::to_string(tensor.numel()) + "], from rank " +
+                  std::to_string(src) + ", tag " + std::to_string(tag) +
+                  ") on group '" + name_ + "'");
+}
+
+Work ProcessGroup::recvAnysource(at::Tensor tensor, int64_t tag) {
+  const DType dtype = checkTensor(tensor, "recvAnysource");
+  Promise<std::vector<at::Tensor>> promise;
+  auto future = promise.getFuture();
+  auto source = std::make_shared<Work::Source>();
+  impl_->recv(-1, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+              [promise, tensor, source](const Error& e, int from) mutable {
+                source->rank.store(from);
+                if (e.ok()) {
+                  promise.setValue({tensor});
+                } else {
+                  promise.setError(e);
+                }
+              });
+  return Work(std::move(future),
+              "recvAnysource(" + std::string(detail::toString(dtype)) + "[" +
+                  std::to_string(tensor.numel()) + "], tag " +
+                  std::to_string(tag) + ") on group '" + name_ + "'",
+              std::move(source));
+}
+
+}  // namespace trellis::collectives

@@ -1,0 +1,601 @@
+// ProcessGroup with the cpu backend: ranks as threads of this process, each
+// with its own group (own transport context and pipes) over one HashStore.
+// Every result is checked against a reference computed locally.
+#include <cstdlib>
+#include <functional>
+#include <future>
+#include <set>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <trellis/collectives/process_group.h>
+#include <trellis/core/error.h>
+#include <trellis/store/hash_store.h>
+
+namespace trellis::collectives {
+namespace {
+
+using namespace std::chrono_literals;
+
+// TRELLIS_COLLECTIVES_ALGO for the groups a test creates.
+class ScopedAlgo {
+ public:
+  explicit ScopedAlgo(const char* algo) {
+    if (algo == nullptr) {
+      unsetenv("TRELLIS_COLLECTIVES_ALGO");
+    } else {
+      setenv("TRELLIS_COLLECTIVES_ALGO", algo, 1);
+    }
+  }
+  ~ScopedAlgo() { unsetenv("TRELLIS_COLLECTIVES_ALGO"); }
+};
+
+// Runs fn(pg) on n threads, one rank each; a failure on any rank fails the
+// test with that rank named.
+void runRanks(int n, const std::function<void(ProcessGroup&)>& fn,
+              ProcessGroupOptions options = {},
+              std::shared_ptr<store::Store> store = nullptr) {
+  if (!store) {
+    store = std::make_shared<store::HashStore>();
+  }
+  if (!options.timeout) {
+    options.timeout = 60s;
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto pg = ProcessGroup::create("cpu", store, r, n, options);
+        fn(*pg);
+      } catch (const std::exception& e) {
+        failures[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(failures[static_cast<size_t>(r)], "") << "rank " << r;
+  }
+}
+
+// Rank r's deterministic input: small integers, so every reduction is exact
+// in every dtype (float16 and bfloat16 included).
+torch::Tensor input(int rank, int64_t n, torch::ScalarType dtype) {
+  auto base = torch::arange(n, torch::kLong).remainder(5) + rank + 1;
+  if (dtype == torch::kBool) {
+    return (base.remainder(2) == 0);
+  }
+  return base.to(dtype);
+}
+
+torch::Tensor reference(int size, int64_t n, torch::ScalarType dtype,
+                        ReduceOp op) {
+  torch::Tensor acc = input(0, n, dtype).to(torch::kDouble);
+  for (int r = 1; r < size; ++r) {
+    auto x = input(r, n, dtype).to(torch::kDouble);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        acc = acc + x;
+        break;
+      case ReduceOp::kProduct:
+        acc = acc * x;
+        break;
+      case ReduceOp::kMin:
+        acc = torch::minimum(acc, x);
+        break;
+      case ReduceOp::kMax:
+        acc = torch::maximum(acc, x);
+        break;
+      default:
+        ADD_FAILURE() << "no reference for this op";
+    }
+  }
+  if (dtype == torch::kBool) {
+    // Sum and max are "or", product and min "and".
+    return (acc != 0);
+  }
+  if (op == ReduceOp::kAvg) {
+    if (torch::isFloatingType(dtype)) {
+      acc = acc / size;
+    } else {
+      acc = torch::div(acc, size, "trunc");
+    }
+  }
+  return acc.to(dtype);
+}
+
+const std::vector<torch::ScalarType> kDtypes = {
+    torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16, torch::kChar,
+    torch::kByte,  torch::kInt,    torch::kLong, torch::kBool};
+
+struct SweepCase {
+  int size;
+  const char* algo;
+};
+
+class AllreduceSweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(AllreduceSweep, EveryDtypeAndSizeMatchesTheReference) {
+  const auto [n, algo] = GetParam();
+  ScopedAlgo scoped(algo);
+  const std::vector<int64_t> sizes = {0, 1, 7, 1001};
+  runRanks(n, [&](ProcessGroup& pg) {
+    for (auto dtype : kDtypes) {
+      for (int64_t count : sizes) {
+        auto t = input(pg.rank(), count, dtype);
+        pg.allreduce(t).wait();
+        auto want = reference(n, count, dtype, ReduceOp::kSum);
+        ASSERT_TRUE(torch::equal(t, want))
+            << c10::toString(dtype) << "[" << count << "] rank " << pg.rank();
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, AllreduceSweep,
+    ::testing::Values(SweepCase{1, "ring"}, SweepCase{2, "ring"},
+                      SweepCase{3, "ring"}, SweepCase{4, "ring"},
+                      SweepCase{5, "ring"}, SweepCase{8, "ring"},
+                      SweepCase{2, "rd"}, SweepCase{3, "rd"},
+                      SweepCase{4, "rd"}, SweepCase{5, "rd"},
+                      SweepCase{8, "rd"}),
+    [](const auto& info) {
+      return std::string(info.param.algo) + std::to_string(info.param.size);
+    });
+
+TEST(ProcessGroup, AllreduceOpsMatchTheReference) {
+  for (const char* algo : {"ring", "rd"}) {
+    ScopedAlgo scoped(algo);
+    runRanks(3, [&](ProcessGroup& pg) {
+      for (auto op : {ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                      ReduceOp::kProduct}) {
+        for (auto dtype : {torch::kFloat, torch::kLong, torch::kHalf}) {
+          auto t = input(pg.rank(), 33, dtype);
+          pg.allreduce(t, op).wait();
+          ASSERT_TRUE(torch::equal(t, reference(3, 33, dtype, op)))
+              << algo << " " << toString(op) << " " << c10::toString(dtype);
+        }
+      }
+      // Bitwise ops on integers.
+      auto a = torch::tensor({pg.rank() + 1, 6, 12}, torch::kInt);
+      pg.allreduce(a, ReduceOp::kBor).wait();
+      ASSERT_TRUE(torch::equal(a, torch::tensor({3, 6, 12}, torch::kInt)));
+      auto b = torch::tensor({7, 6, 12 + pg.rank()}, torch::kLong);
+      pg.allreduce(b, ReduceOp::kBxor).wait();
+      ASSERT_TRUE(torch::equal(b, torch::tensor({7, 6, 15}, torch::kLong)));
+    });
+  }
+}
+
+TEST(ProcessGroup, LargeAllreduceAndAvgAgreeBitwiseOnEveryRank) {
+  // 4 MiB + 1 element of float32, random values: every rank must end with
+  // the same bits, and the values must match a double-precision sum.
+  const int64_t count = (4 << 20) / 4 + 1;
+  for (const char* algo : {"ring", "rd"}) {
+    ScopedAlgo scoped(algo);
+    std::vector<torch::Tensor> results(4);
+    runRanks(4, [&](ProcessGroup& pg) {
+      auto gen = torch::make_generator<at::CPUGeneratorImpl>(pg.rank() + 7);
+      auto t = torch::randn({count}, gen);
+      pg.allreduce(t, ReduceOp::kAvg).wait();
+      results[static_cast<size_t>(pg.rank())] = t;
+    });
+    torch::Tensor want = torch::zeros({count}, torch::kDouble);
+    for (int r = 0; r < 4; ++r) {
+      auto gen = torch::make_generator<at::CPUGeneratorImpl>(r + 7);
+      want += torch::randn({count}, gen).to(torch::kDouble);
+    }
+    want /= 4;
+    for (int r = 1; r < 4; ++r) {
+      ASSERT_TRUE(torch::equal(results[0], results[static_cast<size_t>(r)]))
+          << algo << " rank " << r;
+    }
+    EXPECT_TRUE(
+        torch::allclose(results[0].to(torch::kDouble), want, 1e-5, 1e-5))
+        << algo;
+  }
+}
+
+TEST(ProcessGroup, BroadcastAndReduceFromEveryRoot) {
+  for (int n : {1, 2, 3, 5}) {
+    runRanks(n, [&](ProcessGroup& pg) {
+      for (int root = 0; root < n; ++root) {
+        for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kBool}) {
+          auto t = input(pg.rank(), 17, dtype);
+          pg.broadcast(t, root).wait();
+          ASSERT_TRUE(torch::equal(t, input(root, 17, dtype)))
+              << "broadcast root " << root;
+          auto u = input(pg.rank(), 17, dtype);
+          pg.reduce(u, root, ReduceOp::kMax).wait();
+          auto want = pg.rank() == root
+                          ? reference(n, 17, dtype, ReduceOp::kMax)
+                          : input(pg.rank(), 17, dtype);
+          ASSERT_TRUE(torch::equal(u, want)) << "reduce root " << root;
+        }
+      }
+    });
+  }
+}
+
+TEST(ProcessGroup, GatherScatterAllgather) {
+  for (int n : {1, 2, 3, 4}) {
+    runRanks(n, [&](ProcessGroup& pg) {
+      const int r = pg.rank();
+      for (int64_t count : {0, 1, 13}) {
+        auto in = input(r, count, torch::kInt);
+        std::vector<torch::Tensor> outs;
+        for (int i = 0; i < n; ++i) {
+          outs.push_back(torch::full({count}, -1, torch::kInt));
+        }
+        pg.allgather(outs, in).wait();
+        for (int i = 0; i < n; ++i) {
+          ASSERT_TRUE(torch::equal(outs[static_cast<size_t>(i)],
+                                   input(i, count, torch::kInt)));
+        }
+        auto flat = torch::full({count * n}, -1, torch::kInt);
+        pg.allgatherIntoTensor(flat, in).wait();
+        for (int i = 0; i < n; ++i) {
+          ASSERT_TRUE(torch::equal(flat.narrow(0, i * count, count),
+                                   input(i, count, torch::kInt)));
+        }
+        const int root = n - 1;
+        std::vector<torch::Tensor> gathered;
+        if (r == root) {
+          for (int i = 0; i < n; ++i) {
+            gathered.push_back(torch::full({count}, -1, torch::kInt));
+          }
+        }
+        pg.gather(gathered, in, root).wait();
+        for (size_t i = 0; i < gathered.size(); ++i) {
+          ASSERT_TRUE(torch::equal(
+              gathered[i], input(static_cast<int>(i), count, torch::kInt)));
+        }
+        std::vector<torch::Tensor> pieces;
+        if (r == 0) {
+          for (int i = 0; i < n; ++i) {
+            pieces.push_back(input(10 * i, count, torch::kInt));
+          }
+        }
+        auto out = torch::full({count}, -1, torch::kInt);
+        pg.scatter(out, pieces, 0).wait();
+        ASSERT_TRUE(torch::equal(out, input(10 * r, count, torch::kInt)));
+      }
+    });
+  }
+}
+
+TEST(ProcessGroup, ReduceScatterBothForms) {
+  for (int n : {1, 2, 3, 5}) {
+    runRanks(n, [&](ProcessGroup& pg) {
+      const int r = pg.rank();
+      const int64_t count = 9;
+      // Block i of rank r's input is input(r + 100 i): the reduction of
+      // block i over ranks is reference-computable.
+      std::vector<torch::Tensor> inputs;
+      for (int i = 0; i < n; ++i) {
+        inputs.push_back(input(r + 100 * i, count, torch::kDouble));
+      }
+      auto expected = torch::zeros({count}, torch::kDouble);
+      for (int q = 0; q < n; ++q) {
+        expected += input(q + 100 * r, count, torch::kDouble);
+      }
+      auto out = torch::zeros({count}, torch::kDouble);
+      pg.reduceScatter(out, inputs).wait();
+      ASSERT_TRUE(torch::equal(out, expected));
+      auto flatIn = torch::cat(inputs);
+      auto out2 = torch::zeros({count}, torch::kDouble);
+      pg.reduceScatterTensor(out2, flatIn, ReduceOp::kAvg).wait();
+      ASSERT_TRUE(torch::allclose(out2, expected / n));
+    });
+  }
+}
+
+TEST(ProcessGroup, AlltoallEqualAndUneven) {
+  for (int n : {1, 2, 3, 4}) {
+    runRanks(n, [&](ProcessGroup& pg) {
+      const int r = pg.rank();
+      // Equal: 2 rows of 3 per peer; row value = 1000 * sender + 10 * dest.
+      auto in = torch::empty({2 * n, 3}, torch::kLong);
+      for (int d = 0; d < n; ++d) {
+        in.narrow(0, 2 * d, 2).fill_(1000 * r + 10 * d);
+      }
+      auto out = torch::full({2 * n, 3}, -1, torch::kLong);
+      pg.alltoall(out, in).wait();
+      for (int s = 0; s < n; ++s) {
+        ASSERT_TRUE(
+            torch::equal(out.narrow(0, 2 * s, 2),
+                         torch::full({2, 3}, 1000 * s + 10 * r, torch::kLong)));
+      }
+      // Uneven: rank s sends (s + d + 1) rows to rank d.
+      std::vector<int64_t> inSplits, outSplits;
+      for (int d = 0; d < n; ++d) {
+        inSplits.push_back(r + d + 1);
+        outSplits.push_back(d + r + 1);
+      }
+      int64_t inRows = 0, outRows = 0;
+      for (int i = 0; i < n; ++i) {
+        inRows += inSplits[static_cast<size_t>(i)];
+        outRows += outSplits[static_cast<size_t>(i)];
+      }
+      auto uin = torch::empty({inRows, 2}, torch::kFloat);
+      int64_t at = 0;
+      for (int d = 0; d < n; ++d) {
+        uin.narrow(0, at, inSplits[static_cast<size_t>(d)])
+            .fill_(1000 * r + 10 * d);
+        at += inSplits[static_cast<size_t>(d)];
+      }
+      auto uout = torch::full({outRows, 2}, -1, torch::kFloat);
+      pg.alltoall(uout, uin, outSplits, inSplits).wait();
+      at = 0;
+      for (int s = 0; s < n; ++s) {
+        const int64_t rows = outSplits[static_cast<size_t>(s)];
+        ASSERT_TRUE(torch::equal(
+            uout.narrow(0, at, rows),
+            torch::full({rows, 2}, 1000 * s + 10 * r, torch::kFloat)));
+        at += rows;
+      }
+    });
+  }
+}
+
+TEST(ProcessGroup, CoalescedBarrierAndManyOpsInFlight) {
+  runRanks(3, [&](ProcessGroup& pg) {
+    std::vector<torch::Tensor> ts = {input(pg.rank(), 5, torch::kFloat),
+                                     input(pg.rank(), 0, torch::kFloat),
+                                     input(pg.rank(), 300, torch::kFloat)};
+    pg.allreduceCoalesced(ts).wait();
+    ASSERT_TRUE(
+        torch::equal(ts[0], reference(3, 5, torch::kFloat, ReduceOp::kSum)));
+    ASSERT_TRUE(
+        torch::equal(ts[2], reference(3, 300, torch::kFloat, ReduceOp::kSum)));
+    pg.barrier().wait();
+    // 100 ops issued before any is waited for; they complete in order.
+    std::vector<torch::Tensor> tensors;
+    std::vector<Work> works;
+    for (int i = 0; i < 100; ++i) {
+      tensors.push_back(torch::full({64}, i + pg.rank(), torch::kLong));
+      works.push_back(pg.allreduce(tensors.back()));
+    }
+    for (int i = 0; i < 100; ++i) {
+      works[static_cast<size_t>(i)].wait();
+      ASSERT_TRUE(torch::equal(tensors[static_cast<size_t>(i)],
+                               torch::full({64}, 3 * i + 3, torch::kLong)));
+    }
+  });
+}
+
+TEST(ProcessGroup, SendRecvMatchByTagAndAnySource) {
+  runRanks(3, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    if (r != 0) {
+      // Tag 2 is sent before tag 1: receives match by tag, not arrival.
+      pg.send(torch::full({4}, 10 * r + 2, torch::kInt), 0, 2).wait();
+      pg.send(torch::full({4}, 10 * r + 1, torch::kInt), 0, 1).wait();
+      return;
+    }
+    for (int src : {1, 2}) {
+      auto a = torch::zeros({4}, torch::kInt);
+      pg.recv(a, src, 1).wait();
+      ASSERT_TRUE(torch::equal(a, torch::full({4}, 10 * src + 1, torch::kInt)));
+    }
+    std::set<int> sources;
+    for (int i = 0; i < 2; ++i) {
+      auto b = torch::zeros({4}, torch::kInt);
+      Work w = pg.recvAnysource(b, 2);
+      w.wait();
+      sources.insert(w.sourceRank());
+      ASSERT_TRUE(torch::equal(
+          b, torch::full({4}, 10 * w.sourceRank() + 2, torch::kInt)));
+    }
+    ASSERT_EQ(sources, (std::set<int>{1, 2}));
+    // A size mismatch fails that receive only; the group goes on.
+  });
+}
+
+TEST(ProcessGroup, SubgroupsAndTwoGroupsAtOnce) {
+  runRanks(4, [&](ProcessGroup& pg) {
+    auto even = pg.newGroup({0, 2});
+    auto odd = pg.newGroup({3, 1});
+    auto mine = pg.rank() % 2 == 0 ? even : odd;
+    ASSERT_TRUE(mine);
+    ASSERT_EQ(pg.rank() % 2 == 0 ? odd : even, nullptr);
+    ASSERT_EQ(mine->size(), 2);
+    // Issue on both groups before waiting on either.
+    auto t = torch::full({8}, pg.rank(), torch::kLong);
+    auto u = torch::full({8}, pg.rank(), torch::kLong);
+    Work a = mine->allreduce(t);
+    Work b = pg.allreduce(u);
+    a.wait();
+    b.wait();
+    const int64_t sub = pg.rank() % 2 == 0 ? 0 + 2 : 1 + 3;
+    ASSERT_TRUE(torch::equal(t, torch::full({8}, sub, torch::kLong)));
+    ASSERT_TRUE(torch::equal(u, torch::full({8}, 6, torch::kLong)));
+    // The subgroup's rank 0 is ranks[0].
+    if (pg.rank() == 3) {
+      ASSERT_EQ(mine->rank(), 0);
+    }
+  });
+}
+
+std::string failureOf(const Work& w) {
+  try {
+    w.wait();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ProcessGroup, DifferentCollectivesFailOnEveryRankNamingBoth) {
+  std::vector<std::string> errors(3);
+  runRanks(3, [&](ProcessGroup& pg) {
+    auto t = torch::ones({16});
+    Work w = pg.rank() == 1 ? pg.broadcast(t, 1) : pg.allreduce(t);
+    std::string e = failureOf(w);
+    if (e.empty()) {
+      // The broadcast's root may finish before it hears: its next op fails.
+      e = failureOf(pg.barrier());
+    }
+    errors[static_cast<size_t>(pg.rank())] = e;
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("desync"), std::string::npos) << e;
+    EXPECT_NE(e.find("seq 1 allreduce(float32[16], sum)"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("seq 1 broadcast(float32[16], root 1)"), std::string::npos)
+        << e;
+  }
+}
+
+TEST(ProcessGroup, SizesThatDifferBetweenRanksAreNamed) {
+  std::vector<std::string> errors(2);
+  runRanks(2, [&](ProcessGroup& pg) {
+    auto t = torch::ones({pg.rank() == 0 ? 10 : 12});
+    errors[static_cast<size_t>(pg.rank())] = failureOf(pg.allreduce(t));
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("float32[10]"), std::string::npos) << e;
+    EXPECT_NE(e.find("float32[12]"), std::string::npos) << e;
+  }
+}
+
+TEST(ProcessGroup, BadArgumentsThrowAtTheCallSiteAndTheGroupGoesOn) {
+  runRanks(2, [&](ProcessGroup& pg) {
+    auto expectBad = [](const std::function<void()>& f,
+                        const std::string& needle) {
+      try {
+        f();
+        ADD_FAILURE() << "no error; expected " << needle;
+      } catch (const InvalidArgumentError& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+            << e.what();
+      }
+    };
+    expectBad(
+        [&] { (void)pg.allreduce(torch::ones({2}, torch::kComplexFloat)); },
+        "dtype");
+    expectBad(
+        [&] {
+          (void)pg.allreduce(torch::ones({4, 4}).t());
+        },
+        "not contiguous");
+    expectBad([&] { (void)pg.broadcast(torch::ones({2}), 2); }, "root 2");
+    expectBad([&] { (void)pg.allreduce(torch::ones({2}), ReduceOp::kBand); },
+              "integer");
+    expectBad([&] { (void)pg.send(torch::ones({2}), pg.rank()); }, "this rank");
+    expectBad([&] { (void)pg.allgather({torch::ones({2})}, torch::ones({2})); },
+              "1 output tensors");
+    expectBad(
+        [&] {
+          (void)pg.alltoall(torch::ones({4}), torch::ones({4}), {1, 1}, {3, 2});
+        },
+        "split sizes");
+    expectBad([&] { (void)pg.newGroup({0, 0}); }, "twice");
+    // The group is unharmed.
+    auto t = torch::ones({3});
+    pg.allreduce(t).wait();
+    ASSERT_TRUE(torch::equal(t, torch::full({3}, 2.0f)));
+  });
+}
+
+TEST(ProcessGroup, WorldSizesThatDisagreeFailAtCreate) {
+  auto store = std::make_shared<store::HashStore>();
+  std::string e0, e1;
+  ProcessGroupOptions o;
+  o.timeout = 10s;
+  std::thread t0([&] {
+    try {
+      (void)ProcessGroup::create("cpu", store, 0, 2, o);
+    } catch (const std::exception& e) {
+      e0 = e.what();
+    }
+  });
+  std::thread t1([&] {
+    try {
+      (void)ProcessGroup::create("cpu", store, 1, 3, o);
+    } catch (const std::exception& e) {
+      e1 = e.what();
+    }
+  });
+  t0.join();
+  t1.join();
+  EXPECT_NE(e0.find("world sizes disagree"), std::string::npos) << e0;
+  EXPECT_NE(e1.find("world sizes disagree"), std::string::npos) << e1;
+}
+
+TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
+  auto store = std::make_shared<store::HashStore>();
+  EXPECT_THROW((void)ProcessGroup::create("gloo", store, 0, 1),
+               InvalidArgumentError);
+  EXPECT_THROW((void)ProcessGroup::create("cpu", store, 1, 1),
+               InvalidArgumentError);
+  setenv("TRELLIS_COLLECTIVES_ALGO", "fastest", 1);
+  try {
+    (void)ProcessGroup::create("cpu", store, 0, 1);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("TRELLIS_COLLECTIVES_ALGO"),
+              std::string::npos);
+  }
+  unsetenv("TRELLIS_COLLECTIVES_ALGO");
+}
+
+TEST(ProcessGroup, ARankThatNeverComesTimesOutNamingItAndTheOp) {
+  ProcessGroupOptions o;
+  o.timeout = 1s;
+  std::vector<std::string> errors(3);
+  std::vector<Clock::duration> took(3);
+  std::promise<void> othersDone;
+  std::shared_future<void> othersDoneFuture = othersDone.get_future().share();
+  std::atomic<int> finished{0};
+  runRanks(
+      3,
+      [&](ProcessGroup& pg) {
+        pg.barrier().wait();
+        if (pg.rank() == 2) {
+          // Skips the allreduce but keeps its group (a destroyed group
+          // would tell the others at once) until they have failed.
+          EXPECT_EQ(othersDoneFuture.wait_for(30s), std::future_status::ready);
+          return;
+        }
+        auto t = torch::ones({4});
+        const auto start = Clock::now();
+        errors[static_cast<size_t>(pg.rank())] = failureOf(pg.allreduce(t));
+        took[static_cast<size_t>(pg.rank())] = Clock::now() - start;
+        // Sticky: a later op fails with the same error at once.
+        EXPECT_NE(failureOf(pg.barrier()), "");
+        if (++finished == 2) {
+          othersDone.set_value();
+        }
+      },
+      o);
+  for (int r = 0; r < 2; ++r) {
+    const auto& e = errors[static_cast<size_t>(r)];
+    EXPECT_NE(e.find("seq 2 allreduce(float32[4], sum)"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("timed out"), std::string::npos) << e;
+    EXPECT_GE(took[static_cast<size_t>(r)], 1s);
+  }
+}
+
+TEST(ProcessGroup, AGroupDestroyedOnOneRankFailsThePeersNamingIt) {
+  std::string error;
+  runRanks(2, [&](ProcessGroup& pg) {
+    pg.barrier().wait();
+    if (pg.rank() == 1) {
+      return;  // its group is destroyed when runRanks' lambda returns
+    }
+    error = failureOf(pg.allreduce(torch::ones({4})));
+  });
+  EXPECT_NE(error.find("rank 1"), std::string::npos) << error;
+}
+
+}  // namespace
+}  // namespace trellis::collectives
