@@ -17,6 +17,8 @@ namespace detail {
 // One op as views of its tensors' memory, checked by the front end.
 struct OpSpec {
   Fingerprint fp;
+  // -1: the tensors are on the CPU; else the CUDA device they are all on.
+  int device = -1;
   // In place (allreduce, broadcast, reduce): `count` elements at `data`.
   void* data = nullptr;
   size_t count = 0;
@@ -34,18 +36,34 @@ struct OpSpec {
 
 class ProcessGroup::Backend {
  public:
+  using Started = std::function<void()>;
   using Done = std::function<void(const Error&)>;
   using SourceDone = std::function<void(const Error&, int source)>;
   virtual ~Backend() = default;
-  // Runs `op` after every op enqueued before it; `done` fires exactly once,
-  // after the backend stopped touching the op's memory.
-  virtual void enqueue(detail::OpSpec op, Done done) = 0;
+  // Where the op's tensors must be: false for CPU tensors (cpu), true for
+  // CUDA tensors (nccl). The front end checks it at the call site.
+  virtual bool wantsCuda() const = 0;
+  // Runs `op` after every op enqueued before it. `started` fires once when
+  // it starts (cpu: the worker picked it up; nccl: it was put on the
+  // stream); `done` fires exactly once, after the backend stopped touching
+  // the op's memory (nccl: the GPU finished, seen by poll()). Neither fires
+  // inline under the caller's locks other than the issuing call itself.
+  virtual void enqueue(detail::OpSpec op, Started started, Done done) = 0;
   // Point to point, outside the collectives' order.
   virtual void send(int peer, int64_t tag, detail::DType dtype,
                     const void* data, size_t bytes, Done done) = 0;
   // peer < 0: any source.
   virtual void recv(int peer, int64_t tag, detail::DType dtype, void* data,
                     size_t bytes, SourceDone done) = 0;
+  // Called by the watchdog on its thread every tick: completes ops that
+  // finished (nccl: queries their events) and returns an error the backend
+  // found on its own (nccl: ncclCommGetAsyncError), ok otherwise. Must not
+  // block beyond a driver call.
+  virtual Error poll() { return Error(); }
+  // Fails every pending and later op with `reason` and stops using the
+  // network (cpu: tells every peer why; nccl: ncclCommAbort). Idempotent;
+  // any thread.
+  virtual void abort(const Error& reason) = 0;
 };
 
 }  // namespace trellis::collectives

@@ -4,6 +4,9 @@
 #include <trellis/collectives/cpu/cpu_backend.h>
 #include <trellis/collectives/process_group.h>
 #include <trellis/collectives/reduce_kernels.h>
+#ifdef TRELLIS_HAVE_NCCL
+#include <trellis/collectives/nccl/nccl_backend.h>
+#endif
 #include <trellis/core/worker_env.h>
 #include <trellis/store/prefix_store.h>
 #include <trellis/store/tcp_store.h>
@@ -83,18 +86,36 @@ std::string shapeOf(const at::Tensor& t) {
   return s + "]";
 }
 
+// Where one op's tensors must be, and where the first one was.
+struct Devices {
+  bool cuda = false;
+  int device = -1;
+  bool seen = false;
+};
+
 // The checks every tensor argument gets; returns its dtype.
-DType checkTensor(const at::Tensor& t, const std::string& what) {
+DType checkTensor(const at::Tensor& t, const std::string& what, Devices& d) {
   if (!t.defined()) {
     bad(what + ": the tensor is undefined");
   }
   if (t.layout() != at::kStrided) {
     bad(what + ": only dense (strided) tensors are supported");
   }
-  if (!t.device().is_cpu()) {
+  if (d.cuda && !t.device().is_cuda()) {
+    bad(what + ": the tensor is on " + t.device().str() +
+        "; the nccl backend takes CUDA tensors");
+  }
+  if (!d.cuda && !t.device().is_cpu()) {
     bad(what + ": the tensor is on " + t.device().str() +
         "; the cpu backend takes CPU tensors");
   }
+  const int device = d.cuda ? t.device().index() : -1;
+  if (d.seen && device != d.device) {
+    bad(what + ": the tensor is on " + t.device().str() +
+        ", the op's other tensors on cuda:" + std::to_string(d.device));
+  }
+  d.seen = true;
+  d.device = device;
   if (!t.is_contiguous()) {
     bad(what + ": the tensor of shape " + shapeOf(t) +
         " is not contiguous (pass t.contiguous())");
@@ -103,8 +124,9 @@ DType checkTensor(const at::Tensor& t, const std::string& what) {
 }
 
 void checkSameKind(const at::Tensor& t, DType dtype, uint64_t count,
-                   const std::string& what, const std::string& reference) {
-  const DType d = checkTensor(t, what);
+                   const std::string& what, const std::string& reference,
+                   Devices& devices) {
+  const DType d = checkTensor(t, what, devices);
   if (d != dtype) {
     bad(what + ": dtype " + std::string(detail::toString(d)) +
         " differs from " + reference + "'s " +
@@ -161,9 +183,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
     bad("ProcessGroup::create: the timeout must be positive");
   }
   const std::string name = options.name.empty() ? "default" : options.name;
-  if (backend != "cpu") {
+  bool known = backend == "cpu";
+#ifdef TRELLIS_HAVE_NCCL
+  known = known || backend == "nccl";
+  const char* kBuilt = "cpu, nccl";
+#else
+  const char* kBuilt = "cpu; nccl was not compiled in";
+#endif
+  if (!known) {
     bad("ProcessGroup::create: unknown backend '" + backend +
-        "' (this build has: cpu)");
+        "' (this build has: " + kBuilt + ")");
   }
   // Each rank counts the groups of this name it created; they agree as long
   // as every rank creates the same groups, so a group re-created after a
@@ -179,7 +208,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   mo.token = options.token;
   mo.localAddress = options.localAddress;
   mo.timeout = timeout;
-  auto impl = detail::createCpuBackend(*groupStore, rank, worldSize, mo);
+  std::unique_ptr<Backend> impl;
+#ifdef TRELLIS_HAVE_NCCL
+  if (backend == "nccl") {
+    impl = detail::createNcclBackend(*groupStore, rank, worldSize, mo);
+  }
+#endif
+  if (!impl) {
+    impl = detail::createCpuBackend(*groupStore, rank, worldSize, mo);
+  }
   return std::shared_ptr<ProcessGroup>(
       new ProcessGroup(backend, name, rank, worldSize, timeout,
                        std::move(store), std::move(impl), std::move(options)));
@@ -287,17 +324,19 @@ Work ProcessGroup::enqueue(Op op) {
     MutexLock lock(issueMu_);
     op.spec.fp.seq = nextSeq_++;
     description = op.spec.fp.toString() + " on group '" + name_ + "'";
-    impl_->enqueue(std::move(op.spec), std::move(finish));
+    impl_->enqueue(
+        std::move(op.spec), [] {}, std::move(finish));
   }
   return Work(std::move(future), std::move(description));
 }
 
 Work ProcessGroup::allreduce(at::Tensor tensor, ReduceOp op) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "allreduce";
   Op o;
   o.spec.fp = {0,
                OpType::kAllreduce,
-               checkTensor(tensor, what),
+               checkTensor(tensor, what, dv),
                op,
                -1,
                static_cast<uint64_t>(tensor.numel())};
@@ -305,22 +344,24 @@ Work ProcessGroup::allreduce(at::Tensor tensor, ReduceOp op) {
   o.spec.data = tensor.data_ptr();
   o.spec.count = static_cast<size_t>(tensor.numel());
   o.outputs = {tensor};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::allreduceCoalesced(std::vector<at::Tensor> tensors,
                                       ReduceOp op) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "allreduceCoalesced";
   if (tensors.empty()) {
     bad(what + ": no tensors");
   }
   Op o;
-  const DType dtype = checkTensor(tensors[0], what + ": tensors[0]");
+  const DType dtype = checkTensor(tensors[0], what + ": tensors[0]", dv);
   checkReduceOp(dtype, op, what);
   uint64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string w = what + ": tensors[" + std::to_string(i) + "]";
-    if (checkTensor(tensors[i], w) != dtype) {
+    if (checkTensor(tensors[i], w, dv) != dtype) {
       bad(w + ": dtype " +
           std::string(c10::toString(tensors[i].scalar_type())) +
           " differs from tensors[0]'s");
@@ -331,32 +372,36 @@ Work ProcessGroup::allreduceCoalesced(std::vector<at::Tensor> tensors,
   }
   o.spec.fp = {0, OpType::kAllreduceCoalesced, dtype, op, -1, total};
   o.outputs = tensors;
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::broadcast(at::Tensor tensor, int root) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "broadcast";
   checkRoot(root, size_, what);
   Op o;
   o.spec.fp = {0,
                OpType::kBroadcast,
-               checkTensor(tensor, what),
+               checkTensor(tensor, what, dv),
                ReduceOp::kSum,
                root,
                static_cast<uint64_t>(tensor.numel())};
   o.spec.data = tensor.data_ptr();
   o.spec.count = static_cast<size_t>(tensor.numel());
   o.outputs = {tensor};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::reduce(at::Tensor tensor, int root, ReduceOp op) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "reduce";
   checkRoot(root, size_, what);
   Op o;
   o.spec.fp = {0,
                OpType::kReduce,
-               checkTensor(tensor, what),
+               checkTensor(tensor, what, dv),
                op,
                root,
                static_cast<uint64_t>(tensor.numel())};
@@ -364,13 +409,15 @@ Work ProcessGroup::reduce(at::Tensor tensor, int root, ReduceOp op) {
   o.spec.data = tensor.data_ptr();
   o.spec.count = static_cast<size_t>(tensor.numel());
   o.outputs = {tensor};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::allgather(std::vector<at::Tensor> outputs,
                              at::Tensor input) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "allgather";
-  const DType dtype = checkTensor(input, what + ": input");
+  const DType dtype = checkTensor(input, what + ": input", dv);
   const auto count = static_cast<uint64_t>(input.numel());
   if (outputs.size() != static_cast<size_t>(size_)) {
     bad(what + ": " + std::to_string(outputs.size()) +
@@ -379,7 +426,8 @@ Work ProcessGroup::allgather(std::vector<at::Tensor> outputs,
   Op o;
   for (size_t i = 0; i < outputs.size(); ++i) {
     checkSameKind(outputs[i], dtype, count,
-                  what + ": outputs[" + std::to_string(i) + "]", "the input");
+                  what + ": outputs[" + std::to_string(i) + "]", "the input",
+                  dv);
     o.spec.outputs.push_back(outputs[i].data_ptr());
   }
   o.spec.fp = {0, OpType::kAllgather, dtype, ReduceOp::kSum, -1, count};
@@ -387,15 +435,17 @@ Work ProcessGroup::allgather(std::vector<at::Tensor> outputs,
   o.spec.bytes = count * detail::elementSize(dtype);
   o.keep = {input};
   o.outputs = outputs;
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::allgatherIntoTensor(at::Tensor output, at::Tensor input) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "allgatherIntoTensor";
-  const DType dtype = checkTensor(input, what + ": input");
+  const DType dtype = checkTensor(input, what + ": input", dv);
   const auto count = static_cast<uint64_t>(input.numel());
   checkSameKind(output, dtype, count * static_cast<uint64_t>(size_),
-                what + ": output", "size() x the input");
+                what + ": output", "size() x the input", dv);
   Op o;
   const size_t bytes = count * detail::elementSize(dtype);
   auto* base = static_cast<uint8_t*>(output.data_ptr());
@@ -407,14 +457,16 @@ Work ProcessGroup::allgatherIntoTensor(at::Tensor output, at::Tensor input) {
   o.spec.bytes = bytes;
   o.keep = {input};
   o.outputs = {output};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
                           int root) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "gather";
   checkRoot(root, size_, what);
-  const DType dtype = checkTensor(input, what + ": input");
+  const DType dtype = checkTensor(input, what + ": input", dv);
   const auto count = static_cast<uint64_t>(input.numel());
   Op o;
   if (rank_ == root) {
@@ -424,7 +476,8 @@ Work ProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
       checkSameKind(outputs[i], dtype, count,
-                    what + ": outputs[" + std::to_string(i) + "]", "the input");
+                    what + ": outputs[" + std::to_string(i) + "]", "the input",
+                    dv);
       o.spec.outputs.push_back(outputs[i].data_ptr());
     }
   } else if (!outputs.empty()) {
@@ -436,14 +489,16 @@ Work ProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
   o.spec.bytes = count * detail::elementSize(dtype);
   o.keep = {input};
   o.outputs = outputs;
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
                            int root) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "scatter";
   checkRoot(root, size_, what);
-  const DType dtype = checkTensor(output, what + ": output");
+  const DType dtype = checkTensor(output, what + ": output", dv);
   const auto count = static_cast<uint64_t>(output.numel());
   Op o;
   if (rank_ == root) {
@@ -453,7 +508,8 @@ Work ProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkSameKind(inputs[i], dtype, count,
-                    what + ": inputs[" + std::to_string(i) + "]", "the output");
+                    what + ": inputs[" + std::to_string(i) + "]", "the output",
+                    dv);
       o.spec.inputs.push_back(inputs[i].data_ptr());
     }
   } else if (!inputs.empty()) {
@@ -465,13 +521,15 @@ Work ProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
   o.spec.bytes = count * detail::elementSize(dtype);
   o.keep = inputs;
   o.outputs = {output};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::reduceScatter(at::Tensor output,
                                  std::vector<at::Tensor> inputs, ReduceOp op) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "reduceScatter";
-  const DType dtype = checkTensor(output, what + ": output");
+  const DType dtype = checkTensor(output, what + ": output", dv);
   checkReduceOp(dtype, op, what);
   const auto count = static_cast<uint64_t>(output.numel());
   if (inputs.size() != static_cast<size_t>(size_)) {
@@ -481,7 +539,8 @@ Work ProcessGroup::reduceScatter(at::Tensor output,
   Op o;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkSameKind(inputs[i], dtype, count,
-                  what + ": inputs[" + std::to_string(i) + "]", "the output");
+                  what + ": inputs[" + std::to_string(i) + "]", "the output",
+                  dv);
     o.spec.inputs.push_back(inputs[i].data_ptr());
   }
   o.spec.fp = {0, OpType::kReduceScatter, dtype, op, -1, count};
@@ -489,17 +548,19 @@ Work ProcessGroup::reduceScatter(at::Tensor output,
   o.spec.count = count;
   o.keep = inputs;
   o.outputs = {output};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::reduceScatterTensor(at::Tensor output, at::Tensor input,
                                        ReduceOp op) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "reduceScatterTensor";
-  const DType dtype = checkTensor(output, what + ": output");
+  const DType dtype = checkTensor(output, what + ": output", dv);
   checkReduceOp(dtype, op, what);
   const auto count = static_cast<uint64_t>(output.numel());
   checkSameKind(input, dtype, count * static_cast<uint64_t>(size_),
-                what + ": input", "size() x the output");
+                what + ": input", "size() x the output", dv);
   Op o;
   const size_t bytes = count * detail::elementSize(dtype);
   const auto* base = static_cast<const uint8_t*>(input.data_ptr());
@@ -511,6 +572,7 @@ Work ProcessGroup::reduceScatterTensor(at::Tensor output, at::Tensor input,
   o.spec.count = count;
   o.keep = {input};
   o.outputs = {output};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
@@ -559,9 +621,10 @@ void blocks(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
 Work ProcessGroup::alltoall(at::Tensor output, at::Tensor input,
                             std::vector<int64_t> outputSplits,
                             std::vector<int64_t> inputSplits) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "alltoall";
-  const DType dtype = checkTensor(input, what + ": input");
-  if (checkTensor(output, what + ": output") != dtype) {
+  const DType dtype = checkTensor(input, what + ": input", dv);
+  if (checkTensor(output, what + ": output", dv) != dtype) {
     bad(what + ": output dtype differs from the input's");
   }
   if (input.dim() > 0 && output.dim() > 0 &&
@@ -591,12 +654,15 @@ Work ProcessGroup::alltoall(at::Tensor output, at::Tensor input,
   o.spec.outputs = {output.data_ptr()};
   o.keep = {input};
   o.outputs = {output};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
 Work ProcessGroup::barrier() {
+  Devices dv{impl_->wantsCuda()};
   Op o;
   o.spec.fp = {0, OpType::kBarrier, DType::kUInt8, ReduceOp::kSum, -1, 0};
+  o.spec.device = dv.device;
   return enqueue(std::move(o));
 }
 
@@ -615,9 +681,10 @@ void checkPeer(int peer, int rank, int size, const std::string& what) {
 }  // namespace
 
 Work ProcessGroup::send(at::Tensor tensor, int dst, int64_t tag) {
+  Devices dv{impl_->wantsCuda()};
   const std::string what = "send";
   checkPeer(dst, rank_, size_, what);
-  const DType dtype = checkTensor(tensor, what);
+  const DType dtype = checkTensor(tensor, what, dv);
   Promise<std::vector<at::Tensor>> promise;
   auto future = promise.getFuture();
   impl_->send(dst, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
@@ -636,8 +703,9 @@ Work ProcessGroup::send(at::Tensor tensor, int dst, int64_t tag) {
 }
 
 Work ProcessGroup::recv(at::Tensor tensor, int src, int64_t tag) {
+  Devices dv{impl_->wantsCuda()};
   checkPeer(src, rank_, size_, "recv");
-  const DType dtype = checkTensor(tensor, "recv");
+  const DType dtype = checkTensor(tensor, "recv", dv);
   Promise<std::vector<at::Tensor>> promise;
   auto future = promise.getFuture();
   impl_->recv(src, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
@@ -656,7 +724,8 @@ Work ProcessGroup::recv(at::Tensor tensor, int src, int64_t tag) {
 }
 
 Work ProcessGroup::recvAnysource(at::Tensor tensor, int64_t tag) {
-  const DType dtype = checkTensor(tensor, "recvAnysource");
+  Devices dv{impl_->wantsCuda()};
+  const DType dtype = checkTensor(tensor, "recvAnysource", dv);
   Promise<std::vector<at::Tensor>> promise;
   auto future = promise.getFuture();
   auto source = std::make_shared<Work::Source>();

@@ -33,13 +33,17 @@ class CpuBackend final : public ProcessGroup::Backend {
     mesh_.reset();
   }
 
-  void enqueue(OpSpec op, Done done) override {
+  bool wantsCuda() const override { return false; }
+
+  void enqueue(OpSpec op, Started started, Done done) override {
     {
       MutexLock lock(mu_);
-      queue_.push_back({std::move(op), std::move(done)});
+      queue_.push_back({std::move(op), std::move(started), std::move(done)});
     }
     cv_.notifyAll();
   }
+
+  void abort(const Error& reason) override { mesh_->abort(reason); }
 
   void send(int peer, int64_t tag, DType dtype, const void* data, size_t bytes,
             Done done) override {
@@ -54,6 +58,7 @@ class CpuBackend final : public ProcessGroup::Backend {
  private:
   struct Item {
     OpSpec op;
+    Started started;
     Done done;
   };
 
@@ -73,6 +78,7 @@ class CpuBackend final : public ProcessGroup::Backend {
       }
       Error e = mesh_->error();
       if (e.ok()) {
+        item.started();
         e = runOne(item.op);
       }
       item.done(e);
