@@ -2,8 +2,10 @@
 
 #include <trellis/collectives/backend.h>
 #include <trellis/collectives/cpu/cpu_backend.h>
+#include <trellis/collectives/flight_recorder.h>
 #include <trellis/collectives/process_group.h>
 #include <trellis/collectives/reduce_kernels.h>
+#include <trellis/collectives/watchdog.h>
 #ifdef TRELLIS_HAVE_NCCL
 #include <trellis/collectives/nccl/nccl_backend.h>
 #endif
@@ -24,6 +26,11 @@ struct ProcessGroup::Op {
   OpSpec spec;
   std::vector<at::Tensor> keep;     // borrowed until done
   std::vector<at::Tensor> outputs;  // the Work's value
+};
+
+struct ProcessGroup::Monitoring {
+  std::shared_ptr<detail::FlightRecorder> recorder;
+  std::unique_ptr<detail::Watchdog::Handle> watch;
 };
 
 namespace {
@@ -151,7 +158,7 @@ uint64_t fnv1a(const std::string& s) {
 ProcessGroup::ProcessGroup(std::string backend, std::string name, int rank,
                            int size, Duration timeout,
                            std::shared_ptr<store::Store> store,
-                           std::unique_ptr<Backend> impl,
+                           std::shared_ptr<Backend> impl,
                            ProcessGroupOptions options)
     : backend_(std::move(backend)),
       name_(std::move(name)),
@@ -162,7 +169,11 @@ ProcessGroup::ProcessGroup(std::string backend, std::string name, int rank,
       impl_(std::move(impl)),
       options_(std::move(options)) {}
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  // The watchdog lets go of the group before its backend goes.
+  monitoring_.reset();
+  impl_.reset();
+}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(
     const std::string& backend, std::shared_ptr<store::Store> store, int rank,
@@ -208,7 +219,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   mo.token = options.token;
   mo.localAddress = options.localAddress;
   mo.timeout = timeout;
-  std::unique_ptr<Backend> impl;
+  // Environment knobs are checked before any connection is made.
+  const WatchdogMode mode =
+      options.watchdogMode.value_or(detail::watchdogModeFromEnvironment());
+  const std::string dumpDir = options.flightRecorderDir.value_or(
+      detail::flightRecorderDirFromEnvironment());
+  auto recorder = std::make_shared<detail::FlightRecorder>(
+      detail::flightRecorderEntriesFromEnvironment());
+  detail::Watchdog& watchdog = detail::Watchdog::process();
+  std::shared_ptr<Backend> impl;
 #ifdef TRELLIS_HAVE_NCCL
   if (backend == "nccl") {
     impl = detail::createNcclBackend(*groupStore, rank, worldSize, mo);
@@ -217,9 +236,27 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   if (!impl) {
     impl = detail::createCpuBackend(*groupStore, rank, worldSize, mo);
   }
-  return std::shared_ptr<ProcessGroup>(
+  detail::WatchedGroup watched;
+  watched.info = {
+      name,
+      groupId,
+      backend,
+      rank,
+      worldSize,
+      std::chrono::duration_cast<std::chrono::milliseconds>(timeout)};
+  watched.mode = mode;
+  watched.dumpDir = dumpDir;
+  watched.store = groupStore;
+  watched.backend = impl;
+  watched.recorder = recorder;
+  auto monitoring = std::make_unique<Monitoring>();
+  monitoring->recorder = recorder;
+  monitoring->watch = watchdog.watch(std::move(watched));
+  auto pg = std::shared_ptr<ProcessGroup>(
       new ProcessGroup(backend, name, rank, worldSize, timeout,
                        std::move(store), std::move(impl), std::move(options)));
+  pg->monitoring_ = std::move(monitoring);
+  return pg;
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::fromEnvironment(
@@ -311,6 +348,10 @@ Work ProcessGroup::enqueue(Op op) {
   Promise<std::vector<at::Tensor>> promise;
   auto future = promise.getFuture();
   std::string description;
+  const auto& first = op.outputs.empty() ? op.keep : op.outputs;
+  const std::vector<int64_t> shape =
+      first.empty() ? std::vector<int64_t>{} : first[0].sizes().vec();
+  auto recorder = monitoring_->recorder;
   auto finish = [promise, keep = std::move(op.keep),
                  outputs = std::move(op.outputs)](const Error& e) mutable {
     if (e.ok()) {
@@ -324,8 +365,15 @@ Work ProcessGroup::enqueue(Op op) {
     MutexLock lock(issueMu_);
     op.spec.fp.seq = nextSeq_++;
     description = op.spec.fp.toString() + " on group '" + name_ + "'";
+    const uint64_t id = recorder->scheduled(op.spec.fp, -1, 0, shape);
     impl_->enqueue(
-        std::move(op.spec), [] {}, std::move(finish));
+        std::move(op.spec), [recorder, id] { recorder->started(id); },
+        [recorder, id, finish = std::move(finish)](const Error& e) mutable {
+          // Recorded first: whoever sees the Work complete also sees it in
+          // the progress the watchdog publishes.
+          recorder->finished(id, e);
+          finish(e);
+        });
   }
   return Work(std::move(future), std::move(description));
 }
@@ -681,67 +729,62 @@ void checkPeer(int peer, int rank, int size, const std::string& what) {
 }  // namespace
 
 Work ProcessGroup::send(at::Tensor tensor, int dst, int64_t tag) {
-  Devices dv{impl_->wantsCuda()};
-  const std::string what = "send";
-  checkPeer(dst, rank_, size_, what);
-  const DType dtype = checkTensor(tensor, what, dv);
-  Promise<std::vector<at::Tensor>> promise;
-  auto future = promise.getFuture();
-  impl_->send(dst, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
-              [promise, tensor](const Error& e) mutable {
-                if (e.ok()) {
-                  promise.setValue({tensor});
-                } else {
-                  promise.setError(e);
-                }
-              });
-  return Work(std::move(future),
-              "send(" + std::string(detail::toString(dtype)) + "[" +
-                  std::to_string(tensor.numel()) + "], to rank " +
-                  std::to_string(dst) + ", tag " + std::to_string(tag) +
-                  ") on group '" + name_ + "'");
+  checkPeer(dst, rank_, size_, "send");
+  return p2p(true, dst, tag, tensor, "send");
 }
 
 Work ProcessGroup::recv(at::Tensor tensor, int src, int64_t tag) {
-  Devices dv{impl_->wantsCuda()};
   checkPeer(src, rank_, size_, "recv");
-  const DType dtype = checkTensor(tensor, "recv", dv);
-  Promise<std::vector<at::Tensor>> promise;
-  auto future = promise.getFuture();
-  impl_->recv(src, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
-              [promise, tensor](const Error& e, int) mutable {
-                if (e.ok()) {
-                  promise.setValue({tensor});
-                } else {
-                  promise.setError(e);
-                }
-              });
-  return Work(std::move(future),
-              "recv(" + std::string(detail::toString(dtype)) + "[" +
-                  std::to_string(tensor.numel()) + "], from rank " +
-                  std::to_string(src) + ", tag " + std::to_string(tag) +
-                  ") on group '" + name_ + "'");
+  return p2p(false, src, tag, tensor, "recv");
 }
 
 Work ProcessGroup::recvAnysource(at::Tensor tensor, int64_t tag) {
+  return p2p(false, -1, tag, tensor, "recvAnysource");
+}
+
+Work ProcessGroup::p2p(bool isSend, int peer, int64_t tag,
+                       const at::Tensor& tensor, const std::string& what) {
   Devices dv{impl_->wantsCuda()};
-  const DType dtype = checkTensor(tensor, "recvAnysource", dv);
+  const DType dtype = checkTensor(tensor, what, dv);
   Promise<std::vector<at::Tensor>> promise;
   auto future = promise.getFuture();
-  auto source = std::make_shared<Work::Source>();
-  impl_->recv(-1, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
-              [promise, tensor, source](const Error& e, int from) mutable {
-                source->rank.store(from);
-                if (e.ok()) {
-                  promise.setValue({tensor});
-                } else {
-                  promise.setError(e);
-                }
-              });
-  return Work(std::move(future),
-              "recvAnysource(" + std::string(detail::toString(dtype)) + "[" +
-                  std::to_string(tensor.numel()) + "], tag " +
-                  std::to_string(tag) + ") on group '" + name_ + "'",
+  const Fingerprint fp{0,     isSend ? OpType::kSend : OpType::kRecv,
+                       dtype, ReduceOp::kSum,
+                       -1,    static_cast<uint64_t>(tensor.numel())};
+  auto recorder = monitoring_->recorder;
+  const uint64_t id = recorder->scheduled(fp, peer, tag, tensor.sizes().vec());
+  // Posted at once, outside the collectives' order: running from now on.
+  recorder->started(id);
+  auto source =
+      isSend || peer >= 0 ? nullptr : std::make_shared<Work::Source>();
+  auto done = [promise, tensor, source, recorder, id](const Error& e,
+                                                      int from) mutable {
+    if (source) {
+      source->rank.store(from);
+    }
+    recorder->finished(id, e);
+    if (e.ok()) {
+      promise.setValue({tensor});
+    } else {
+      promise.setError(e);
+    }
+  };
+  if (isSend) {
+    impl_->send(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+                [done](const Error& e) mutable { done(e, -1); });
+  } else {
+    impl_->recv(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+                std::move(done));
+  }
+  detail::FlightEntry entry;
+  entry.fp = fp;
+  entry.peer = peer;
+  entry.tag = tag;
+  std::string description = entry.describe();
+  if (what == "recvAnysource") {
+    description = what + description.substr(4);  // "recv(" -> "recvAnysource("
+  }
+  return Work(std::move(future), description + " on group '" + name_ + "'",
               std::move(source));
 }
 

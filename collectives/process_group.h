@@ -20,11 +20,15 @@
 //    is unharmed. What only the other ranks can know (their sizes, their
 //    op) is checked with the first message of the op: a mismatch fails the
 //    op on every rank with both sides named (a "desync").
-//  - Timeouts: one per group (Options::timeout, default 10 minutes). An op
-//    that has not completed that long after it started fails on this rank
-//    with a TimeoutError naming the op, its sequence number and the ranks
-//    it waited for, and the group is aborted (every peer fails too, naming
-//    this rank and the reason).
+//  - Timeouts: one per group (Options::timeout, default 10 minutes),
+//    enforced by the process's watchdog. An op still running that long
+//    after it started fails with a TimeoutError naming the op, its
+//    sequence number and the likely culprit (the ranks that never entered
+//    it, or that stopped reporting), the flight recorder is written, and
+//    the group is aborted (every peer fails too, with the same story). In
+//    the default watchdog mode the process then exits with code 75
+//    (kWatchdogExitCode) so that elastic-run restarts the group;
+//    WatchdogMode::kFail only fails the ops.
 //  - Errors are sticky per group: after an op failed (timeout, lost rank,
 //    desync), every pending and later op of the group fails with the same
 //    error. Create a new group to go on.
@@ -65,6 +69,12 @@ struct ProcessGroupOptions {
   std::optional<auth::JobToken> token;
   // The address this rank listens on (net::chooseLocalAddress's rules).
   std::string localAddress;
+  // What the watchdog does after it failed the group (types.h); unset:
+  // TRELLIS_WATCHDOG_MODE, else WatchdogMode::kExit.
+  std::optional<WatchdogMode> watchdogMode;
+  // Where the flight recorder is written when the group fails; unset:
+  // TRELLIS_FLIGHT_RECORDER_DIR; empty: nowhere.
+  std::optional<std::string> flightRecorderDir;
 };
 
 class ProcessGroup {
@@ -146,9 +156,14 @@ class ProcessGroup {
 
  private:
   struct Op;
+  // The flight recorder and the watchdog's handle (process_group.cc).
+  struct Monitoring;
   ProcessGroup(std::string backend, std::string name, int rank, int size,
                Duration timeout, std::shared_ptr<store::Store> store,
-               std::unique_ptr<Backend> impl, ProcessGroupOptions options);
+               std::shared_ptr<Backend> impl, ProcessGroupOptions options);
+  // send (peer >= 0), recv (peer >= 0) or recvAnysource (peer < 0).
+  Work p2p(bool isSend, int peer, int64_t tag, const at::Tensor& tensor,
+           const std::string& what);
   Work enqueue(Op op);
 
   const std::string backend_;
@@ -157,7 +172,8 @@ class ProcessGroup {
   const int size_;
   const Duration timeout_;
   std::shared_ptr<store::Store> store_;
-  std::unique_ptr<Backend> impl_;
+  std::shared_ptr<Backend> impl_;
+  std::unique_ptr<Monitoring> monitoring_;
   ProcessGroupOptions options_;
   Mutex issueMu_;
   uint64_t nextSeq_ TRELLIS_GUARDED_BY(issueMu_) = 1;

@@ -81,6 +81,16 @@ void PrefixStore::multiSet(const std::vector<std::string>& keys,
   store_->multiSet(join(keys), values);
 }
 
+std::unique_ptr<Store> PrefixStore::clone(std::chrono::milliseconds timeout) {
+  std::unique_ptr<Store> base = store_->clone(timeout);
+  if (!base) {
+    return nullptr;
+  }
+  auto out = std::make_unique<PrefixStore>(prefix_, std::move(base));
+  out->setTimeout(timeout);
+  return out;
+}
+
 Bytes PrefixStore::getWithTimeout(const std::string& key,
                                   std::chrono::milliseconds timeout) {
   return store_->getWithTimeout(join(key), timeout);

@@ -36,6 +36,9 @@ class PrefixStore final : public Store {
   std::vector<Bytes> multiGet(const std::vector<std::string>& keys) override;
   void multiSet(const std::vector<std::string>& keys,
                 const std::vector<Bytes>& values) override;
+  // The same prefix over a clone of the underlying store (nullptr when it
+  // has none).
+  std::unique_ptr<Store> clone(std::chrono::milliseconds timeout) override;
 
  protected:
   Bytes getWithTimeout(const std::string& key,

@@ -41,6 +41,10 @@ void Store::wait(const std::vector<std::string>& keys) {
   wait(keys, timeout());
 }
 
+std::unique_ptr<Store> Store::clone(std::chrono::milliseconds) {
+  return nullptr;
+}
+
 std::chrono::milliseconds Store::timeout() const {
   return std::chrono::milliseconds(timeoutMs_.load(std::memory_order_relaxed));
 }

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -87,6 +88,13 @@ class Store {
   // Sets each keys[i] to values[i] atomically; sizes must match.
   virtual void multiSet(const std::vector<std::string>& keys,
                         const std::vector<Bytes>& values) = 0;
+
+  // A second handle on the same keys with a connection of its own and
+  // `timeout` as its default, for a thread that must not queue behind the
+  // blocking calls of others (the collectives watchdog). nullptr for a
+  // store with no connection to duplicate (HashStore, FileStore): use this
+  // one. Throws what connecting throws.
+  virtual std::unique_ptr<Store> clone(std::chrono::milliseconds timeout);
 
   std::chrono::milliseconds timeout() const;
   // Throws InvalidArgumentError for a negative timeout.

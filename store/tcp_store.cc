@@ -395,6 +395,13 @@ const std::string& TCPStore::host() const { return impl_->opts.host; }
 uint16_t TCPStore::port() const { return impl_->opts.port; }
 const std::string& TCPStore::id() const { return impl_->id; }
 
+std::unique_ptr<Store> TCPStore::clone(std::chrono::milliseconds timeout) {
+  TCPStoreOptions o = impl_->opts;
+  o.timeout = timeout;
+  o.connectTimeout = timeout;
+  return std::make_unique<TCPStore>(std::move(o));
+}
+
 namespace {
 Deadline plainDeadline(const Store& s) {
   return Deadline::fromTimeout(Duration(s.timeout()));

@@ -88,6 +88,9 @@ class TCPStore final : public Store {
                 const std::vector<Bytes>& values) override;
   // A round trip that touches no key.
   void ping();
+  // A new connection to the same server with the same token; `timeout`
+  // bounds connecting and every request.
+  std::unique_ptr<Store> clone(std::chrono::milliseconds timeout) override;
 
  protected:
   Bytes getWithTimeout(const std::string& key,

@@ -10,6 +10,8 @@ namespace trellis::collectives::detail {
 
 namespace {
 
+constexpr Duration kBackstop = std::chrono::seconds(60);
+
 class CpuBackend final : public ProcessGroup::Backend {
  public:
   CpuBackend(std::unique_ptr<Mesh> mesh, Duration timeout)
@@ -44,6 +46,10 @@ class CpuBackend final : public ProcessGroup::Backend {
   }
 
   void abort(const Error& reason) override { mesh_->abort(reason); }
+
+  // The mesh's sticky error: a desync, a lost peer or a peer's abort that
+  // the watchdog should act on even when no op of this rank is running.
+  Error poll() override { return mesh_->error(); }
 
   void send(int peer, int64_t tag, DType dtype, const void* data, size_t bytes,
             Done done) override {
@@ -87,8 +93,10 @@ class CpuBackend final : public ProcessGroup::Backend {
 
   Error runOne(OpSpec& op) {
     mesh_->noteStarted(op.fp);
-    AlgoContext c{*mesh_, op.fp, Deadline::fromTimeout(timeout_), scratch_,
-                  algo_};
+    // The watchdog fails an op at the group's timeout, naming the culprit;
+    // this deadline is only a backstop should the watchdog itself be stuck.
+    AlgoContext c{*mesh_, op.fp, Deadline::fromTimeout(timeout_ + kBackstop),
+                  scratch_, algo_};
     switch (op.fp.op) {
       case OpType::kAllreduce:
         return allreduce(c, op.data, op.count);

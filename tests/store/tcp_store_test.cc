@@ -15,6 +15,8 @@
 #include "store_test_util.h"
 #include <trellis/core/auth.h>
 #include <trellis/core/error.h>
+#include <trellis/store/hash_store.h>
+#include <trellis/store/prefix_store.h>
 #include <trellis/store/protocol.h>
 #include <trellis/store/tcp_store.h>
 
@@ -362,6 +364,42 @@ TEST(TcpStoreAuthTest, TokenMismatchesAreRejectedBeforeAnyRequest) {
   }
   EXPECT_FALSE(good.check({"intruder"}));
   EXPECT_EQ(good.numKeys(), 1);
+}
+
+// The collectives watchdog's store handle: its own connection, so a get
+// blocked on the original does not hold it back, with its own timeout.
+TEST(TcpStoreCloneTest, CloneHasItsOwnConnectionTokenAndTimeout) {
+  const auto token = auth::JobToken::generate();
+  TCPStoreServerOptions so;
+  so.jobToken = token;
+  TCPStoreServer server(so);
+  auto o = clientOptions(server.port());
+  o.jobToken = token;
+  auto original = std::make_shared<TCPStore>(o);
+  PrefixStore prefixed("pg", original);
+  std::unique_ptr<Store> clone = prefixed.clone(2000ms);
+  ASSERT_NE(clone, nullptr);
+  EXPECT_EQ(clone->timeout(), 2000ms);
+  // The original blocks in a get of a key nobody sets yet.
+  std::atomic<bool> got{false};
+  std::thread blocked([&] {
+    (void)original->get("late");
+    got = true;
+  });
+  const auto start = std::chrono::steady_clock::now();
+  clone->set("progress", "7");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms)
+      << "the clone waited behind the original's blocked get";
+  EXPECT_FALSE(got.load());
+  TCPStore third(o);
+  third.set("late", "x");
+  blocked.join();
+  EXPECT_TRUE(got.load());
+  EXPECT_EQ(original->getString("pg/progress"), "7");
+  // Stores without a connection have nothing to clone.
+  auto hash = std::make_shared<HashStore>();
+  EXPECT_EQ(hash->clone(1000ms), nullptr);
+  EXPECT_EQ(PrefixStore("x/", hash).clone(1000ms), nullptr);
 }
 
 TEST(TcpStoreAuthTest, ClientWithATokenRefusesAServerWithout) {
