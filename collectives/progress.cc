@@ -143,7 +143,7 @@ Analysis analyse(uint64_t seq, const std::string& description, int self,
                  const std::vector<RankReport>& reports, int64_t nowUs,
                  std::chrono::milliseconds staleAfter) {
   // Ranks with the same story are told together, in this order.
-  enum Order { kNeverEntered, kSilentInside, kOther, kWaiting, kDone };
+  enum Order { kNeverEntered, kSilent, kOther, kWaiting, kDone };
   std::map<std::pair<int, std::string>, std::vector<int>> stories;
   Analysis a;
   const int64_t staleUs = staleAfter.count() * 1000;
@@ -165,11 +165,24 @@ Analysis analyse(uint64_t seq, const std::string& description, int self,
       continue;
     }
     const int64_t age = nowUs - r.wallUs;
-    const bool silent = rank != self && age > staleUs;
-    const std::string quiet =
-        silent ? "; its last report is " + std::to_string(age / 1000) +
-                     " ms old, so it is stopped, hung or dead"
-               : "";
+    if (rank != self && age > staleUs) {
+      // What it said last may be long out of date: say only that.
+      std::string last;
+      if (r.startedSeq == 0) {
+        last = "no collective started";
+      } else if (r.completedSeq >= r.startedSeq) {
+        last = r.startedDescription + " completed";
+      } else {
+        last = "in " + r.startedDescription;
+      }
+      stories[{kSilent, "stopped reporting " + std::to_string(age / 1000) +
+                            " ms ago, so it is stopped, hung or dead (last "
+                            "report: " +
+                            last + ")"}]
+          .push_back(rank);
+      a.culprits.push_back(rank);
+      continue;
+    }
     if (r.startedSeq < seq) {
       std::string s = "never entered seq " + std::to_string(seq);
       if (r.startedSeq == 0) {
@@ -179,34 +192,26 @@ Analysis analyse(uint64_t seq, const std::string& description, int self,
              (r.completedSeq >= r.startedSeq ? ", which completed"
                                              : ", still running");
       }
-      stories[{kNeverEntered, s + quiet}].push_back(rank);
+      stories[{kNeverEntered, s}].push_back(rank);
       a.culprits.push_back(rank);
-      if (!silent && rank != self) {
+      if (rank != self) {
         a.behindButAlive.push_back(rank);
       }
     } else if (r.startedSeq == seq && r.completedSeq < seq) {
-      if (silent) {
-        stories[{kSilentInside, "is in " + description + quiet}].push_back(
-            rank);
-        a.culprits.push_back(rank);
-      } else {
-        stories[{kWaiting, "wait in " + description}].push_back(rank);
-      }
+      stories[{kWaiting, "wait in " + description}].push_back(rank);
     } else if (r.completedSeq >= seq) {
       stories[{kDone, "completed seq " + std::to_string(seq) +
-                          " (last started: " + r.startedDescription + ")" +
-                          quiet}]
+                          " (last started: " + r.startedDescription + ")"}]
           .push_back(rank);
     } else {
-      stories[{kOther, "is in " + r.startedDescription + quiet}].push_back(
-          rank);
+      stories[{kOther, "is in " + r.startedDescription}].push_back(rank);
     }
   }
   std::sort(a.culprits.begin(), a.culprits.end());
   if (a.culprits.empty()) {
     a.summary = "no rank is missing: every rank entered " + description +
-                " and still reports, so the op itself is stuck (network or "
-                "backend)";
+                " or got past it and still reports, so the op itself is "
+                "stuck (network or backend)";
   } else {
     a.summary = "likely culprit: " + plural(a.culprits);
   }

@@ -253,6 +253,7 @@ void Watchdog::run() {
       }
     }
     setPhase("idle", "");
+    exitIfRequested();
     MutexLock lock(mu_);
     const Duration t = tick();
     tickNs_.store(t.count(), std::memory_order_relaxed);
@@ -423,15 +424,24 @@ void Watchdog::fail(Entry& e, const Error& error, const std::string& reason,
                "only fails the ops)\n",
                e.g.info.rank, full.what().c_str(), kWatchdogExitCode);
   std::fflush(stderr);
+  // run() ends the process once it let go of this group, so the caller's
+  // wait() can raise the error and its unwinding destroy the group.
+  MutexLock lock(mu_);
+  exitRequested_ = true;
+}
+
+void Watchdog::exitIfRequested() {
+  MutexLock lock(mu_);
+  if (!exitRequested_) {
+    return;
+  }
   // A moment for the abort to reach the peers and for the caller's wait()
   // to raise the same error.
-  {
-    const auto until = Clock::now() + milliseconds(500);
-    MutexLock lock(mu_);
-    while (!stopping_ && Clock::now() < until) {
-      cv_.waitUntil(mu_, until);
-    }
+  const auto until = Clock::now() + milliseconds(500);
+  while (!stopping_ && Clock::now() < until) {
+    cv_.waitUntil(mu_, until);
   }
+  exitRequested_ = false;
   hooks_.exit(kWatchdogExitCode);
 }
 

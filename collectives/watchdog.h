@@ -127,6 +127,7 @@ class Watchdog {
   void fail(Entry& e, const Error& error, const std::string& reason,
             bool exitProcess);
   void dump(Entry& e, const std::string& reason);
+  void exitIfRequested();
   // From the config and the groups' timeouts; run() keeps currentTick().
   Duration tick() const TRELLIS_REQUIRES(mu_);
   Duration currentTick() const;
@@ -146,6 +147,7 @@ class Watchdog {
   std::chrono::steady_clock::time_point phaseSince_ TRELLIS_GUARDED_BY(mu_);
   std::string stuckReport_ TRELLIS_GUARDED_BY(mu_);
   bool anyExitMode_ TRELLIS_GUARDED_BY(mu_) = false;
+  bool exitRequested_ TRELLIS_GUARDED_BY(mu_) = false;
   std::atomic<int64_t> tickNs_{0};
 
   std::mutex joinMu_;

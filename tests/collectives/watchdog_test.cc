@@ -221,11 +221,15 @@ TEST(Analysis, ARankInsideTheOpThatStoppedReportingIsTheCulprit) {
   const Analysis a = analyse(5, kStuck, 0, r, nowUs(), 1000ms);
   EXPECT_EQ(a.culprits, std::vector<int>{1});
   EXPECT_TRUE(a.behindButAlive.empty());
-  EXPECT_NE(
-      a.summary.find("rank 1 is in " + kStuck + "; its last report is 50"),
-      std::string::npos)
+  EXPECT_NE(a.summary.find("likely culprit: rank 1; rank 1 stopped reporting "
+                           "50"),
+            std::string::npos)
       << a.summary;
-  EXPECT_NE(a.summary.find("stopped, hung or dead"), std::string::npos);
+  EXPECT_NE(a.summary.find("ms ago, so it is stopped, hung or dead (last "
+                           "report: in " +
+                           kStuck + ")"),
+            std::string::npos)
+      << a.summary;
   EXPECT_NE(a.summary.find("ranks 0, 2 wait in"), std::string::npos)
       << a.summary;
 }
