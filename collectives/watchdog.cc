@@ -1,3 +1,4 @@
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -47,7 +48,37 @@ int64_t wallMicros() {
 
 std::string progressKey(int rank) { return "progress/" + std::to_string(rank); }
 
-constexpr char kDumpKey[] = "dump";
+// Set (once, first writer wins) by the rank that failed the group: "<code>
+// rank <r> gave up on the group: <why>". Every other rank's watchdog reads
+// it, so a rank that is in no op, or whose peer closed before its abort
+// message arrived, learns of the failure too.
+constexpr char kAbortKey[] = "abort";
+
+// The abort key's value back as an Error; the store is shared, so the
+// value is bounded and its code checked.
+Error abortFromStore(const std::string& group, std::string value) {
+  if (value.size() > kMaxProgressBytes * 16) {
+    value.resize(kMaxProgressBytes * 16);
+  }
+  Code code = Code::kAborted;
+  const size_t space = value.find(' ');
+  if (space != std::string::npos && space > 0 && space <= 2) {
+    int c = 0;
+    for (size_t i = 0; i < space; ++i) {
+      c = std::isdigit(static_cast<unsigned char>(value[i]))
+              ? c * 10 + (value[i] - '0')
+              : -1;
+      if (c < 0) {
+        break;
+      }
+    }
+    if (c > 0 && c <= static_cast<int>(Code::kUnauthenticated)) {
+      code = static_cast<Code>(c);
+      value = value.substr(space + 1);
+    }
+  }
+  return Error(code, group + ": " + value);
+}
 
 }  // namespace
 
@@ -210,6 +241,11 @@ void Watchdog::unwatch(const std::shared_ptr<Entry>& e) {
   }
   MutexLock lock(e->mu);  // waits out a check in progress
   e->removed = true;
+  // A group destroyed right after it failed (the caller's error unwinding
+  // it) may never have met a tick: its record is kept all the same.
+  if (!e->dumped && e->g.recorder->progress().failed) {
+    dump(*e, "an op of the group failed");
+  }
 }
 
 std::string Watchdog::stuckReport() const {
@@ -272,6 +308,8 @@ void Watchdog::check(Entry& e, Clock::time_point now) {
   }
   setPhase("backend poll", e.name());
   if (Error err = e.g.backend->poll(); !err.ok()) {
+    setPhase("store update", e.name());
+    publishAbort(e, err);
     fail(e, err, err.what(), e.g.mode == WatchdogMode::kExit);
     return;
   }
@@ -291,13 +329,26 @@ void Watchdog::check(Entry& e, Clock::time_point now) {
   try {
     s->set(progressKey(e.g.info.rank),
            encodeProgress(p, ++e.beat, wallMicros()));
-    if (!e.dumped && s->check({kDumpKey})) {
-      std::string why = s->getString(kDumpKey);
-      if (why.size() > kMaxProgressBytes) {
-        why.resize(kMaxProgressBytes);
-      }
-      dump(e, "asked by " + why);
+    if (s->check({kAbortKey})) {
+      const Error why = abortFromStore(e.name(), s->getString(kAbortKey));
+      fail(e, why, why.message(), e.g.mode == WatchdogMode::kExit);
     }
+  } catch (const std::exception& ex) {
+    e.storeFailed(ex.what());
+  }
+}
+
+void Watchdog::publishAbort(Entry& e, const Error& why) {
+  e.mu.assertHeld();
+  store::Store* s = e.store(config_.storeTimeout);
+  if (s == nullptr) {
+    return;
+  }
+  try {
+    (void)s->compareSet(kAbortKey, "",
+                        std::to_string(static_cast<int>(why.code())) +
+                            " rank " + std::to_string(e.g.info.rank) +
+                            " gave up on the group: " + why.message());
   } catch (const std::exception& ex) {
     e.storeFailed(ex.what());
   }
@@ -362,16 +413,17 @@ void Watchdog::timedOut(Entry& e, const FlightEntry& op) {
                     wallMicros(), staleAfter);
       }
       message += "; " + a.summary;
-      // Every rank that can still write keeps its flight recorder.
-      s->set(kDumpKey, "rank " + std::to_string(e.g.info.rank) + ": " + what +
-                           " timed out");
     } catch (const std::exception& ex) {
       e.storeFailed(ex.what());
       message += "; the other ranks' progress is unknown (store: " +
                  std::string(ex.what()) + ")";
     }
   }
-  fail(e, Error::timeout(message), message, e.g.mode == WatchdogMode::kExit);
+  // Every rank learns of it through the store too, and keeps its flight
+  // recorder.
+  const Error error = Error::timeout(message);
+  publishAbort(e, error);
+  fail(e, error, message, e.g.mode == WatchdogMode::kExit);
 }
 
 void Watchdog::dump(Entry& e, const std::string& reason) {
@@ -435,10 +487,14 @@ void Watchdog::exitIfRequested() {
   if (!exitRequested_) {
     return;
   }
-  // A moment for the abort to reach the peers and for the caller's wait()
-  // to raise the same error.
-  const auto until = Clock::now() + milliseconds(500);
-  while (!stopping_ && Clock::now() < until) {
+  // A moment for the abort to reach the peers (the abort message, and the
+  // store, which this process may host, for their next tick) and for the
+  // caller's wait() to raise the same error. Not cut short by stop(): a
+  // caller that returns from main() at once would otherwise end the
+  // process before the abort left it.
+  const auto until =
+      Clock::now() + std::max<Duration>(milliseconds(1000), 3 * currentTick());
+  while (Clock::now() < until) {
     cv_.waitUntil(mu_, until);
   }
   exitRequested_ = false;

@@ -10,16 +10,17 @@
 //  - publishes this rank's progress (progress.h) to the group's store
 //    through a store handle of its own (Store::clone), so it never queues
 //    behind the user's blocking store calls;
-//  - writes the flight recorder when another rank asked for it (the
-//    group's "dump" key), or when an op of the group failed;
+//  - fails the group when another rank did (the group's "abort" key), so
+//    a rank in no op learns of it too; writes the flight recorder when an
+//    op of the group failed;
 //  - fails the group when the backend reported an error, or when an op has
 //    been running longer than the group's timeout. A timeout first reads
 //    every rank's progress and names the likely culprit; then the flight
-//    recorder is written (TRELLIS_FLIGHT_RECORDER_DIR), every other rank is
-//    asked to write its own, and the backend is aborted with the whole
-//    story as a TimeoutError, so every pending op of the group fails with
-//    it. In WatchdogMode::kExit the process then ends with
-//    kWatchdogExitCode.
+//    recorder is written (TRELLIS_FLIGHT_RECORDER_DIR), the story goes
+//    to the "abort" key (every other rank fails and writes its own), and
+//    the backend is aborted with it as a TimeoutError, so every pending op
+//    of the group fails with it. In WatchdogMode::kExit the process then ends
+//    with kWatchdogExitCode.
 // A second thread, the heartbeat monitor, checks that the watchdog itself
 // moves: one stuck in one step (a driver call, a store call) for
 // TRELLIS_WATCHDOG_HEARTBEAT_TIMEOUT_MS (default 120 s) is reported as
@@ -127,6 +128,7 @@ class Watchdog {
   void fail(Entry& e, const Error& error, const std::string& reason,
             bool exitProcess);
   void dump(Entry& e, const std::string& reason);
+  void publishAbort(Entry& e, const Error& why);
   void exitIfRequested();
   // From the config and the groups' timeouts; run() keeps currentTick().
   Duration tick() const TRELLIS_REQUIRES(mu_);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include <trellis/collectives/flight_recorder.h>
+#include <trellis/collectives/flight_report.h>
 #include <trellis/collectives/progress.h>
 #include <trellis/collectives/watchdog.h>
 #include <trellis/store/hash_store.h>
@@ -269,6 +270,115 @@ TEST(Analysis, MissingMalformedAndFinishedRanksAreToldApart) {
 }
 
 // ---------------------------------------------------------------------------
+// Reading dumps back and comparing ranks (trellis-flight-recorder)
+
+// Rank `rank`'s dump after it ran `ops` (seq 1..n) with the last one in
+// `lastState`.
+Dump dumpOf(int rank, int size, std::vector<Fingerprint> ops,
+            const std::string& lastState) {
+  FlightRecorder r(100);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const uint64_t id = r.scheduled(ops[i], -1, 0, {});
+    const bool last = i + 1 == ops.size();
+    if (!last || lastState != "scheduled") {
+      r.started(id);
+    }
+    if (!last || lastState == "completed") {
+      r.finished(id, Error());
+    } else if (lastState == "failed") {
+      r.finished(id, Error::timeout("timed out"));
+    }
+  }
+  GroupInfo g{"default", "default#1", "cpu", rank, size, 1000ms};
+  Dump d;
+  const Error e = parseDump(toJson(g, r.entries(), "test"), &d);
+  EXPECT_TRUE(e.ok()) << e.what();
+  d.source = "rank" + std::to_string(rank) + ".json";
+  return d;
+}
+
+TEST(FlightReport, ParsesWhatTheRecorderWrites) {
+  const Dump d = dumpOf(1, 3, {fp(1), fp(2, OpType::kBarrier)}, "started");
+  EXPECT_EQ(d.rank, 1);
+  EXPECT_EQ(d.worldSize, 3);
+  EXPECT_EQ(d.groupId, "default#1");
+  ASSERT_EQ(d.entries.size(), 2u);
+  EXPECT_EQ(d.entries[0].fingerprint(), "allreduce(float32[1024], sum)");
+  EXPECT_EQ(d.entries[1].state, "started");
+  EXPECT_TRUE(d.entries[1].startedUs.has_value());
+  EXPECT_FALSE(d.entries[1].endedUs.has_value());
+}
+
+TEST(FlightReport, NamesTheRankThatNeverEnteredAndTheMissingFile) {
+  const auto a = fp(1), b = fp(2, OpType::kBarrier), c = fp(3);
+  const Report r = compareDumps({dumpOf(0, 4, {a, b, c}, "started"),
+                                 dumpOf(1, 4, {a, b, c}, "started"),
+                                 dumpOf(3, 4, {a, b}, "completed")});
+  EXPECT_TRUE(r.problem);
+  EXPECT_NE(r.text.find("no file from rank 2"), std::string::npos) << r.text;
+  EXPECT_NE(r.text.find("first collective not entered by every rank: seq 3 "
+                        "allreduce(float32[1024], sum); never entered by "
+                        "rank 3 (rank 3 last recorded seq 2 barrier(), "
+                        "completed)"),
+            std::string::npos)
+      << r.text;
+  EXPECT_NE(r.text.find("likely culprit: rank 3"), std::string::npos) << r.text;
+}
+
+TEST(FlightReport, NamesBothSidesOfADisagreementAndAStuckCollective) {
+  const auto a = fp(1);
+  Fingerprint other = fp(2, OpType::kBroadcast);
+  other.root = 1;
+  const Report desync = compareDumps(
+      {dumpOf(0, 2, {a, fp(2)}, "failed"), dumpOf(1, 2, {a, other}, "failed")});
+  EXPECT_TRUE(desync.problem);
+  EXPECT_NE(desync.text.find("first disagreement at seq 2: rank 0 called "
+                             "allreduce(float32[1024], sum); rank 1 called "
+                             "broadcast(float32[1024], root 1)"),
+            std::string::npos)
+      << desync.text;
+  const Report stuck = compareDumps({dumpOf(0, 2, {a, fp(2)}, "started"),
+                                     dumpOf(1, 2, {a, fp(2)}, "completed")});
+  EXPECT_NE(stuck.text.find("did not complete everywhere: seq 2 "
+                            "allreduce(float32[1024], sum): rank 0 started; "
+                            "rank 1 completed"),
+            std::string::npos)
+      << stuck.text;
+  const Report fine = compareDumps(
+      {dumpOf(0, 2, {a}, "completed"), dumpOf(1, 2, {a}, "completed")});
+  EXPECT_FALSE(fine.problem) << fine.text;
+  EXPECT_NE(fine.text.find("completed seq 1 to 1"), std::string::npos);
+}
+
+TEST(FlightReport, MalformedDumpsAreRefusedNamingTheField) {
+  const std::pair<std::string, std::string> bad[] = {
+      {"{", "not valid JSON"},
+      {"[]", "not a JSON object"},
+      {R"({"version":2})", "version 2"},
+      {R"({"version":1,"group":7})", "'group' must be a string"},
+      {R"({"version":1,"group":"g","group_id":"g#1","backend":"cpu",
+          "host":"h","reason":"r","world_size":2,"rank":2})",
+       "'rank' must be in [0, 1]"},
+      {R"({"version":1,"group":"g","group_id":"g#1","backend":"cpu",
+          "host":"h","reason":"r","world_size":2,"rank":0,"pid":1,
+          "entries":[{"id":1}]})",
+       "entries[0]: field 'seq' is missing"},
+      {R"({"version":1,"group":"g","group_id":"g#1","backend":"cpu",
+          "host":"h","reason":"r","world_size":2,"rank":0,"pid":1,
+          "entries":[{"id":1,"seq":1,"op":"x","dtype":"x","reduce_op":"x",
+          "count":1,"root":-1,"peer":-1,"tag":0,"state":"lost"}]})",
+       "'state' must be one of"},
+  };
+  for (const auto& [text, problem] : bad) {
+    Dump d;
+    const Error e = parseDump(text, &d);
+    EXPECT_FALSE(e.ok()) << text;
+    EXPECT_NE(e.message().find(problem), std::string::npos)
+        << text << " -> " << e.message();
+  }
+}
+
+// ---------------------------------------------------------------------------
 // The watchdog over a fake backend
 
 class FakeBackend final : public ProcessGroup::Backend {
@@ -426,9 +536,11 @@ TEST(Watchdog, TimeoutNamesTheRankThatNeverEnteredDumpsAndFailsTheGroup) {
   EXPECT_GE(took, 300ms);
   EXPECT_LT(took, 5s);
   EXPECT_TRUE(std::filesystem::exists(h.dir + "/default.1-rank0.json"));
-  // The other ranks were asked to dump.
-  EXPECT_NE(h.store->getString("dump").find("rank 0: seq 2 allreduce"),
-            std::string::npos);
+  // The other ranks learn of it through the store.
+  EXPECT_EQ(h.store->getString("abort").rfind(
+                "4 rank 0 gave up on the group: seq 2 allreduce", 0),
+            0u)
+      << h.store->getString("abort");
   // Exit mode ends the process once, with the documented code.
   const auto until = Clock::now() + 10s;
   while (exits.get().empty() && Clock::now() < until) {
@@ -456,28 +568,41 @@ TEST(Watchdog, BackendErrorFailsTheGroupAndFailModeKeepsTheProcess) {
   EXPECT_TRUE(std::filesystem::exists(h.dir + "/default.1-rank1.json"));
 }
 
-TEST(Watchdog, ARankAskedByAnotherDumpsAndPublishesItsProgress) {
+TEST(Watchdog, ARankInNoOpFailsWhenAnotherPublishedTheAbort) {
   Harness h;
   Watchdog w(fastConfig());
   const uint64_t id = h.recorder->scheduled(fp(1), -1, 0, {});
   h.recorder->started(id);
+  h.recorder->finished(id, Error());
   auto handle = w.watch(h.group(2, 3, 60000ms, WatchdogMode::kFail));
-  h.store->set("dump", "rank 0: seq 1 allreduce timed out");
+  h.backend->awaitPolls(2);
+  const RankReport r = decodeProgress(h.store->getString("progress/2"));
+  ASSERT_EQ(r.kind, RankReport::Kind::kValid) << r.problem;
+  EXPECT_EQ(r.completedSeq, 1u);
+  h.store->set("abort", "4 rank 0 gave up on the group: seq 2 timed out");
+  const Error e = h.backend->awaitAbort();
+  EXPECT_EQ(e.code(), Code::kDeadlineExceeded) << e.what();
+  EXPECT_EQ(e.message().rfind("group 'default': rank 0 gave up on the group: "
+                              "seq 2 timed out",
+                              0),
+            0u)
+      << e.what();
   const std::string path = h.dir + "/default.1-rank2.json";
-  const auto until = Clock::now() + 10s;
-  while (!std::filesystem::exists(path) && Clock::now() < until) {
-    std::this_thread::sleep_for(5ms);
-  }
   ASSERT_TRUE(std::filesystem::exists(path));
   std::ifstream in(path);
   const auto j = nlohmann::json::parse(in);
-  EXPECT_EQ(j["reason"], "asked by rank 0: seq 1 allreduce timed out");
-  EXPECT_EQ(j["entries"][0]["state"], "started");
-  const RankReport r = decodeProgress(h.store->getString("progress/2"));
-  ASSERT_EQ(r.kind, RankReport::Kind::kValid) << r.problem;
-  EXPECT_EQ(r.startedSeq, 1u);
-  EXPECT_EQ(r.completedSeq, 0u);
-  EXPECT_EQ(h.backend->aborts(), 0u);  // asking to dump fails nothing
+  EXPECT_NE(j["reason"].get<std::string>().find("rank 0 gave up"),
+            std::string::npos);
+}
+
+TEST(Watchdog, AMalformedAbortValueStillFailsTheGroupAsAborted) {
+  Harness h;
+  Watchdog w(fastConfig());
+  auto handle = w.watch(h.group(1, 2, 60000ms, WatchdogMode::kFail));
+  h.store->set("abort", "99 \x01 garbage");
+  const Error e = h.backend->awaitAbort();
+  EXPECT_EQ(e.code(), Code::kAborted) << e.what();
+  EXPECT_NE(e.message().find("garbage"), std::string::npos);
 }
 
 TEST(Watchdog, AStuckWatchdogIsReportedAsSuchNotAsAStuckCollective) {
