@@ -471,6 +471,12 @@ class NcclBackend final : public ProcessGroup::Backend {
       default:
         break;
     }
+    // Empty tensors (the same on every rank): no NCCL call, which could
+    // refuse their null pointers.
+    if (op.fp.count == 0 && op.fp.op != OpType::kBarrier &&
+        op.fp.op != OpType::kAlltoall) {
+      return Error();
+    }
     switch (op.fp.op) {
       case OpType::kAllreduce:
         return settle(
@@ -480,6 +486,9 @@ class NcclBackend final : public ProcessGroup::Backend {
       case OpType::kAllreduceCoalesced:
         return grouped(c, [&] {
           for (size_t i = 0; i < op.outputs.size(); ++i) {
+            if (op.counts[i] == 0) {
+              continue;
+            }
             Error e =
                 inGroup(c,
                         ncclAllReduce(op.outputs[i], op.outputs[i],
