@@ -19,6 +19,10 @@ struct OpSpec {
   Fingerprint fp;
   // -1: the tensors are on the CPU; else the CUDA device they are all on.
   int device = -1;
+  // The caller's current stream on `device` (a cudaStream_t; null: the
+  // legacy default stream). nccl orders the op after it, and it after the
+  // op. Unused by cpu.
+  void* stream = nullptr;
   // In place (allreduce, broadcast, reduce): `count` elements at `data`.
   void* data = nullptr;
   size_t count = 0;
@@ -30,6 +34,12 @@ struct OpSpec {
   std::vector<size_t> counts;
   // alltoall: block r of the input / output, in bytes.
   std::vector<size_t> inOffsets, inLengths, outOffsets, outLengths;
+};
+
+// Where a point-to-point op's memory is: OpSpec's device and stream.
+struct Placement {
+  int device = -1;
+  void* stream = nullptr;
 };
 
 }  // namespace detail
@@ -51,10 +61,11 @@ class ProcessGroup::Backend {
   virtual void enqueue(detail::OpSpec op, Started started, Done done) = 0;
   // Point to point, outside the collectives' order.
   virtual void send(int peer, int64_t tag, detail::DType dtype,
-                    const void* data, size_t bytes, Done done) = 0;
-  // peer < 0: any source.
+                    const void* data, size_t bytes, detail::Placement where,
+                    Done done) = 0;
+  // peer < 0: any source (cpu only: nccl fails it).
   virtual void recv(int peer, int64_t tag, detail::DType dtype, void* data,
-                    size_t bytes, SourceDone done) = 0;
+                    size_t bytes, detail::Placement where, SourceDone done) = 0;
   // Called by the watchdog on its thread every tick: completes ops that
   // finished (nccl: queries their events) and returns an error the backend
   // found on its own (nccl: ncclCommGetAsyncError), ok otherwise. Must not

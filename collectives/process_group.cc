@@ -1,5 +1,14 @@
 #include <ATen/ATen.h>
 
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+// c10::Stream::native_handle() (libtorch >= 2.1) reads the caller's current
+// CUDA stream without the CUDA headers of libtorch.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#define TRELLIS_HAVE_STREAM_HANDLE 1
+#endif
+
 #include <trellis/collectives/backend.h>
 #include <trellis/collectives/cpu/cpu_backend.h>
 #include <trellis/collectives/flight_recorder.h>
@@ -74,9 +83,17 @@ void checkRoot(int root, int size, const std::string& what) {
   }
 }
 
-void checkReduceOp(DType dtype, ReduceOp op, const std::string& what) {
+void checkReduceOp(DType dtype, ReduceOp op, const std::string& what,
+                   const std::string& backend) {
   if (static_cast<uint8_t>(op) > static_cast<uint8_t>(ReduceOp::kBxor)) {
     bad(what + ": unknown ReduceOp " + std::to_string(static_cast<int>(op)));
+  }
+  // NCCL has sum, prod, min, max and avg; no bitwise reductions.
+  if (backend == "nccl" && (op == ReduceOp::kBand || op == ReduceOp::kBor ||
+                            op == ReduceOp::kBxor)) {
+    bad(what + ": ReduceOp " + std::string(toString(op)) +
+        " is not supported by the nccl backend (sum, avg, product, min, "
+        "max)");
   }
   if (!detail::supports(dtype, op)) {
     bad(what + ": ReduceOp " + std::string(toString(op)) +
@@ -143,6 +160,23 @@ void checkSameKind(const at::Tensor& t, DType dtype, uint64_t count,
     bad(what + ": " + std::to_string(t.numel()) + " elements, but " +
         reference + " has " + std::to_string(count));
   }
+}
+
+// The caller's current stream on CUDA device `device` (a cudaStream_t), or
+// null (the legacy default stream) for the CPU and for libtorch < 2.1,
+// which is CPU-only here: no CUDA tensor reaches this with it.
+void* currentStream(int device) {
+#ifdef TRELLIS_HAVE_STREAM_HANDLE
+  if (device >= 0) {
+    const c10::Device d(c10::DeviceType::CUDA,
+                        static_cast<c10::DeviceIndex>(device));
+    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+        ->getStream(d)
+        .native_handle();
+  }
+#endif
+  (void)device;
+  return nullptr;
 }
 
 uint64_t fnv1a(const std::string& s) {
@@ -230,7 +264,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   std::shared_ptr<Backend> impl;
 #ifdef TRELLIS_HAVE_NCCL
   if (backend == "nccl") {
-    impl = detail::createNcclBackend(*groupStore, rank, worldSize, mo);
+    impl = detail::createNcclBackend(groupStore, rank, worldSize, mo);
   }
 #endif
   if (!impl) {
@@ -352,6 +386,7 @@ Work ProcessGroup::enqueue(Op op) {
   const std::vector<int64_t> shape =
       first.empty() ? std::vector<int64_t>{} : first[0].sizes().vec();
   auto recorder = monitoring_->recorder;
+  op.spec.stream = currentStream(op.spec.device);
   auto finish = [promise, keep = std::move(op.keep),
                  outputs = std::move(op.outputs)](const Error& e) mutable {
     if (e.ok()) {
@@ -388,7 +423,7 @@ Work ProcessGroup::allreduce(at::Tensor tensor, ReduceOp op) {
                op,
                -1,
                static_cast<uint64_t>(tensor.numel())};
-  checkReduceOp(o.spec.fp.dtype, op, what);
+  checkReduceOp(o.spec.fp.dtype, op, what, backend_);
   o.spec.data = tensor.data_ptr();
   o.spec.count = static_cast<size_t>(tensor.numel());
   o.outputs = {tensor};
@@ -405,7 +440,7 @@ Work ProcessGroup::allreduceCoalesced(std::vector<at::Tensor> tensors,
   }
   Op o;
   const DType dtype = checkTensor(tensors[0], what + ": tensors[0]", dv);
-  checkReduceOp(dtype, op, what);
+  checkReduceOp(dtype, op, what, backend_);
   uint64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string w = what + ": tensors[" + std::to_string(i) + "]";
@@ -453,7 +488,7 @@ Work ProcessGroup::reduce(at::Tensor tensor, int root, ReduceOp op) {
                op,
                root,
                static_cast<uint64_t>(tensor.numel())};
-  checkReduceOp(o.spec.fp.dtype, op, what);
+  checkReduceOp(o.spec.fp.dtype, op, what, backend_);
   o.spec.data = tensor.data_ptr();
   o.spec.count = static_cast<size_t>(tensor.numel());
   o.outputs = {tensor};
@@ -578,7 +613,7 @@ Work ProcessGroup::reduceScatter(at::Tensor output,
   Devices dv{impl_->wantsCuda()};
   const std::string what = "reduceScatter";
   const DType dtype = checkTensor(output, what + ": output", dv);
-  checkReduceOp(dtype, op, what);
+  checkReduceOp(dtype, op, what, backend_);
   const auto count = static_cast<uint64_t>(output.numel());
   if (inputs.size() != static_cast<size_t>(size_)) {
     bad(what + ": " + std::to_string(inputs.size()) +
@@ -605,7 +640,7 @@ Work ProcessGroup::reduceScatterTensor(at::Tensor output, at::Tensor input,
   Devices dv{impl_->wantsCuda()};
   const std::string what = "reduceScatterTensor";
   const DType dtype = checkTensor(output, what + ": output", dv);
-  checkReduceOp(dtype, op, what);
+  checkReduceOp(dtype, op, what, backend_);
   const auto count = static_cast<uint64_t>(output.numel());
   checkSameKind(input, dtype, count * static_cast<uint64_t>(size_),
                 what + ": input", "size() x the output", dv);
@@ -739,6 +774,10 @@ Work ProcessGroup::recv(at::Tensor tensor, int src, int64_t tag) {
 }
 
 Work ProcessGroup::recvAnysource(at::Tensor tensor, int64_t tag) {
+  if (backend_ == "nccl") {
+    bad("recvAnysource: not supported by the nccl backend (NCCL receives "
+        "only from a named rank: use recv(tensor, src, tag))");
+  }
   return p2p(false, -1, tag, tensor, "recvAnysource");
 }
 
@@ -769,11 +808,12 @@ Work ProcessGroup::p2p(bool isSend, int peer, int64_t tag,
       promise.setError(e);
     }
   };
+  const detail::Placement where{dv.device, currentStream(dv.device)};
   if (isSend) {
-    impl_->send(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+    impl_->send(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(), where,
                 [done](const Error& e) mutable { done(e, -1); });
   } else {
-    impl_->recv(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+    impl_->recv(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(), where,
                 std::move(done));
   }
   detail::FlightEntry entry;

@@ -34,7 +34,10 @@
 //    error. Create a new group to go on.
 //  - Supported dtypes: float32, float64, float16, bfloat16, int8, uint8,
 //    int32, int64, bool. Tensors must be contiguous CPU tensors for the cpu
-//    backend.
+//    backend, contiguous CUDA tensors on one device for nccl; nccl runs
+//    each op after the work already on the caller's current stream, and
+//    that stream after the op (docs/collectives_nccl.md). nccl has no
+//    kBand/kBor/kBxor and no recvAnysource (InvalidArgumentError).
 //  - Thread safety: ops may be issued from any thread; their order is the
 //    order in which the calls were made (serialise the callers if several
 //    threads issue ops of one group).

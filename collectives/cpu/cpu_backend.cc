@@ -52,12 +52,12 @@ class CpuBackend final : public ProcessGroup::Backend {
   Error poll() override { return mesh_->error(); }
 
   void send(int peer, int64_t tag, DType dtype, const void* data, size_t bytes,
-            Done done) override {
+            Placement /*where*/, Done done) override {
     mesh_->sendTagged(peer, tag, dtype, data, bytes, std::move(done));
   }
 
   void recv(int peer, int64_t tag, DType dtype, void* data, size_t bytes,
-            SourceDone done) override {
+            Placement /*where*/, SourceDone done) override {
     mesh_->recvTagged(peer, tag, dtype, data, bytes, std::move(done));
   }
 

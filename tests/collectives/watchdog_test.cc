@@ -385,8 +385,10 @@ class FakeBackend final : public ProcessGroup::Backend {
  public:
   bool wantsCuda() const override { return false; }
   void enqueue(OpSpec, Started, Done) override {}
-  void send(int, int64_t, DType, const void*, size_t, Done) override {}
-  void recv(int, int64_t, DType, void*, size_t, SourceDone) override {}
+  void send(int, int64_t, DType, const void*, size_t, Placement,
+            Done) override {}
+  void recv(int, int64_t, DType, void*, size_t, Placement,
+            SourceDone) override {}
   Error poll() override {
     std::unique_lock<std::mutex> lock(mu_);
     ++polls_;
