@@ -6,6 +6,7 @@
 
 #include <trellis/collectives/progress.h>
 #include <trellis/collectives/watchdog.h>
+#include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
 #include <trellis/store/store.h>
 
@@ -211,8 +212,12 @@ void stopProcessWatchdog() { processWatchdog->stop(); }
 Watchdog& Watchdog::process() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // Statics made after the exit handler is registered are destroyed
+    // before it runs, while the watchdog and the transport's threads may
+    // still log or name objects: make those first.
+    (void)log::logger();
+    (void)rootIds();
     processWatchdog = new Watchdog(WatchdogConfig::fromEnvironment());
-    // Before static destructors run, so the threads never see them.
     std::atexit(&stopProcessWatchdog);
   });
   return *processWatchdog;
@@ -289,6 +294,8 @@ void Watchdog::run() {
       }
     }
     setPhase("idle", "");
+    // A group let go of meanwhile is destroyed here, before any exit.
+    list.clear();
     exitIfRequested();
     MutexLock lock(mu_);
     const Duration t = tick();
