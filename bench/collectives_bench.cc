@@ -362,9 +362,9 @@ std::string runGloo(std::shared_ptr<store::Store> st) {
       c.fill = [buf, rank] {
         std::fill(buf->begin(), buf->end(), rank + 1.0f);
       };
-      // The pipelined ring: in this build (Debian 12) it runs several times
-      // faster than gloo::allreduce (allreduce_api below), so it is the
-      // baseline.
+      // The pipelined ring. gloo::allreduce (allreduce_api below, what
+      // torch's gloo group calls) is measured too: on this VM either one
+      // can be the faster, by up to several times, from run to run.
       auto algo = std::make_shared<gloo::AllreduceRingChunked<float>>(
           g, std::vector<float*>{p}, static_cast<int>(count));
       c.run = [algo, buf] { algo->run(); };
@@ -695,15 +695,39 @@ int runMain() {
       {"trellis_ring_uv_2r",
        2,
        {{"TRELLIS_COLLECTIVES_ALGO", "ring"}, {"TRELLIS_TRANSPORTS", "uv"}}});
+  // Which of Gloo's two allreduces is faster changes from run to run on
+  // this VM: the targets are held to the better one of this run.
+  for (int n : {2, 4}) {
+    const std::string r = std::to_string(n) + "r";
+    const std::string bw = "allreduce_64MiB_busbw_" + r;
+    const std::string lat = "allreduce_8B_median_" + r;
+    if (report.valueOf("trellis_" + bw) > 0) {
+      report.add(
+          "gloo_best_" + bw,
+          std::max(report.valueOf("gloo_" + bw),
+                   report.valueOf("gloo_allreduce_api_64MiB_busbw_" + r)),
+          "GB/s");
+      report.add("trellis_" + bw + "_vs_best", report.valueOf("trellis_" + bw),
+                 "GB/s", "gloo_best_" + bw);
+      report.add("gloo_best_" + lat,
+                 std::min(report.valueOf("gloo_" + lat),
+                          report.valueOf("gloo_allreduce_api_8B_median_" + r)),
+                 "us");
+      report.add("trellis_" + lat + "_vs_best",
+                 report.valueOf("trellis_" + lat), "us", "gloo_best_" + lat);
+    }
+  }
   report.print(flags.json);
   const double big = ratio("trellis_allreduce_64MiB_busbw_2r",
-                           "gloo_allreduce_64MiB_busbw_2r");
-  target(flags.json, "allreduce 64MiB busbw 2r / Gloo >= 3", big, big >= 3);
-  const double lat =
-      ratio("trellis_allreduce_8B_median_2r", "gloo_allreduce_8B_median_2r");
+                           "gloo_best_allreduce_64MiB_busbw_2r");
+  target(flags.json, "allreduce 64MiB busbw 2r / Gloo's best >= 3", big,
+         big >= 3);
+  const double lat = ratio("trellis_allreduce_8B_median_2r",
+                           "gloo_best_allreduce_8B_median_2r");
   target(flags.json,
-         "allreduce 8B median latency 2r / Gloo <= 0.5 (lower is better)", lat,
-         lat <= 0.5);
+         "allreduce 8B median latency 2r / Gloo's best <= 0.5 (lower is "
+         "better)",
+         lat, lat <= 0.5);
   const double ring =
       ratio("trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_throughput_64MiB");
   target(flags.json, "forced ring over uv, allreduce 64MiB busbw / uv >= 0.9",

@@ -63,11 +63,11 @@ ROWS = [
     ("dist_autograd", "ps_dist_iter_median", "ps_local_iter_median", "<=", 1.5),
     ("dist_autograd", "ps_dist_wakeups_per_iter", None, "<=", 6.0),
     ("dist_autograd", "tiny_dist_iter_median", "tiny_local_iter_median", None, None),
-    ("collectives", "trellis_allreduce_64MiB_busbw_2r", "gloo_allreduce_64MiB_busbw_2r", ">=", 3.0),
-    ("collectives", "trellis_allreduce_64MiB_busbw_4r", "gloo_allreduce_64MiB_busbw_4r", None, None),
+    ("collectives", "trellis_allreduce_64MiB_busbw_2r", "gloo_best_allreduce_64MiB_busbw_2r", ">=", 3.0),
+    ("collectives", "trellis_allreduce_64MiB_busbw_4r", "gloo_best_allreduce_64MiB_busbw_4r", None, None),
     ("collectives", "trellis_allreduce_64MiB_busbw_2r", "memcpy_64MiB", None, None),
-    ("collectives", "trellis_allreduce_8B_median_2r", "gloo_allreduce_8B_median_2r", "<=", 0.5),
-    ("collectives", "trellis_allreduce_8B_median_4r", "gloo_allreduce_8B_median_4r", None, None),
+    ("collectives", "trellis_allreduce_8B_median_2r", "gloo_best_allreduce_8B_median_2r", "<=", 0.5),
+    ("collectives", "trellis_allreduce_8B_median_4r", "gloo_best_allreduce_8B_median_4r", None, None),
     ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_throughput_64MiB", ">=", 0.9),
 ]
 
