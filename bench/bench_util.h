@@ -54,7 +54,7 @@ class Report {
   // A table, or one JSON object per line; ratio = value / baseline's value.
   void print(bool json) const {
     if (!json) {
-      std::printf("%-34s %14s %-6s %-30s %8s\n", "metric", "value", "unit",
+      std::printf("%-42s %14s %-6s %-38s %8s\n", "metric", "value", "unit",
                   "baseline", "ratio");
     }
     for (const auto& r : results_) {
@@ -69,7 +69,7 @@ class Report {
             bench_.c_str(), r.metric.c_str(), r.value, r.unit.c_str(),
             baseline.c_str(), ratio.empty() ? "null" : ratio.c_str());
       } else {
-        std::printf("%-34s %14.3f %-6s %-30s %8s\n", r.metric.c_str(), r.value,
+        std::printf("%-42s %14.3f %-6s %-38s %8s\n", r.metric.c_str(), r.value,
                     r.unit.c_str(),
                     r.baseline.empty() ? "-" : r.baseline.c_str(),
                     ratio.empty() ? "-" : ratio.substr(0, 5).c_str());

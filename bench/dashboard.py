@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs the benchmarks and prints the dashboard table of docs/benchmarks.md.
 
-  bench/dashboard.py build/dev/bench               # run all four, print table
+  bench/dashboard.py build/dev/bench               # run all five, print table
   bench/dashboard.py build/dev/bench --only rpc    # one program
   bench/dashboard.py build/dev/bench --before OLD/bench
       # also run the programs of an older build, alternating with the new
@@ -29,6 +29,7 @@ PROGRAMS = {
     "store": ("store_bench", [], "store_bench"),
     "rpc": ("rpc_bench", [], "rpc_bench"),
     "dist_autograd": ("dist_autograd_bench", [], "dist_autograd_bench"),
+    "collectives": ("collectives_bench", [], "collectives_bench"),
 }
 
 # (program, figure, baseline or None, comparison, threshold)
@@ -62,6 +63,12 @@ ROWS = [
     ("dist_autograd", "ps_dist_iter_median", "ps_local_iter_median", "<=", 1.5),
     ("dist_autograd", "ps_dist_wakeups_per_iter", None, "<=", 6.0),
     ("dist_autograd", "tiny_dist_iter_median", "tiny_local_iter_median", None, None),
+    ("collectives", "trellis_allreduce_64MiB_busbw_2r", "gloo_best_allreduce_64MiB_busbw_2r", ">=", 3.0),
+    ("collectives", "trellis_allreduce_64MiB_busbw_4r", "gloo_best_allreduce_64MiB_busbw_4r", None, None),
+    ("collectives", "trellis_allreduce_64MiB_busbw_2r", "memcpy_64MiB", None, None),
+    ("collectives", "trellis_allreduce_8B_median_2r", "gloo_best_allreduce_8B_median_2r", "<=", 0.5),
+    ("collectives", "trellis_allreduce_8B_median_4r", "gloo_best_allreduce_8B_median_4r", None, None),
+    ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_throughput_64MiB", ">=", 0.9),
 ]
 
 

@@ -15,7 +15,7 @@ PACKAGES=(
   libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
-  libtensorpipe-dev
+  libtensorpipe-dev libgloo-dev
 )
 
 missing=()
