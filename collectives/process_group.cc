@@ -246,7 +246,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
       store->add("pg/" + name + "/generation/" + std::to_string(rank), 1);
   const std::string groupId = name + "#" + std::to_string(generation);
   auto groupStore =
-      std::make_shared<store::PrefixStore>("pg/" + groupId + "/", store);
+      std::make_shared<store::PrefixStore>("pg/" + groupId, store);
   detail::MeshOptions mo;
   mo.groupId = groupId;
   mo.description = "group '" + name + "'";
