@@ -22,13 +22,13 @@ test-dev: build
 # AddressSanitizer + UBSan pass over the components' tests and fuzz replays.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder
 	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd|collectives' -E 'rpc_process|DistAutogradProcess.WorkerKilled'
 
 # ThreadSanitizer pass over the components with threads and loops.
 test-tsan: deps
 	cmake --preset tsan
-	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_autograd_process_test dist_autograd_worker collectives_test collectives_watchdog_test
+	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test rpc_contract_test rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_test collectives_watchdog_test
 	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc|dist_autograd|collectives' -E 'rpc_process|rpc_codec|DistAutogradProcess.WorkerKilled|CollectivesProcess'
 
 # Clang's thread-safety analysis over the libraries that use locks (core,

@@ -314,7 +314,11 @@ void Watchdog::check(Entry& e, Clock::time_point now) {
     return;
   }
   setPhase("backend poll", e.name());
-  if (Error err = e.g.backend->poll(); !err.ok()) {
+  const auto backend = e.g.backend.lock();
+  if (!backend) {
+    return;
+  }
+  if (Error err = backend->poll(); !err.ok()) {
     setPhase("store update", e.name());
     publishAbort(e, err);
     fail(e, err, err.what(), e.g.mode == WatchdogMode::kExit);
@@ -470,7 +474,9 @@ void Watchdog::fail(Entry& e, const Error& error, const std::string& reason,
                      "recorder of the last ops]");
   }
   setPhase("backend abort", e.name());
-  e.g.backend->abort(full);
+  if (const auto backend = e.g.backend.lock()) {
+    backend->abort(full);
+  }
   TRELLIS_LOG_ERROR("collectives watchdog: rank {}: {}", e.g.info.rank,
                     full.what());
   if (!exitProcess) {

@@ -72,7 +72,9 @@ struct WatchedGroup {
   WatchdogMode mode = WatchdogMode::kExit;
   std::string dumpDir;                  // empty: no files
   std::shared_ptr<store::Store> store;  // the group's (prefixed) store
-  std::shared_ptr<ProcessGroup::Backend> backend;
+  // Weak: the group destroys its backend itself, on its own thread, never
+  // the watchdog (whose thread may outlive the program's last use of it).
+  std::weak_ptr<ProcessGroup::Backend> backend;
   std::shared_ptr<FlightRecorder> recorder;
 };
 

@@ -18,5 +18,8 @@ extern "C" const char* __tsan_default_suppressions() {
       // memfd gets an fd number TSan still attributes to an earlier,
       // closed socket of another loop thread, and closing it looks like a
       // race with that socket's epoll_ctl.
-      "race:closeFd\n";
+      "race:closeFd\n"
+      // The same for the memfd of the shm viability probe, closed on
+      // whichever loop thread first asks whether shm is viable.
+      "race:ShmTransport::viable\n";
 }
