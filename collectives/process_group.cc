@@ -1,13 +1,8 @@
 #include <ATen/ATen.h>
 
-#include <torch/version.h>
-#if TORCH_VERSION_MAJOR > 2 || \
-    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-// c10::Stream::native_handle() (libtorch >= 2.1) reads the caller's current
-// CUDA stream without the CUDA headers of libtorch.
+// The caller's current stream is read through c10's device-generic
+// interface, so no CUDA header of libtorch is needed (Debian's is CPU-only).
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#define TRELLIS_HAVE_STREAM_HANDLE 1
-#endif
 
 #include <trellis/collectives/backend.h>
 #include <trellis/collectives/cpu/cpu_backend.h>
@@ -162,21 +157,31 @@ void checkSameKind(const at::Tensor& t, DType dtype, uint64_t count,
   }
 }
 
-// The caller's current stream on CUDA device `device` (a cudaStream_t), or
-// null (the legacy default stream) for the CPU and for libtorch < 2.1,
-// which is CPU-only here: no CUDA tensor reaches this with it.
-void* currentStream(int device) {
-#ifdef TRELLIS_HAVE_STREAM_HANDLE
-  if (device >= 0) {
-    const c10::Device d(c10::DeviceType::CUDA,
-                        static_cast<c10::DeviceIndex>(device));
-    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
-        ->getStream(d)
-        .native_handle();
+// The raw handle (a cudaStream_t) of a c10::Stream. Its name changed
+// between libtorch releases (native_handle(), later stream_handle()) and
+// older ones have neither: then null, the legacy default stream. Only a
+// libtorch with CUDA ever reaches this with a CUDA device.
+template <typename S>
+void* rawStream(const S& s) {
+  if constexpr (requires { s.stream_handle(); }) {
+    return s.stream_handle();
+  } else if constexpr (requires { s.native_handle(); }) {
+    return s.native_handle();
+  } else {
+    return nullptr;
   }
-#endif
-  (void)device;
-  return nullptr;
+}
+
+// The caller's current stream on CUDA device `device`, or null for the
+// CPU.
+void* currentStream(int device) {
+  if (device < 0) {
+    return nullptr;
+  }
+  const c10::Device d(c10::DeviceType::CUDA,
+                      static_cast<c10::DeviceIndex>(device));
+  return rawStream(
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(d));
 }
 
 uint64_t fnv1a(const std::string& s) {
