@@ -12,6 +12,8 @@
 //  desync  rank 1 calls broadcast at step 3 where the others allreduce.
 //  recover (mode=fail) rank 2 sleeps through step 3; every rank then
 //          creates the group anew on the same store and allreduces again.
+//  plain   every rank runs all five steps (each an allreduce by recursive
+//          doubling and one by ring, results checked) and says "done".
 #include <chrono>
 #include <cstdio>
 #include <signal.h>
@@ -116,7 +118,11 @@ int main(int argc, char** argv) {
     }
     auto pg = ProcessGroup::fromEnvironment("cpu", o);
     const int rank = pg->rank();
+    // `big` is 1 MiB: above the recursive-doubling limit, so it runs the
+    // ring; `t` runs recursive doubling.
     auto t = torch::ones({1024});
+    auto big = torch::ones({1 << 18});
+    double expect = 1;
     for (int step = 1; step <= 5; ++step) {
       if (step == 3 && rank == 2 && scenario == "stop") {
         auto w = pg->allreduce(t);
@@ -131,6 +137,17 @@ int main(int argc, char** argv) {
         pg->broadcast(t, 1).wait();
       } else {
         pg->allreduce(t).wait();
+      }
+      pg->allreduce(big).wait();
+      expect *= pg->size();
+      for (const auto& x : {t, big}) {
+        const double lo = x.min().item<double>(), hi = x.max().item<double>();
+        if (lo != expect || hi != expect) {
+          say("error: step " + std::to_string(step) + " gave [" +
+              std::to_string(lo) + ", " + std::to_string(hi) + "], expected " +
+              std::to_string(expect));
+          return 4;
+        }
       }
       say("step " + std::to_string(step));
       if (step == 2 && rank == 2 && scenario == "kill") {

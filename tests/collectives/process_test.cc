@@ -75,12 +75,12 @@ TEST(CollectivesProcess, AStoppedRankIsNamedWithinTheTimeoutAndAllDump) {
   for (int r : {0, 1}) {
     const std::string line = lineStartingWith(job[r], "error: ", 10000);
     const auto after = Clock::now() - stopped;
-    // Rank 2 stops right after it issued seq 3: its worker thread may
-    // still finish seq 3 with the others before the stop lands, and then
-    // they wait in seq 4.
+    // Rank 2 stops right after it issued seq 5 (step 3's small
+    // allreduce): its worker thread may still finish seq 5 with the others
+    // before the stop lands, and then they wait in seq 6 (the large one).
     EXPECT_TRUE(
-        line.find("seq 3 allreduce(float32[1024], sum)") != std::string::npos ||
-        line.find("seq 4 allreduce(float32[1024], sum)") != std::string::npos)
+        line.find("seq 5 allreduce(float32[1024], sum)") != std::string::npos ||
+        line.find("seq 6 allreduce(float32[262144], sum)") != std::string::npos)
         << line;
     EXPECT_NE(line.find("likely culprit: rank 2; rank 2 stopped reporting"),
               std::string::npos)
@@ -143,9 +143,9 @@ TEST(CollectivesProcess, ARankThatNeverCallsIsNamedAndEveryRankExits) {
   ASSERT_EQ(lineStartingWith(job[2], "skipping", 30000), "skipping");
   for (int r : {0, 1}) {
     const std::string line = lineStartingWith(job[r], "error: ", 10000);
-    EXPECT_NE(line.find("likely culprit: rank 2; rank 2 never entered seq 3; "
-                        "it last started seq 2 allreduce(float32[1024], sum), "
-                        "which completed"),
+    EXPECT_NE(line.find("likely culprit: rank 2; rank 2 never entered seq 5; "
+                        "it last started seq 4 allreduce(float32[262144], "
+                        "sum), which completed"),
               std::string::npos)
         << line;
   }
@@ -202,6 +202,99 @@ TEST(CollectivesProcess, FailModeKeepsTheProcessAndANewGroupWorks) {
     const int status = job[r].wait(10000);
     EXPECT_TRUE(exitedWith(status, 0))
         << "rank " << r << ": " << statusText(status);
+  }
+}
+
+// Three "hosts": network namespaces this test creates, each with one veth
+// into a bridge in a fourth, so the ranks talk TCP over real interfaces
+// and only through them (each rank listens on its own address,
+// TRELLIS_LOCAL_ADDR; rank 0's namespace hosts the store). Removed, with
+// everything in them, when the test ends.
+class Hosts {
+ public:
+  explicit Hosts(int n) : prefix_("trl" + std::to_string(::getpid()) + "x") {
+    subnet_ = "10.77." + std::to_string(::getpid() % 250) + ".";
+    ok_ = ::geteuid() == 0 && run("ip netns add " + ns("sw")) &&
+          run("ip -n " + ns("sw") + " link add br0 type bridge") &&
+          run("ip -n " + ns("sw") + " link set br0 up");
+    for (int i = 0; ok_ && i < n; ++i) {
+      const std::string h = ns("h" + std::to_string(i));
+      ok_ =
+          run("ip netns add " + h) &&
+          run("ip link add v netns " + h + " type veth peer name p" +
+              std::to_string(i) + " netns " + ns("sw")) &&
+          run("ip -n " + h + " addr add " + address(i) + "/24 dev v") &&
+          run("ip -n " + h + " link set v up") &&
+          run("ip -n " + h + " link set lo up") &&
+          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) +
+              " master br0") &&
+          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) + " up");
+      made_ = i + 1;
+    }
+  }
+  ~Hosts() {
+    for (int i = 0; i < made_; ++i) {
+      run("ip netns del " + ns("h" + std::to_string(i)));
+    }
+    run("ip netns del " + ns("sw"));
+  }
+  bool ok() const { return ok_; }
+  std::string ns(const std::string& name) const { return prefix_ + name; }
+  std::string address(int i) const { return subnet_ + std::to_string(i + 1); }
+
+ private:
+  static bool run(const std::string& cmd) {
+    return std::system((cmd + " 2>/dev/null").c_str()) == 0;
+  }
+  std::string prefix_, subnet_;
+  bool ok_ = false;
+  int made_ = 0;
+};
+
+TEST(CollectivesProcess, RanksOnThreeNetworkHostsRunAndALostHostIsNamed) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root to create network namespaces";
+  }
+  Hosts hosts(3);
+  ASSERT_TRUE(hosts.ok()) << "could not create the network namespaces";
+  Job probe(kWorker, "plain", 0);  // for its temp dir and job token only
+  const auto start = [&](const std::string& scenario) {
+    std::vector<std::unique_ptr<rpc::testing::Child>> ranks;
+    for (int r = 0; r < 3; ++r) {
+      ranks.push_back(transport::testing::spawnHelper(
+          "/usr/sbin/ip",
+          {"netns", "exec", hosts.ns("h" + std::to_string(r)), kWorker,
+           scenario, "timeout_ms=60000"},
+          {"RANK=" + std::to_string(r), "WORLD_SIZE=3",
+           "MASTER_ADDR=" + hosts.address(0), "MASTER_PORT=29511",
+           "TRELLIS_LOCAL_ADDR=" + hosts.address(r),
+           "TRELLIS_JOB_TOKEN=" + probe.token()},
+          probe.path(scenario + std::to_string(r) + ".err")));
+    }
+    return ranks;
+  };
+  {
+    auto ranks = start("plain");
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(lineStartingWith(*ranks[r], "done", 60000), "done")
+          << "rank " << r << ":\n"
+          << rpc::testing::readFile(
+                 probe.path("plain" + std::to_string(r) + ".err"));
+    }
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(statusText(ranks[r]->wait(10000)), "exit 0") << "rank " << r;
+    }
+  }
+  {
+    auto ranks = start("kill");
+    ASSERT_EQ(lineStartingWith(*ranks[2], "ready", 60000), "ready");
+    ASSERT_EQ(::kill(ranks[2]->pid, SIGKILL), 0);
+    const auto killed = Clock::now();
+    for (int r : {0, 1}) {
+      const std::string line = lineStartingWith(*ranks[r], "error: ", 10000);
+      EXPECT_LT(Clock::now() - killed, kSlow * 2s) << line;
+      EXPECT_NE(line.find("rank 2"), std::string::npos) << line;
+    }
   }
 }
 
