@@ -12,6 +12,9 @@
 //  desync  rank 1 calls broadcast at step 3 where the others allreduce.
 //  recover (mode=fail) rank 2 sleeps through step 3; every rank then
 //          creates the group anew on the same store and allreduces again.
+//  stall   (store=external) the store is a trellis-store process the test
+//          runs and freezes; the ranks allreduce on (they need no store)
+//          until the watchdog, stuck in a store call, is reported stuck.
 //  plain   every rank runs all five steps (each an allreduce by recursive
 //          doubling and one by ring, results checked) and says "done".
 #include <chrono>
@@ -103,6 +106,8 @@ int main(int argc, char** argv) {
       o.timeout = std::chrono::milliseconds(std::stoi(a.substr(11)));
     } else if (a.rfind("mode=", 0) == 0) {
       setenv("TRELLIS_WATCHDOG_MODE", a.substr(5).c_str(), 1);
+    } else if (a.rfind("heartbeat_ms=", 0) == 0) {
+      setenv("TRELLIS_WATCHDOG_HEARTBEAT_TIMEOUT_MS", a.substr(13).c_str(), 1);
     } else if (a.rfind("dir=", 0) == 0) {
       setenv("TRELLIS_FLIGHT_RECORDER_DIR", a.substr(4).c_str(), 1);
     } else {
@@ -115,6 +120,25 @@ int main(int argc, char** argv) {
     const auto env = trellis::WorkerEnv::fromEnvironment();
     if (scenario == "recover") {
       return recover(env, o);
+    }
+    if (scenario == "stall") {
+      trellis::store::TCPStoreOptions co;
+      co.host = env.master.addr;
+      co.port = env.master.port;
+      co.jobToken = env.jobToken;
+      co.timeout = 30s;
+      auto store = std::make_shared<trellis::store::TCPStore>(co);
+      auto pg = ProcessGroup::create("cpu", store, env.rank, env.worldSize, o);
+      auto t = torch::ones({16});
+      for (int step = 1; step <= 3000; ++step) {
+        pg->allreduce(t).wait();
+        if (step <= 3) {
+          say("step " + std::to_string(step));
+        }
+        std::this_thread::sleep_for(20ms);
+      }
+      say("unexpected: the watchdog never reported itself stuck");
+      return 5;
     }
     auto pg = ProcessGroup::fromEnvironment("cpu", o);
     const int rank = pg->rank();

@@ -205,6 +205,48 @@ TEST(CollectivesProcess, FailModeKeepsTheProcessAndANewGroupWorks) {
   }
 }
 
+// The heartbeat in a real process: the store is a trellis-store process,
+// frozen with SIGSTOP while the ranks allreduce on. The watchdog's next
+// progress report blocks in the store; after the heartbeat timeout (1 s
+// here) the monitor reports the watchdog stuck, naming the step and the
+// group, and exit mode ends the process with 76, not with a collective
+// timeout.
+TEST(CollectivesProcess,
+     AWatchdogStuckOnAFrozenStoreIsReportedAsSuchNotAsACollective) {
+  Job probe(kWorker, "stall", 0);  // for its temp dir and job token only
+  auto store = transport::testing::spawnHelper(
+      TRELLIS_STORE_PATH, {"--host", "127.0.0.1", "--port", "0"},
+      {"TRELLIS_JOB_TOKEN=" + probe.token()}, probe.path("store.err"));
+  const std::string port = store->readLine(30000);
+  ASSERT_FALSE(port.empty()) << rpc::testing::readFile(probe.path("store.err"));
+  std::vector<std::unique_ptr<rpc::testing::Child>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(transport::testing::spawnHelper(
+        kWorker, {"stall", "timeout_ms=60000", "heartbeat_ms=1000"},
+        {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+         "MASTER_PORT=" + port, "TRELLIS_JOB_TOKEN=" + probe.token()},
+        probe.path("stall" + std::to_string(r) + ".err")));
+  }
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(lineStartingWith(*ranks[r], "step 3", 30000), "step 3")
+        << rpc::testing::readFile(
+               probe.path("stall" + std::to_string(r) + ".err"));
+  }
+  ASSERT_EQ(::kill(store->pid, SIGSTOP), 0);  // a pid this test started
+  for (int r = 0; r < 2; ++r) {
+    const int status = ranks[r]->wait(kSlow * 15000);
+    const std::string err = rpc::testing::readFile(
+        probe.path("stall" + std::to_string(r) + ".err"));
+    EXPECT_TRUE(exitedWith(status, 76)) << statusText(status) << "\n" << err;
+    EXPECT_NE(err.find("collectives watchdog stuck for"), std::string::npos)
+        << err;
+    EXPECT_NE(err.find("in store update of group 'default'"), std::string::npos)
+        << err;
+    EXPECT_EQ(err.find("timed out on rank"), std::string::npos) << err;
+  }
+  ::kill(store->pid, SIGCONT);
+}
+
 // Three "hosts": network namespaces this test creates, each with one veth
 // into a bridge in a fourth, so the ranks talk TCP over real interfaces
 // and only through them (each rank listens on its own address,
