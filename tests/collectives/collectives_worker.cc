@@ -106,6 +106,8 @@ int main(int argc, char** argv) {
       o.timeout = std::chrono::milliseconds(std::stoi(a.substr(11)));
     } else if (a.rfind("mode=", 0) == 0) {
       setenv("TRELLIS_WATCHDOG_MODE", a.substr(5).c_str(), 1);
+    } else if (a.rfind("interval_ms=", 0) == 0) {
+      setenv("TRELLIS_WATCHDOG_INTERVAL_MS", a.substr(12).c_str(), 1);
     } else if (a.rfind("heartbeat_ms=", 0) == 0) {
       setenv("TRELLIS_WATCHDOG_HEARTBEAT_TIMEOUT_MS", a.substr(13).c_str(), 1);
     } else if (a.rfind("dir=", 0) == 0) {

@@ -222,7 +222,8 @@ TEST(CollectivesProcess,
   std::vector<std::unique_ptr<rpc::testing::Child>> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(transport::testing::spawnHelper(
-        kWorker, {"stall", "timeout_ms=60000", "heartbeat_ms=1000"},
+        kWorker,
+        {"stall", "timeout_ms=60000", "interval_ms=200", "heartbeat_ms=1000"},
         {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
          "MASTER_PORT=" + port, "TRELLIS_JOB_TOKEN=" + probe.token()},
         probe.path("stall" + std::to_string(r) + ".err")));
