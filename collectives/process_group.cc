@@ -184,6 +184,30 @@ void* currentStream(int device) {
       c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(d));
 }
 
+// One tensor per rank (allgather's and gather's outputs, scatter's and
+// reduceScatter's inputs), each of `dtype` with `count` elements like
+// `reference`; returns their memory in rank order. `who` prefixes the
+// count error ("the root passed ") where only the root passes the list.
+std::vector<void*> perRankTensors(const std::vector<at::Tensor>& ts, int size,
+                                  DType dtype, uint64_t count,
+                                  const std::string& what,
+                                  const std::string& kind,
+                                  const std::string& reference,
+                                  const std::string& who, Devices& dv) {
+  if (ts.size() != static_cast<size_t>(size)) {
+    bad(what + ": " + who + std::to_string(ts.size()) + " " + kind +
+        " tensors for a group of " + std::to_string(size));
+  }
+  std::vector<void*> data;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    checkSameKind(ts[i], dtype, count,
+                  what + ": " + kind + "s[" + std::to_string(i) + "]",
+                  reference, dv);
+    data.push_back(ts[i].data_ptr());
+  }
+  return data;
+}
+
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) {
@@ -507,17 +531,9 @@ Work ProcessGroup::allgather(std::vector<at::Tensor> outputs,
   const std::string what = "allgather";
   const DType dtype = checkTensor(input, what + ": input", dv);
   const auto count = static_cast<uint64_t>(input.numel());
-  if (outputs.size() != static_cast<size_t>(size_)) {
-    bad(what + ": " + std::to_string(outputs.size()) +
-        " output tensors for a group of " + std::to_string(size_));
-  }
   Op o;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    checkSameKind(outputs[i], dtype, count,
-                  what + ": outputs[" + std::to_string(i) + "]", "the input",
-                  dv);
-    o.spec.outputs.push_back(outputs[i].data_ptr());
-  }
+  o.spec.outputs = perRankTensors(outputs, size_, dtype, count, what, "output",
+                                  "the input", "", dv);
   o.spec.fp = {0, OpType::kAllgather, dtype, ReduceOp::kSum, -1, count};
   o.spec.inputs = {input.data_ptr()};
   o.spec.bytes = count * detail::elementSize(dtype);
@@ -558,16 +574,9 @@ Work ProcessGroup::gather(std::vector<at::Tensor> outputs, at::Tensor input,
   const auto count = static_cast<uint64_t>(input.numel());
   Op o;
   if (rank_ == root) {
-    if (outputs.size() != static_cast<size_t>(size_)) {
-      bad(what + ": the root passed " + std::to_string(outputs.size()) +
-          " output tensors for a group of " + std::to_string(size_));
-    }
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      checkSameKind(outputs[i], dtype, count,
-                    what + ": outputs[" + std::to_string(i) + "]", "the input",
-                    dv);
-      o.spec.outputs.push_back(outputs[i].data_ptr());
-    }
+    o.spec.outputs =
+        perRankTensors(outputs, size_, dtype, count, what, "output",
+                       "the input", "the root passed ", dv);
   } else if (!outputs.empty()) {
     bad(what + ": only the root (rank " + std::to_string(root) +
         ") passes output tensors");
@@ -590,15 +599,9 @@ Work ProcessGroup::scatter(at::Tensor output, std::vector<at::Tensor> inputs,
   const auto count = static_cast<uint64_t>(output.numel());
   Op o;
   if (rank_ == root) {
-    if (inputs.size() != static_cast<size_t>(size_)) {
-      bad(what + ": the root passed " + std::to_string(inputs.size()) +
-          " input tensors for a group of " + std::to_string(size_));
-    }
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      checkSameKind(inputs[i], dtype, count,
-                    what + ": inputs[" + std::to_string(i) + "]", "the output",
-                    dv);
-      o.spec.inputs.push_back(inputs[i].data_ptr());
+    for (void* p : perRankTensors(inputs, size_, dtype, count, what, "input",
+                                  "the output", "the root passed ", dv)) {
+      o.spec.inputs.push_back(p);
     }
   } else if (!inputs.empty()) {
     bad(what + ": only the root (rank " + std::to_string(root) +
@@ -620,16 +623,10 @@ Work ProcessGroup::reduceScatter(at::Tensor output,
   const DType dtype = checkTensor(output, what + ": output", dv);
   checkReduceOp(dtype, op, what, backend_);
   const auto count = static_cast<uint64_t>(output.numel());
-  if (inputs.size() != static_cast<size_t>(size_)) {
-    bad(what + ": " + std::to_string(inputs.size()) +
-        " input tensors for a group of " + std::to_string(size_));
-  }
   Op o;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkSameKind(inputs[i], dtype, count,
-                  what + ": inputs[" + std::to_string(i) + "]", "the output",
-                  dv);
-    o.spec.inputs.push_back(inputs[i].data_ptr());
+  for (void* p : perRankTensors(inputs, size_, dtype, count, what, "input",
+                                "the output", "", dv)) {
+    o.spec.inputs.push_back(p);
   }
   o.spec.fp = {0, OpType::kReduceScatter, dtype, op, -1, count};
   o.spec.outputs = {output.data_ptr()};
