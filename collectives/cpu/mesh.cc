@@ -636,6 +636,19 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
           } else {
             link.reading.into = Reading::Into::kStaged;
             link.reading.staged.header = h;
+            // A message for a collective this rank already started (or
+            // ran) as a different one is a desync now, before its data is
+            // read: the sender may be gone by the time a receive from it
+            // would be posted (recursive doubling's fold, say, posts none).
+            for (const Fingerprint& f : history_) {
+              if (f.seq == h.fp.seq && !(f == h.fp)) {
+                mismatch = Error(
+                    Code::kAborted,
+                    description() + ": desync: rank " + std::to_string(rank_) +
+                        " runs " + f.toString() + " but rank " +
+                        std::to_string(peer) + " runs " + h.fp.toString());
+              }
+            }
             link.reading.staged.data.resize(h.bytes);
             alloc.tensors.push_back({link.reading.staged.data.data(), h.bytes});
           }
