@@ -7,7 +7,7 @@
 #include <vector>
 
 #include <trellis/collectives/cpu/message.h>
-#include <trellis/collectives/process_group.h>
+#include <trellis/collectives/dtype.h>
 #include <trellis/core/error.h>
 
 namespace trellis::collectives {
@@ -42,9 +42,7 @@ struct Placement {
   void* stream = nullptr;
 };
 
-}  // namespace detail
-
-class ProcessGroup::Backend {
+class Backend {
  public:
   using Started = std::function<void()>;
   using Done = std::function<void(const Error&)>;
@@ -76,5 +74,7 @@ class ProcessGroup::Backend {
   // any thread.
   virtual void abort(const Error& reason) = 0;
 };
+
+}  // namespace detail
 
 }  // namespace trellis::collectives

@@ -221,7 +221,7 @@ uint64_t fnv1a(const std::string& s) {
 ProcessGroup::ProcessGroup(std::string backend, std::string name, int rank,
                            int size, Duration timeout,
                            std::shared_ptr<store::Store> store,
-                           std::shared_ptr<Backend> impl,
+                           std::shared_ptr<detail::Backend> impl,
                            ProcessGroupOptions options)
     : backend_(std::move(backend)),
       name_(std::move(name)),
@@ -290,7 +290,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   auto recorder = std::make_shared<detail::FlightRecorder>(
       detail::flightRecorderEntriesFromEnvironment());
   detail::Watchdog& watchdog = detail::Watchdog::process();
-  std::shared_ptr<Backend> impl;
+  std::shared_ptr<detail::Backend> impl;
 #ifdef TRELLIS_HAVE_NCCL
   if (backend == "nccl") {
     impl = detail::createNcclBackend(groupStore, rank, worldSize, mo);

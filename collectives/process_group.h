@@ -61,6 +61,11 @@ class Store;
 
 namespace trellis::collectives {
 
+namespace detail {
+// What a backend implements (collectives/backend.h; not installed).
+class Backend;
+}  // namespace detail
+
 struct ProcessGroupOptions {
   // Bound on every op, from when it starts running; unset: 10 minutes,
   // like torch.distributed.
@@ -154,16 +159,14 @@ class ProcessGroup {
   // From whichever rank sends first with `tag`; Work::sourceRank() says who.
   Work recvAnysource(at::Tensor tensor, int64_t tag = 0);
 
-  // Internal: what a backend implements (collectives/backend.h).
-  class Backend;
-
  private:
   struct Op;
   // The flight recorder and the watchdog's handle (process_group.cc).
   struct Monitoring;
   ProcessGroup(std::string backend, std::string name, int rank, int size,
                Duration timeout, std::shared_ptr<store::Store> store,
-               std::shared_ptr<Backend> impl, ProcessGroupOptions options);
+               std::shared_ptr<detail::Backend> impl,
+               ProcessGroupOptions options);
   // send (peer >= 0), recv (peer >= 0) or recvAnysource (peer < 0).
   Work p2p(bool isSend, int peer, int64_t tag, const at::Tensor& tensor,
            const std::string& what);
@@ -175,7 +178,7 @@ class ProcessGroup {
   const int size_;
   const Duration timeout_;
   std::shared_ptr<store::Store> store_;
-  std::shared_ptr<Backend> impl_;
+  std::shared_ptr<detail::Backend> impl_;
   std::unique_ptr<Monitoring> monitoring_;
   ProcessGroupOptions options_;
   Mutex issueMu_;

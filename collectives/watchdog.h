@@ -74,7 +74,7 @@ struct WatchedGroup {
   std::shared_ptr<store::Store> store;  // the group's (prefixed) store
   // Weak: the group destroys its backend itself, on its own thread, never
   // the watchdog (whose thread may outlive the program's last use of it).
-  std::weak_ptr<ProcessGroup::Backend> backend;
+  std::weak_ptr<Backend> backend;
   std::shared_ptr<FlightRecorder> recorder;
 };
 

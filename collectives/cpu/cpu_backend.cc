@@ -12,7 +12,7 @@ namespace {
 
 constexpr Duration kBackstop = std::chrono::seconds(60);
 
-class CpuBackend final : public ProcessGroup::Backend {
+class CpuBackend final : public Backend {
  public:
   CpuBackend(std::unique_ptr<Mesh> mesh, Duration timeout)
       : mesh_(std::move(mesh)),
@@ -176,9 +176,8 @@ class CpuBackend final : public ProcessGroup::Backend {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup::Backend> createCpuBackend(store::Store& store,
-                                                        int rank, int size,
-                                                        MeshOptions options) {
+std::unique_ptr<Backend> createCpuBackend(store::Store& store, int rank,
+                                          int size, MeshOptions options) {
   const Duration timeout = options.timeout;
   auto mesh = Mesh::connect(store, rank, size, std::move(options));
   return std::make_unique<CpuBackend>(std::move(mesh), timeout);

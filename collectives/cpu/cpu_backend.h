@@ -10,8 +10,7 @@
 namespace trellis::collectives::detail {
 
 // Connects to every rank (collective; throws like Mesh::connect).
-std::unique_ptr<ProcessGroup::Backend> createCpuBackend(store::Store& store,
-                                                        int rank, int size,
-                                                        MeshOptions options);
+std::unique_ptr<Backend> createCpuBackend(store::Store& store, int rank,
+                                          int size, MeshOptions options);
 
 }  // namespace trellis::collectives::detail

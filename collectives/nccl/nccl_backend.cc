@@ -177,7 +177,7 @@ struct DeviceComm {
   }
 };
 
-class NcclBackend final : public ProcessGroup::Backend {
+class NcclBackend final : public Backend {
  public:
   using Issue = std::function<Error(DeviceComm&)>;
 
@@ -996,9 +996,9 @@ class NcclBackend final : public ProcessGroup::Backend {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup::Backend> createNcclBackend(
-    std::shared_ptr<store::Store> store, int rank, int size,
-    MeshOptions options) {
+std::unique_ptr<Backend> createNcclBackend(std::shared_ptr<store::Store> store,
+                                           int rank, int size,
+                                           MeshOptions options) {
   int devices = 0;
   if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess) {
     throwError(Error(Code::kFailedPrecondition,

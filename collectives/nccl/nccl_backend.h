@@ -38,8 +38,8 @@ namespace trellis::collectives::detail {
 // Makes no communicator yet (see above); throws FailedPreconditionError
 // when no CUDA device is visible. `store` is the group's store (prefixed),
 // kept for the communicators made later.
-std::unique_ptr<ProcessGroup::Backend> createNcclBackend(
-    std::shared_ptr<store::Store> store, int rank, int size,
-    MeshOptions options);
+std::unique_ptr<Backend> createNcclBackend(std::shared_ptr<store::Store> store,
+                                           int rank, int size,
+                                           MeshOptions options);
 
 }  // namespace trellis::collectives::detail

@@ -381,7 +381,7 @@ TEST(FlightReport, MalformedDumpsAreRefusedNamingTheField) {
 // ---------------------------------------------------------------------------
 // The watchdog over a fake backend
 
-class FakeBackend final : public ProcessGroup::Backend {
+class FakeBackend final : public Backend {
  public:
   bool wantsCuda() const override { return false; }
   void enqueue(OpSpec, Started, Done) override {}
