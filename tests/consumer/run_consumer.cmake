@@ -10,8 +10,12 @@ function(run)
 endfunction()
 
 run(${CMAKE_COMMAND} --install ${TRELLIS_BUILD_DIR} --prefix ${prefix})
-run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
-    -DCMAKE_PREFIX_PATH=${prefix})
+# As the environment variable (':'-separated): a ';' list would be split
+# into separate arguments on its way to the command line.
+string(REPLACE "|" ":" prefixes "${prefix}|${DEPENDENCY_PREFIXES}")
+run(${CMAKE_COMMAND} -E env "CMAKE_PREFIX_PATH=${prefixes}"
+    ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
+    -G ${GENERATOR})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
 run(${WORK_DIR}/build/consumer_rpc)
