@@ -402,8 +402,9 @@ TEST(PerDeviceChannels, CudaTensorsGoByTheCudaChannelCpuOnesByTheCpuOne) {
   auto clientGpu = std::make_shared<FakeCudaChannel>();
   auto server = Context::create(uvOnly("server"));
   auto client = Context::create(uvOnly("client"));
-  server->registerChannel(50, serverGpu);
-  client->registerChannel(50, clientGpu);
+  // Above cuda_ipc (200), which a CUDA build offers where a GPU is visible.
+  server->registerChannel(250, serverGpu);
+  client->registerChannel(250, clientGpu);
   auto l = server->listen({"uv://127.0.0.1:0"});
   auto c = client->connect(l->address("uv"));
   auto s = acceptOne(*l);
@@ -433,7 +434,10 @@ TEST(PerDeviceChannels, CudaTensorsGoByTheCudaChannelCpuOnesByTheCpuOne) {
 
 TEST(PerDeviceChannels, WithoutACudaChannelCudaWritesFailAndNothingElse) {
   auto server = Context::create(uvOnly("server"));
-  auto client = Context::create(uvOnly("client"));
+  // No cuda_ipc either, which a CUDA build offers where a GPU is visible.
+  ContextOptions cpuOnly = uvOnly("client");
+  cpuOnly.channels = {"basic", "cma"};
+  auto client = Context::create(cpuOnly);
   server->registerChannel(50, std::make_shared<FakeCudaChannel>());
   auto l = server->listen({"uv://127.0.0.1:0"});
   auto c = client->connect(l->address("uv"));
