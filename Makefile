@@ -37,7 +37,8 @@ test-tsan: deps
 # compile error (docs/threads.md, "Locks"). Compiles only: nothing to run.
 TSA_TARGETS := trellis_core trellis_transport trellis_store_tsa \
     trellis_collectives_wire trellis_collectives_cpu trellis_collectives_records \
-    trellis_collectives_watchdog
+    trellis_collectives_watchdog \
+    $(if $(wildcard /usr/local/cuda/include/nccl.h),trellis_collectives_nccl)
 
 tsa: deps
 	cmake --preset tsa

@@ -4,12 +4,14 @@
 // share one lock order (launchMu_ before mu_) and one sticky-error rule,
 // which are easiest to check when they sit side by side. Nothing here has
 // run on a GPU yet.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <cuda_runtime.h>
 #include <functional>
 #include <map>
+#include <memory>
 #include <nccl.h>
 #include <span>
 #include <string>
@@ -37,6 +39,11 @@ namespace {
 
 // How often a thread waiting for NCCL's progress looks again.
 constexpr auto kSettleInterval = std::chrono::microseconds(200);
+// The completion thread's pause between queries of the oldest pending op's
+// end event: it starts at nothing (a yield) and doubles up to this while the
+// op runs, so wait() learns of a short op within microseconds and a long one
+// costs at most this much host latency at a few thousand queries a second.
+constexpr auto kCompletionPollMax = std::chrono::microseconds(100);
 
 std::string cudaText(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
@@ -187,9 +194,12 @@ class NcclBackend final : public Backend {
         rank_(rank),
         size_(size),
         timeout_(options.timeout),
-        description_(options.description + " rank " + std::to_string(rank)) {}
+        description_(options.description + " rank " + std::to_string(rank)) {
+    completer_ = std::thread([this, gone = gone_] { completeLoop(gone); });
+  }
 
   ~NcclBackend() override {
+    stopCompleter();
     bool busy = false;
     {
       MutexLock lock(mu_);
@@ -257,49 +267,16 @@ class NcclBackend final : public Backend {
         [peer, done = std::move(done)](const Error& e) { done(e, peer); });
   }
 
+  // The completion thread completes the ops (completeLoop); the watchdog
+  // only collects the errors it or NCCL found.
   Error poll() override {
-    std::vector<Done> finished;
     Error found;
     {
       MutexLock lock(mu_);
       if (aborted_) {
         return Error();  // abort() failed every op already
       }
-      int current = -1;
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (it->device != current) {
-          // The watchdog's thread: made current for good (no restore), so
-          // no context is ever made on a device this rank does not use.
-          current = it->device;
-          if (cudaError_t e = cudaSetDevice(current); e != cudaSuccess) {
-            found = Error::internal(description_ + ": cudaSetDevice(" +
-                                    std::to_string(current) +
-                                    ") failed: " + cudaText(e));
-            break;
-          }
-        }
-        const cudaError_t q = cudaEventQuery(it->end);
-        if (q == cudaSuccess) {
-          freeEvents_[it->device].push_back(it->end);
-          finished.push_back(std::move(it->done));
-          it = pending_.erase(it);
-        } else if (q == cudaErrorNotReady) {
-          ++it;
-        } else {
-          found = Error::internal(description_ + ": cudaEventQuery on cuda:" +
-                                  std::to_string(it->device) +
-                                  " failed: " + cudaText(q));
-          break;
-        }
-      }
-      if (found.ok()) {
-        found = error_;
-      } else if (error_.ok()) {
-        error_ = found;
-      }
-    }
-    for (auto& done : finished) {
-      done(Error());
+      found = error_;
     }
     if (found.ok()) {
       found = asyncErrors();
@@ -318,6 +295,7 @@ class NcclBackend final : public Backend {
       abortReason_ = reason;
       aborting_.store(true);
       failed.swap(pending_);
+      completerWake_.notifyAll();
       // Their events may still be recorded; destroyed with the backend.
       for (auto& p : failed) {
         freeEvents_[p.device].push_back(p.end);
@@ -346,6 +324,97 @@ class NcclBackend final : public Backend {
     cudaEvent_t end = nullptr;
     Done done;
   };
+
+  // The completion thread: completes pending ops in issue order as their end
+  // events fire, so Work::wait() returns as soon as the GPU finished (not at
+  // the watchdog's next tick). It sleeps while nothing is pending, and stops
+  // querying once a query failed (poll() reports that) or the backend was
+  // aborted. `gone` is set by the destructor: a done callback may drop the
+  // last owner of the backend, which is then destroyed on this thread.
+  void completeLoop(const std::shared_ptr<std::atomic<bool>>& gone) {
+    int current = -1;
+    auto pause = std::chrono::microseconds(0);
+    for (;;) {
+      std::vector<Done> finished;
+      {
+        MutexLock lock(mu_);
+        while (!stopping_ && (pending_.empty() || aborted_ || !error_.ok())) {
+          completerWake_.wait(mu_);
+          pause = std::chrono::microseconds(0);
+        }
+        if (stopping_) {
+          return;
+        }
+        reapLocked(current, finished);
+      }
+      for (auto& done : finished) {
+        done(Error());
+      }
+      if (gone->load()) {
+        return;  // destroyed by a callback above: `this` is no more
+      }
+      if (!finished.empty()) {
+        pause = std::chrono::microseconds(0);
+        continue;
+      }
+      if (pause.count() == 0) {
+        std::this_thread::yield();
+        pause = std::chrono::microseconds(1);
+      } else {
+        std::this_thread::sleep_for(pause);
+        pause =
+            std::min<std::chrono::microseconds>(pause * 2, kCompletionPollMax);
+      }
+    }
+  }
+
+  // Moves the done callbacks of the leading pending ops whose end events
+  // fired into `finished`, in issue order; a failed query becomes the
+  // sticky error.
+  void reapLocked(int& current, std::vector<Done>& finished)
+      TRELLIS_REQUIRES(mu_) {
+    auto it = pending_.begin();
+    for (; it != pending_.end(); ++it) {
+      if (it->device != current) {
+        // This thread's own: made current for good (no restore), so no
+        // context is ever made on a device this rank does not use.
+        if (cudaError_t e = cudaSetDevice(it->device); e != cudaSuccess) {
+          error_ = Error::internal(description_ + ": cudaSetDevice(" +
+                                   std::to_string(it->device) +
+                                   ") failed: " + cudaText(e));
+          break;
+        }
+        current = it->device;
+      }
+      const cudaError_t q = cudaEventQuery(it->end);
+      if (q == cudaErrorNotReady) {
+        break;  // the ops after it are ordered after it on the stream
+      }
+      if (q != cudaSuccess) {
+        error_ = Error::internal(description_ + ": cudaEventQuery on cuda:" +
+                                 std::to_string(it->device) +
+                                 " failed: " + cudaText(q));
+        break;
+      }
+      freeEvents_[it->device].push_back(it->end);
+      finished.push_back(std::move(it->done));
+    }
+    pending_.erase(pending_.begin(), it);
+  }
+
+  void stopCompleter() {
+    {
+      MutexLock lock(mu_);
+      stopping_ = true;
+    }
+    completerWake_.notifyAll();
+    if (completer_.get_id() == std::this_thread::get_id()) {
+      gone_->store(true);  // a done callback destroyed us: see completeLoop
+      completer_.detach();
+    } else {
+      completer_.join();
+    }
+  }
 
   Error stickyError() {
     MutexLock lock(mu_);
@@ -873,6 +942,7 @@ class NcclBackend final : public Backend {
         freeEvents_[device].push_back(end);
       } else {
         pending_.push_back({device, end, std::move(done)});
+        completerWake_.notifyAll();
       }
     }
     if (!abortedWith.ok()) {
@@ -992,6 +1062,11 @@ class NcclBackend final : public Backend {
   Error error_ TRELLIS_GUARDED_BY(mu_);  // sticky: first launch/CUDA error
   bool aborted_ TRELLIS_GUARDED_BY(mu_) = false;
   Error abortReason_ TRELLIS_GUARDED_BY(mu_);
+  bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
+  CondVar completerWake_;  // with mu_: an op is pending, abort, or stop
+  const std::shared_ptr<std::atomic<bool>> gone_ =
+      std::make_shared<std::atomic<bool>>(false);
+  std::thread completer_;  // last: started once the rest exists
 };
 
 }  // namespace

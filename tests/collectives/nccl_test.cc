@@ -56,6 +56,13 @@ std::string noGpu() {
 
 const torch::Device kCuda0(torch::kCUDA, 0);
 
+// The watchdog ticks at a tenth of the shortest group timeout, or this: so
+// slowly that an op which completed only at a tick could not pass
+// WaitDoesNotWaitForTheWatchdog. Set before main, as the watchdog reads it
+// once per process.
+const bool kSlowWatchdog =
+    setenv("TRELLIS_WATCHDOG_INTERVAL_MS", "600000", 1) == 0;
+
 std::shared_ptr<ProcessGroup> makeGroup(ProcessGroupOptions options = {}) {
   if (!options.timeout) {
     options.timeout = 60s;
@@ -286,6 +293,56 @@ TEST(NcclTest, WhatNcclLacksIsRefusedAtTheCallSite) {
   }
   EXPECT_THROW(pg->recvAnysource(t), InvalidArgumentError);
   pg->allreduce(t).wait();
+}
+
+// Work::wait() returns once the GPU finished, not at the watchdog's next
+// tick (here 6 s, a tenth of the group's 60 s timeout): twenty ops in a row,
+// each waited for, take less than one tick.
+TEST(NcclTest, WaitDoesNotWaitForTheWatchdog) {
+  REQUIRE_GPU();
+  ASSERT_TRUE(kSlowWatchdog);
+  auto pg = makeGroup();
+  auto t = torch::ones({1024}, kCuda0);
+  pg->allreduce(t).wait();  // the communicator exists
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i) {
+    auto work = pg->allreduce(t);
+    work.wait(30s);
+    EXPECT_TRUE(work.isCompleted());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_TRUE(torch::equal(t.cpu(), torch::ones({1024})));
+}
+
+// A callback that drops the last owner of the group runs on the backend's
+// completion thread, which then destroys the backend: nothing hangs or
+// crashes, and the next group works.
+TEST(NcclTest, LastOwnerDroppedInACompletionCallback) {
+  REQUIRE_GPU();
+  auto pg = makeGroup();
+  auto t = torch::ones({1024}, kCuda0);
+  pg->allreduce(t).wait();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool dropped = false;
+  StreamGate gate(20s);  // so the callback is attached before the op ends
+  auto work = pg->allreduce(t);
+  auto chained =
+      work.future().then([held = std::move(pg), &mu, &cv,
+                          &dropped](const std::vector<at::Tensor>&) mutable {
+        held.reset();
+        std::lock_guard<std::mutex> lock(mu);
+        dropped = true;
+        cv.notify_all();
+      });
+  gate.open();
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 30s, [&] { return dropped; }));
+  }
+  auto again = makeGroup();
+  again->allreduce(t).wait(30s);
+  EXPECT_TRUE(torch::equal(t.cpu(), torch::ones({1024})));
 }
 
 // An op that cannot start (its stream is held) fails at the group's
