@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Builds Trellis on a GPU machine that has PyTorch 2.x with CUDA (and its
+# NCCL) but none of Trellis's Debian libraries and no package archive, and
+# runs the tests that need a GPU there: the nccl backend and the cuda_ipc
+# channel. It is also how the tree is checked against a libtorch 2.x.
+#
+#   build_on_gpu_machine.sh fetch          (here, on Debian 12) downloads the
+#       Debian packages the GPU machine lacks into .gpu-debs/ (ignore it:
+#       echo /.gpu-debs/ >> .git/info/exclude);
+#   build_on_gpu_machine.sh test [OUTDIR]  (there, from the repository root,
+#       with .gpu-debs/ copied along) unpacks them into a private prefix,
+#       configures against the machine's PyTorch and NCCL, builds the GPU
+#       tests and runs them; logs go to OUTDIR;
+#   build_on_gpu_machine.sh all [OUTDIR]   (there, after `test`) builds the
+#       rest of the tree against the same libtorch, to show it compiles.
+#
+# The packages are unpacked into /opt/trellis-deps, never over /.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+debs=.gpu-debs
+prefix=/opt/trellis-deps
+build=build/gpu
+packages=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 nlohmann-json3-dev
+  libgtest-dev libgmock-dev libuv1-dev libuv1 libprotobuf-dev libprotobuf32
+  protobuf-compiler libprotoc32 libboost1.74-dev libssl-dev zlib1g-dev)
+
+unpack() {
+  mkdir -p "$prefix"
+  for f in "$debs"/*.deb; do dpkg -x "$f" "$prefix"; done
+  # A -dev package's libfoo.so points at a runtime library that the machine
+  # may have instead of the carried prefix (libssl.so.3, libz.so.1): point
+  # every dangling link at the machine's copy.
+  local lib=$prefix/usr/lib/x86_64-linux-gnu
+  find "$lib" -xtype l | while read -r link; do
+    local target
+    target=$(readlink "$link")
+    if [[ -e /usr/lib/x86_64-linux-gnu/$target ]]; then
+      ln -sf "/usr/lib/x86_64-linux-gnu/$target" "$link"
+    else
+      echo "build_on_gpu_machine: $link -> $target is missing" >&2
+    fi
+  done
+}
+
+configure() {
+  local torch nccl
+  torch=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  nccl=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')
+  local lib=$prefix/usr/lib/x86_64-linux-gnu
+  export PKG_CONFIG_PATH=$lib/pkgconfig PKG_CONFIG_SYSROOT_DIR=$prefix
+  export LD_LIBRARY_PATH=$lib:$nccl/lib:${LD_LIBRARY_PATH:-}
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda",
+    torch.version.cuda, "nccl", torch.cuda.nccl.version(),
+    torch.cuda.get_device_name(0))'
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_PREFIX_PATH="$torch;$prefix/usr;$lib/cmake" \
+    -DBoost_INCLUDE_DIR="$prefix/usr/include" \
+    -DProtobuf_INCLUDE_DIR="$prefix/usr/include" \
+    -DProtobuf_LIBRARY="$lib/libprotobuf.so" \
+    -DProtobuf_PROTOC_EXECUTABLE="$prefix/usr/bin/protoc" \
+    -DOPENSSL_ROOT_DIR="$prefix/usr" \
+    -DTRELLIS_ENABLE_NCCL=ON \
+    -DTRELLIS_NCCL_INCLUDE_DIR="$nccl/include" \
+    -DTRELLIS_NCCL_LIBRARY="$(ls "$nccl"/lib/libnccl.so* | head -1)" \
+    -DCMAKE_CUDA_ARCHITECTURES=90
+}
+
+case "${1:-}" in
+  fetch)
+    mkdir -p "$debs"
+    (cd "$debs" && apt-get download "${packages[@]}")
+    du -sh "$debs"
+    ;;
+  test | all)
+    out=${2:-/tmp/gpu-out}
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    [[ -d $prefix/usr ]] || unpack
+    configure 2>&1 | tee "$out/configure.log" | tail -n 20
+    if [[ $1 == test ]]; then
+      targets=(collectives_nccl_test cuda_ipc_test cuda_ipc_peer_helper
+        cuda_ipc_pipe_test cuda_ipc_pipe_helper collectives_test transport_test)
+      set -o pipefail
+      cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" \
+        2>&1 | tee "$out/build.log" | grep -E 'error|FAILED' | head -n 60 || true
+      rc=0
+      (cd "$build" && ctest --output-on-failure -j 4 -R 'Nccl|CudaIpc|ProcessGroup|PerDeviceChannels' \
+        --timeout 300) 2>&1 | tee "$out/ctest.log" | tail -n 60 || rc=$?
+      exit $rc
+    fi
+    cmake --build "$build" -j "$(nproc)" -- -k 0 2>&1 | tee "$out/build-all.log" |
+      grep -E 'error|FAILED' | head -n 80 || true
+    # The CPU suites against this libtorch too, where time is left (etcd
+    # and ip netns are not on such a machine).
+    (cd "$build" && ctest -j "$(nproc)" --timeout 120 --output-on-failure \
+      -E 'Etcd|NetworkHosts') >"$out/ctest-all.log" 2>&1 || true
+    sed -n '/tests passed/,$p' "$out/ctest-all.log"
+    ;;
+  *)
+    echo "usage: $0 fetch | test [OUTDIR] | all [OUTDIR]" >&2
+    exit 2
+    ;;
+esac
