@@ -47,6 +47,12 @@ class Backend {
   using Started = std::function<void()>;
   using Done = std::function<void(const Error&)>;
   using SourceDone = std::function<void(const Error&, int source)>;
+  // Orders work later put on `stream` (a cudaStream_t of the op's device;
+  // null: the legacy default stream) after the op, without blocking the
+  // host: what Work::wait() does with the caller's current stream on nccl.
+  // Empty where wait() blocks the host instead (cpu; an op that failed at
+  // issue).
+  using StreamJoin = std::function<Error(void* stream)>;
   virtual ~Backend() = default;
   // Where the op's tensors must be: false for CPU tensors (cpu), true for
   // CUDA tensors (nccl). The front end checks it at the call site.
@@ -54,16 +60,17 @@ class Backend {
   // Runs `op` after every op enqueued before it. `started` fires once when
   // it starts (cpu: the worker picked it up; nccl: it was put on the
   // stream); `done` fires exactly once, after the backend stopped touching
-  // the op's memory (nccl: the GPU finished, seen by poll()). Neither fires
-  // inline under the caller's locks other than the issuing call itself.
-  virtual void enqueue(detail::OpSpec op, Started started, Done done) = 0;
+  // the op's memory (nccl: the GPU finished). Neither fires inline under
+  // the caller's locks other than the issuing call itself.
+  virtual StreamJoin enqueue(detail::OpSpec op, Started started, Done done) = 0;
   // Point to point, outside the collectives' order.
-  virtual void send(int peer, int64_t tag, detail::DType dtype,
-                    const void* data, size_t bytes, detail::Placement where,
-                    Done done) = 0;
+  virtual StreamJoin send(int peer, int64_t tag, detail::DType dtype,
+                          const void* data, size_t bytes,
+                          detail::Placement where, Done done) = 0;
   // peer < 0: any source (cpu only: nccl fails it).
-  virtual void recv(int peer, int64_t tag, detail::DType dtype, void* data,
-                    size_t bytes, detail::Placement where, SourceDone done) = 0;
+  virtual StreamJoin recv(int peer, int64_t tag, detail::DType dtype,
+                          void* data, size_t bytes, detail::Placement where,
+                          SourceDone done) = 0;
   // Called by the watchdog on its thread every tick: completes ops that
   // finished (nccl: queries their events) and returns an error the backend
   // found on its own (nccl: ncclCommGetAsyncError), ok otherwise. Must not

@@ -184,6 +184,19 @@ void* currentStream(int device) {
       c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(d));
 }
 
+// What a Work's wait() does instead of blocking the host (work.h): joins
+// the caller's current stream on `device` to the op. Null where the
+// backend gave no join (cpu; failed at issue) or blocking waits were asked
+// for.
+std::function<Error()> streamWaitFor(detail::Backend::StreamJoin join,
+                                     int device, bool blocking) {
+  if (!join || blocking) {
+    return nullptr;
+  }
+  return
+      [join = std::move(join), device] { return join(currentStream(device)); };
+}
+
 // One tensor per rank (allgather's and gather's outputs, scatter's and
 // reduceScatter's inputs), each of `dtype` with `count` elements like
 // `reference`; returns their memory in rank order. `who` prefixes the
@@ -287,6 +300,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
       options.watchdogMode.value_or(detail::watchdogModeFromEnvironment());
   const std::string dumpDir = options.flightRecorderDir.value_or(
       detail::flightRecorderDirFromEnvironment());
+  options.blockingWait =
+      options.blockingWait.value_or(detail::blockingWaitFromEnvironment());
   auto recorder = std::make_shared<detail::FlightRecorder>(
       detail::flightRecorderEntriesFromEnvironment());
   detail::Watchdog& watchdog = detail::Watchdog::process();
@@ -403,6 +418,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(
   if (options.localAddress.empty()) {
     options.localAddress = options_.localAddress;
   }
+  if (!options.blockingWait) {
+    options.blockingWait = options_.blockingWait;
+  }
   return create(backend_, store_, subRank, static_cast<int>(ranks.size()),
                 std::move(options));
 }
@@ -411,6 +429,8 @@ Work ProcessGroup::enqueue(Op op) {
   Promise<std::vector<at::Tensor>> promise;
   auto future = promise.getFuture();
   std::string description;
+  detail::Backend::StreamJoin join;
+  const int device = op.spec.device;
   const auto& first = op.outputs.empty() ? op.keep : op.outputs;
   const std::vector<int64_t> shape =
       first.empty() ? std::vector<int64_t>{} : first[0].sizes().vec();
@@ -430,7 +450,7 @@ Work ProcessGroup::enqueue(Op op) {
     op.spec.fp.seq = nextSeq_++;
     description = op.spec.fp.toString() + " on group '" + name_ + "'";
     const uint64_t id = recorder->scheduled(op.spec.fp, -1, 0, shape);
-    impl_->enqueue(
+    join = impl_->enqueue(
         std::move(op.spec), [recorder, id] { recorder->started(id); },
         [recorder, id, finish = std::move(finish)](const Error& e) mutable {
           // Recorded first: whoever sees the Work complete also sees it in
@@ -439,7 +459,9 @@ Work ProcessGroup::enqueue(Op op) {
           finish(e);
         });
   }
-  return Work(std::move(future), std::move(description));
+  return Work(std::move(future), std::move(description), nullptr,
+              streamWaitFor(std::move(join), device,
+                            options_.blockingWait.value_or(false)));
 }
 
 Work ProcessGroup::allreduce(at::Tensor tensor, ReduceOp op) {
@@ -811,12 +833,13 @@ Work ProcessGroup::p2p(bool isSend, int peer, int64_t tag,
     }
   };
   const detail::Placement where{dv.device, currentStream(dv.device)};
+  detail::Backend::StreamJoin join;
   if (isSend) {
-    impl_->send(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(), where,
-                [done](const Error& e) mutable { done(e, -1); });
+    join = impl_->send(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+                       where, [done](const Error& e) mutable { done(e, -1); });
   } else {
-    impl_->recv(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(), where,
-                std::move(done));
+    join = impl_->recv(peer, tag, dtype, tensor.data_ptr(), tensor.nbytes(),
+                       where, std::move(done));
   }
   detail::FlightEntry entry;
   entry.fp = fp;
@@ -827,7 +850,9 @@ Work ProcessGroup::p2p(bool isSend, int peer, int64_t tag,
     description = what + description.substr(4);  // "recv(" -> "recvAnysource("
   }
   return Work(std::move(future), description + " on group '" + name_ + "'",
-              std::move(source));
+              std::move(source),
+              streamWaitFor(std::move(join), dv.device,
+                            options_.blockingWait.value_or(false)));
 }
 
 }  // namespace trellis::collectives

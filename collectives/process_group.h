@@ -83,6 +83,10 @@ struct ProcessGroupOptions {
   // Where the flight recorder is written when the group fails; unset:
   // TRELLIS_FLIGHT_RECORDER_DIR; empty: nowhere.
   std::optional<std::string> flightRecorderDir;
+  // nccl: Work::wait() blocks the host until the GPU finished the op, not
+  // only the caller's stream (work.h); unset: TRELLIS_NCCL_BLOCKING_WAIT
+  // (0 or 1), else false. No effect on cpu, whose wait() always blocks.
+  std::optional<bool> blockingWait;
 };
 
 class ProcessGroup {

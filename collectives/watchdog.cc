@@ -103,6 +103,10 @@ WatchdogMode watchdogModeFromEnvironment() {
   badEnv("TRELLIS_WATCHDOG_MODE", v, "is neither 'exit' nor 'fail'");
 }
 
+bool blockingWaitFromEnvironment() {
+  return envInt("TRELLIS_NCCL_BLOCKING_WAIT", 0, 0, 1) == 1;
+}
+
 size_t flightRecorderEntriesFromEnvironment() {
   return static_cast<size_t>(envInt("TRELLIS_FLIGHT_RECORDER_ENTRIES",
                                     FlightRecorder::kDefaultCapacity, 0,

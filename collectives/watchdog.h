@@ -66,6 +66,8 @@ WatchdogMode watchdogModeFromEnvironment();
 size_t flightRecorderEntriesFromEnvironment();
 // TRELLIS_FLIGHT_RECORDER_DIR: where dumps go; empty: nowhere.
 std::string flightRecorderDirFromEnvironment();
+// TRELLIS_NCCL_BLOCKING_WAIT: unset or 0 (false), or 1.
+bool blockingWaitFromEnvironment();
 
 struct WatchedGroup {
   GroupInfo info;

@@ -7,11 +7,25 @@ Work::Work(Future<std::vector<at::Tensor>> future, std::string description)
 
 Work::Work(Future<std::vector<at::Tensor>> future, std::string description,
            std::shared_ptr<Source> source)
+    : Work(std::move(future), std::move(description), std::move(source),
+           nullptr) {}
+
+Work::Work(Future<std::vector<at::Tensor>> future, std::string description,
+           std::shared_ptr<Source> source, std::function<Error()> streamWait)
     : future_(std::move(future)),
       description_(std::move(description)),
-      source_(std::move(source)) {}
+      source_(std::move(source)),
+      streamWait_(std::move(streamWait)) {}
 
-void Work::wait() const { (void)future_.wait(); }
+void Work::wait() const {
+  if (streamWait_ && !future_.completed()) {
+    if (Error e = streamWait_(); !e.ok()) {
+      throwError(e);
+    }
+    return;
+  }
+  (void)future_.wait();
+}
 
 void Work::wait(Duration timeout) const {
   if (!future_.waitFor(timeout)) {

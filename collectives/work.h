@@ -15,6 +15,13 @@
 //    timeout, so wait() is bounded too. wait(timeout) additionally gives up
 //    after `timeout` with a TimeoutError naming the op; the op then goes on,
 //    and the tensors stay borrowed.
+//  - nccl (as torch.distributed): wait() blocks the caller's current CUDA
+//    stream, not the host. It orders what is put on that stream afterwards
+//    after the op and returns at once, throwing only an error the op
+//    already has; a later failure reaches the next wait() and the watchdog.
+//    ProcessGroupOptions::blockingWait (TRELLIS_NCCL_BLOCKING_WAIT=1) makes
+//    it block the host until the GPU finished, as wait(timeout) always
+//    does.
 //  - isCompleted(), exception() and future() never block. exception() is
 //    ok() until the op failed. future() completes with the op's output
 //    tensors (the in-place tensor for in-place ops), or its error.
@@ -22,6 +29,7 @@
 //    share one op.
 #include <ATen/core/Tensor.h>
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,11 +63,15 @@ class Work {
   };
   Work(Future<std::vector<at::Tensor>> future, std::string description,
        std::shared_ptr<Source> source);
+  // Internal: nccl's wait() without the host (joins the current stream).
+  Work(Future<std::vector<at::Tensor>> future, std::string description,
+       std::shared_ptr<Source> source, std::function<Error()> streamWait);
 
  private:
   Future<std::vector<at::Tensor>> future_;
   std::string description_;
   std::shared_ptr<Source> source_;
+  std::function<Error()> streamWait_;
 };
 
 }  // namespace trellis::collectives

@@ -37,12 +37,13 @@ class CpuBackend final : public Backend {
 
   bool wantsCuda() const override { return false; }
 
-  void enqueue(OpSpec op, Started started, Done done) override {
+  StreamJoin enqueue(OpSpec op, Started started, Done done) override {
     {
       MutexLock lock(mu_);
       queue_.push_back({std::move(op), std::move(started), std::move(done)});
     }
     cv_.notifyAll();
+    return {};
   }
 
   void abort(const Error& reason) override { mesh_->abort(reason); }
@@ -51,14 +52,16 @@ class CpuBackend final : public Backend {
   // the watchdog should act on even when no op of this rank is running.
   Error poll() override { return mesh_->error(); }
 
-  void send(int peer, int64_t tag, DType dtype, const void* data, size_t bytes,
-            Placement /*where*/, Done done) override {
+  StreamJoin send(int peer, int64_t tag, DType dtype, const void* data,
+                  size_t bytes, Placement /*where*/, Done done) override {
     mesh_->sendTagged(peer, tag, dtype, data, bytes, std::move(done));
+    return {};
   }
 
-  void recv(int peer, int64_t tag, DType dtype, void* data, size_t bytes,
-            Placement /*where*/, SourceDone done) override {
+  StreamJoin recv(int peer, int64_t tag, DType dtype, void* data, size_t bytes,
+                  Placement /*where*/, SourceDone done) override {
     mesh_->recvTagged(peer, tag, dtype, data, bytes, std::move(done));
+    return {};
   }
 
  private:

@@ -224,10 +224,10 @@ class NcclBackend final : public Backend {
 
   bool wantsCuda() const override { return true; }
 
-  void enqueue(OpSpec op, Started started, Done done) override {
+  StreamJoin enqueue(OpSpec op, Started started, Done done) override {
     const int device = op.device;
     void* stream = op.stream;
-    launch(
+    return launch(
         device, stream,
         [this, op = std::move(op)](DeviceComm& c) { return runOp(op, c); },
         std::move(started), std::move(done));
@@ -235,9 +235,9 @@ class NcclBackend final : public Backend {
 
   // NCCL matches a pair's sends and receives in issue order; it has no
   // tags, so `tag` is not used (as torch's nccl backend).
-  void send(int peer, int64_t /*tag*/, DType /*dtype*/, const void* data,
-            size_t bytes, Placement where, Done done) override {
-    launch(
+  StreamJoin send(int peer, int64_t /*tag*/, DType /*dtype*/, const void* data,
+                  size_t bytes, Placement where, Done done) override {
+    return launch(
         where.device, where.stream,
         [this, peer, data, bytes](DeviceComm& c) {
           return settle(
@@ -247,16 +247,16 @@ class NcclBackend final : public Backend {
         nullptr, std::move(done));
   }
 
-  void recv(int peer, int64_t /*tag*/, DType /*dtype*/, void* data,
-            size_t bytes, Placement where, SourceDone done) override {
+  StreamJoin recv(int peer, int64_t /*tag*/, DType /*dtype*/, void* data,
+                  size_t bytes, Placement where, SourceDone done) override {
     if (peer < 0) {
       done(Error::invalidArgument(description_ +
                                   ": receive from any source is not "
                                   "supported by nccl"),
            -1);
-      return;
+      return {};
     }
-    launch(
+    return launch(
         where.device, where.stream,
         [this, peer, data, bytes](DeviceComm& c) {
           return settle(
@@ -298,7 +298,7 @@ class NcclBackend final : public Backend {
       completerWake_.notifyAll();
       // Their events may still be recorded; destroyed with the backend.
       for (auto& p : failed) {
-        freeEvents_[p.device].push_back(p.end);
+        recycleLocked(p.end);
       }
     }
     // The ops fail first: their error must not wait for ncclCommAbort,
@@ -319,11 +319,57 @@ class NcclBackend final : public Backend {
   }
 
  private:
+  // An op's end event, shared with the Works that may join a stream to it
+  // (StreamJoin): recycled into freeEvents_ when the op completes if no Work
+  // holds it, else destroyed by the last one.
+  struct EndEvent {
+    int device = -1;
+    cudaEvent_t event = nullptr;
+    EndEvent(int d, cudaEvent_t e) : device(d), event(e) {}
+    EndEvent(const EndEvent&) = delete;
+    EndEvent& operator=(const EndEvent&) = delete;
+    ~EndEvent() {
+      if (event != nullptr) {
+        (void)cudaEventDestroy(event);  // nothing to do about a failure
+      }
+    }
+  };
+
   struct Pending {
     int device = -1;
-    cudaEvent_t end = nullptr;
+    std::shared_ptr<EndEvent> end;
     Done done;
   };
+
+  // Returns the op's end event to the pool unless a Work still holds it.
+  void recycleLocked(std::shared_ptr<EndEvent>& end) TRELLIS_REQUIRES(mu_) {
+    if (end && end.use_count() == 1) {
+      freeEvents_[end->device].push_back(end->event);
+      end->event = nullptr;
+    }
+    end.reset();
+  }
+
+  // What Work::wait() calls with the caller's current stream.
+  static StreamJoin joinTo(std::shared_ptr<EndEvent> end,
+                           std::string description) {
+    return [end = std::move(end),
+            description = std::move(description)](void* stream) -> Error {
+      DeviceGuard g(end->device);
+      if (g.error() != cudaSuccess) {
+        return Error::internal(description + ": cudaSetDevice(" +
+                               std::to_string(end->device) +
+                               ") failed: " + cudaText(g.error()));
+      }
+      const cudaError_t e =
+          cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), end->event, 0);
+      return e == cudaSuccess ? Error()
+                              : Error::internal(description +
+                                                ": cudaStreamWaitEvent "
+                                                "failed: " +
+                                                cudaText(e));
+    };
+  }
 
   // The completion thread: completes pending ops in issue order as their end
   // events fire, so Work::wait() returns as soon as the GPU finished (not at
@@ -386,7 +432,7 @@ class NcclBackend final : public Backend {
         }
         current = it->device;
       }
-      const cudaError_t q = cudaEventQuery(it->end);
+      const cudaError_t q = cudaEventQuery(it->end->event);
       if (q == cudaErrorNotReady) {
         break;  // the ops after it are ordered after it on the stream
       }
@@ -396,7 +442,7 @@ class NcclBackend final : public Backend {
                                  " failed: " + cudaText(q));
         break;
       }
-      freeEvents_[it->device].push_back(it->end);
+      recycleLocked(it->end);
       finished.push_back(std::move(it->done));
     }
     pending_.erase(pending_.begin(), it);
@@ -891,11 +937,13 @@ class NcclBackend final : public Backend {
   // Orders the op after the caller's stream, puts it on the internal
   // stream, and orders the caller's stream after it. Never blocks the host
   // beyond the communicator's first use and NCCL's in-progress answers.
-  void launch(int device, void* callerStream, const Issue& issue,
-              Started started, Done done) {
+  // Returns the op's StreamJoin; empty where it failed at issue (`done`
+  // has then fired with the error).
+  StreamJoin launch(int device, void* callerStream, const Issue& issue,
+                    Started started, Done done) {
     if (Error e = stickyError(); !e.ok()) {
       done(e);
-      return;
+      return {};
     }
     if (device < 0) {
       device = defaultDevice();
@@ -904,7 +952,7 @@ class NcclBackend final : public Backend {
     if (Error e = commFor(device, &c); !e.ok()) {
       setSticky(e);
       done(e);
-      return;
+      return {};
     }
     lastDevice_.store(device);
     auto caller = static_cast<cudaStream_t>(callerStream);
@@ -929,25 +977,27 @@ class NcclBackend final : public Backend {
         setSticky(e);
       }
       done(e);
-      return;
+      return {};
     }
     if (started) {
       started();
     }
+    auto shared = std::make_shared<EndEvent>(device, end);
+    StreamJoin join = joinTo(shared, c->label);
     Error abortedWith;
     {
       MutexLock lock(mu_);
       if (aborted_) {
         abortedWith = abortReason_;
-        freeEvents_[device].push_back(end);
       } else {
-        pending_.push_back({device, end, std::move(done)});
+        pending_.push_back({device, std::move(shared), std::move(done)});
         completerWake_.notifyAll();
       }
     }
     if (!abortedWith.ok()) {
       done(abortedWith);
     }
+    return join;
   }
 
   Error launchLocked(DeviceComm& c, cudaStream_t caller, const Issue& issue,

@@ -252,6 +252,64 @@ TEST(NcclTest, OrderedWithANonDefaultCurrentStream) {
   impl->exchangeStream(before);
   EXPECT_TRUE(same);
 }
+
+// wait() blocks the caller's current stream, not the host: with the legacy
+// default stream held, the op cannot run, yet wait() returns at once; what
+// is then put on another stream made current runs only after the op.
+TEST(NcclTest, WaitBlocksTheCurrentStreamNotTheHost) {
+  REQUIRE_GPU();
+  auto pg = makeGroup();
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  auto in = torch::full({1 << 20}, 5, torch::TensorOptions(kCuda0));
+  auto out = torch::zeros_like(in);
+  // The communicator exists, and so does NCCL's allgather: the first op of
+  // a kind may block the host on work on the legacy stream, the gate's.
+  pg->allgatherIntoTensor(out, in).wait(30s);
+  out.zero_();
+  // Made before the gate: the pool's first use creates its streams.
+  const c10::Stream side = impl->getStreamFromGlobalPool(kCuda0);
+  torch::Tensor seen;
+  {
+    const auto gated = std::chrono::steady_clock::now();
+    StreamGate gate(20s);
+    auto work = pg->allgatherIntoTensor(out, in);  // behind the gate
+    const auto issued = std::chrono::steady_clock::now();
+    EXPECT_LT(issued - gated, 5s) << "issuing the op blocked the host";
+    const c10::Stream before = impl->exchangeStream(side);
+    work.wait();
+    EXPECT_LT(std::chrono::steady_clock::now() - issued, 5s)
+        << "wait() blocked the host";
+    EXPECT_FALSE(work.isCompleted());
+    seen = out.clone();  // on `side`: after the op only if wait() joined it
+    impl->exchangeStream(before);
+    gate.open();
+    work.wait(30s);
+  }
+  EXPECT_TRUE(torch::equal(seen.cpu(), in.cpu()));
+}
+
+// Blocking waits (ProcessGroupOptions::blockingWait) block the host until
+// the GPU finished the op.
+TEST(NcclTest, BlockingWaitBlocksTheHost) {
+  REQUIRE_GPU();
+  ProcessGroupOptions o;
+  o.blockingWait = true;
+  auto pg = makeGroup(o);
+  auto t = torch::ones({1024}, kCuda0);
+  pg->allreduce(t).wait();
+  StreamGate gate(20s);
+  auto work = pg->allreduce(t);
+  std::thread opener([&gate] {
+    std::this_thread::sleep_for(300ms);
+    gate.open();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  work.wait();
+  const auto waited = std::chrono::steady_clock::now() - start;
+  opener.join();
+  EXPECT_TRUE(work.isCompleted());
+  EXPECT_GE(waited, 250ms);
+}
 #endif
 
 TEST(NcclTest, CpuTensorIsRefusedAtTheCallSite) {

@@ -384,11 +384,15 @@ TEST(FlightReport, MalformedDumpsAreRefusedNamingTheField) {
 class FakeBackend final : public Backend {
  public:
   bool wantsCuda() const override { return false; }
-  void enqueue(OpSpec, Started, Done) override {}
-  void send(int, int64_t, DType, const void*, size_t, Placement,
-            Done) override {}
-  void recv(int, int64_t, DType, void*, size_t, Placement,
-            SourceDone) override {}
+  StreamJoin enqueue(OpSpec, Started, Done) override { return {}; }
+  StreamJoin send(int, int64_t, DType, const void*, size_t, Placement,
+                  Done) override {
+    return {};
+  }
+  StreamJoin recv(int, int64_t, DType, void*, size_t, Placement,
+                  SourceDone) override {
+    return {};
+  }
   Error poll() override {
     std::unique_lock<std::mutex> lock(mu_);
     ++polls_;
@@ -654,6 +658,12 @@ TEST(Watchdog, EnvironmentKnobsAreCheckedAndNamed) {
   unsetenv("TRELLIS_FLIGHT_RECORDER_ENTRIES");
   EXPECT_EQ(flightRecorderEntriesFromEnvironment(),
             FlightRecorder::kDefaultCapacity);
+  setenv("TRELLIS_NCCL_BLOCKING_WAIT", "yes", 1);
+  EXPECT_THROW((void)blockingWaitFromEnvironment(), InvalidArgumentError);
+  setenv("TRELLIS_NCCL_BLOCKING_WAIT", "1", 1);
+  EXPECT_TRUE(blockingWaitFromEnvironment());
+  unsetenv("TRELLIS_NCCL_BLOCKING_WAIT");
+  EXPECT_FALSE(blockingWaitFromEnvironment());
 }
 
 }  // namespace
