@@ -138,6 +138,23 @@ int64_t replyWhenLetGo() {
   return 1;
 }
 
+// Async: its result is what the test completes later (finishLater()).
+std::mutex gLaterMu;
+std::optional<Promise<int64_t>> gLater;
+Future<int64_t> resultLater() {
+  std::lock_guard<std::mutex> lock(gLaterMu);
+  gLater.emplace();
+  return gLater->getFuture();
+}
+bool finishLater(int64_t v) {
+  std::optional<Promise<int64_t>> p;
+  {
+    std::lock_guard<std::mutex> lock(gLaterMu);
+    p.swap(gLater);
+  }
+  return p.has_value() && p->setValue(v);
+}
+
 std::string shutDownFromHandler() {
   try {
     rpc::Agent::current().shutdown({.graceful = false});
@@ -161,6 +178,7 @@ TRELLIS_REMOTE_FUNCTION(makeTensor);
 TRELLIS_REMOTE_FUNCTION(holdOwnAgent);
 TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
 TRELLIS_REMOTE_FUNCTION(replyWhenLetGo);
+TRELLIS_REMOTE_FUNCTION(resultLater);
 TRELLIS_SERIALIZABLE(Delta, by, note);
 TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
@@ -465,6 +483,25 @@ TEST(RpcAgent, ReplyWrittenWhileClosingNeverCallsBackIntoTheFreedAgent) {
     late.release();      // the reply's write completes now
     EXPECT_TRUE(late.drain(10s));
   }
+}
+
+// An async function's result that completes once its agent is closed and
+// freed is dropped: the callback that would encode and write it must not
+// touch the agent's dispatcher, freed with it.
+TEST(RpcAgent, AsyncResultCompletedAfterTheAgentIsFreedIsDropped) {
+  Group g(2);
+  Future<int64_t> reply;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    reply = rpc::rpcAsync<resultLater>({"w1", 30s});
+  }
+  ASSERT_TRUE(waitUntil([] {
+    std::lock_guard<std::mutex> lock(gLaterMu);
+    return gLater.has_value();
+  })) << "w1 never ran resultLater()";
+  g.take(1).reset();  // w1 closes and is freed; the result is pending
+  EXPECT_THROW(reply.wait(10s), trellis::ConnectionError);
+  EXPECT_TRUE(finishLater(1));  // its callbacks run here, now
 }
 
 // Graceful shutdown of the others when one worker leaves without it
