@@ -80,6 +80,14 @@ void Connections::closeTransport() {
                         self_.name);
     }
   }
+  // Only late callbacks (connections.h) can be running now, and they never
+  // block: this waits for microseconds, if at all.
+  if (!lifeline_->cut(Deadline::after(std::chrono::seconds(10)))) {
+    TRELLIS_LOG_ERROR(
+        "rpc agent {}: a transport callback still runs 10 s "
+        "after the transport closed",
+        self_.name);
+  }
 }
 
 void Connections::forget() {
@@ -126,6 +134,9 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
                        const wire::Envelope& env, Encoder&& body,
                        std::unique_ptr<CodecContext> context,
                        std::function<void(const Error&)> done) {
+  if (lifeline_->isCut()) {
+    return;  // its callback would run on the transport's late thread
+  }
   struct Held {
     std::vector<uint8_t> bytes;
     std::vector<at::Tensor> tensors;
@@ -148,47 +159,50 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
     m.tensors.push_back(mt);
   }
   sent_.fetch_add(1, std::memory_order_relaxed);
-  ps->pipe->write(std::move(m),
-                  [held, done = std::move(done)](const Error& e) mutable {
-                    held.reset();  // buffers may go now
-                    done(e);
-                  });
+  ps->pipe->write(
+      std::move(m),
+      [line = lifeline_, held, done = std::move(done)](const Error& e) mutable {
+        held.reset();  // buffers may go now
+        line->run([&] { done(e); });
+      });
 }
 
 // ---- receiving -------------------------------------------------------------
 
 void Connections::accept() {
-  listener_->accept([this](const Error& e, std::shared_ptr<tp::Pipe> pipe) {
-    if (!e.ok()) {
-      if (e.code() != Code::kCancelled) {
-        TRELLIS_LOG_WARN("rpc agent {}: listener stopped: {}", self_.name,
-                         e.what());
-      }
-      return;
-    }
-    auto ps = std::make_shared<PipeState>();
-    ps->pipe = std::move(pipe);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (forgotten_) {
-        ps->pipe->close();
-        return;
-      }
-      inPipes_.insert(ps);
-    }
-    armRead(ps);
-    accept();
-  });
+  listener_->accept(Lifeline::guard(
+      lifeline_, [this](const Error& e, std::shared_ptr<tp::Pipe> pipe) {
+        if (!e.ok()) {
+          if (e.code() != Code::kCancelled) {
+            TRELLIS_LOG_WARN("rpc agent {}: listener stopped: {}", self_.name,
+                             e.what());
+          }
+          return;
+        }
+        auto ps = std::make_shared<PipeState>();
+        ps->pipe = std::move(pipe);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (forgotten_) {
+            ps->pipe->close();
+            return;
+          }
+          inPipes_.insert(ps);
+        }
+        armRead(ps);
+        accept();
+      }));
 }
 
 void Connections::armRead(const std::shared_ptr<PipeState>& ps) {
-  ps->pipe->readDescriptor([this, ps](const Error& e, tp::Descriptor desc) {
-    if (!e.ok()) {
-      fail(ps, e);
-      return;
-    }
-    onDescriptor(ps, std::move(desc));
-  });
+  ps->pipe->readDescriptor(Lifeline::guard(
+      lifeline_, [this, ps](const Error& e, tp::Descriptor desc) {
+        if (!e.ok()) {
+          fail(ps, e);
+          return;
+        }
+        onDescriptor(ps, std::move(desc));
+      }));
 }
 
 void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
@@ -242,14 +256,15 @@ void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
   }
   const auto arrived = Clock::now();
   ps->pipe->read(std::move(alloc),
-                 [this, ps, env, body, arrived](const Error& e) {
-                   if (!e.ok()) {
-                     fail(ps, e);
-                     return;
-                   }
-                   received_.fetch_add(1, std::memory_order_relaxed);
-                   onMessage_(ps, env, std::move(*body), arrived);
-                 });
+                 Lifeline::guard(
+                     lifeline_, [this, ps, env, body, arrived](const Error& e) {
+                       if (!e.ok()) {
+                         fail(ps, e);
+                         return;
+                       }
+                       received_.fetch_add(1, std::memory_order_relaxed);
+                       onMessage_(ps, env, std::move(*body), arrived);
+                     }));
   armRead(ps);
 }
 

@@ -6,6 +6,15 @@
 // tensors, and reading them into buffers allocated after the descriptor
 // (large CPU tensors from a BufferPool). Malformed envelopes close the
 // pipe they came on and nothing else.
+//
+// Callbacks and closing: every callback this class hands the transport
+// (accept, read, write) runs its body through a Lifeline (core/lifeline.h)
+// that closeTransport() cuts once the loop has exited. An operation issued
+// after that (a reply a worker thread writes while the agent closes)
+// completes on the transport's late thread (transport/loop.h), perhaps once
+// the agent is freed; such a callback finds the line cut and touches
+// nothing. So OnMessage, OnFailed and send()'s `done` never run after
+// closeTransport() has returned.
 
 #include <atomic>
 #include <cstdint>
@@ -20,6 +29,7 @@
 #include "envelope.h"
 #include <trellis/core/buffer_pool.h>
 #include <trellis/core/deadline.h>
+#include <trellis/core/lifeline.h>
 #include <trellis/rpc/agent.h>
 
 namespace trellis::transport {
@@ -66,7 +76,9 @@ class Connections {
   // The pipe to `to`, opened on first use.
   std::shared_ptr<PipeState> outPipe(int32_t to);
   // Writes `env` with `body` on `ps`; `context` lives until written.
-  // `done` gets the write's error.
+  // `done` gets the write's error, exactly once, unless closeTransport()
+  // has returned by then: then `done` is dropped, and a send() after it
+  // writes nothing (a closing agent drops its replies, docs/rpc.md).
   void send(const std::shared_ptr<PipeState>& ps, const wire::Envelope& env,
             Encoder&& body, std::unique_ptr<CodecContext> context,
             std::function<void(const Error&)> done);
@@ -80,9 +92,10 @@ class Connections {
   void endExpectedWork();
   bool inLoop() const;
 
-  // Closing: closeTransport() closes and joins the transport loop (every
-  // pipe callback has run after it); forget() drops the pipes and refuses
-  // pipes accepted later. Both idempotent.
+  // Closing: closeTransport() closes and joins the transport loop, then
+  // cuts the callbacks' lifeline: every pipe callback has run or will do
+  // nothing. forget() drops the pipes and refuses pipes accepted later.
+  // Both idempotent.
   void closeTransport();
   void forget();
   bool forgotten() const;
@@ -104,6 +117,9 @@ class Connections {
   const OnMessage onMessage_;
   const OnFailed onFailed_;
 
+  // Shared with every callback handed to the transport, which may outlive
+  // this object.
+  const std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>();
   std::shared_ptr<transport::Context> ctx_;
   std::shared_ptr<transport::Listener> listener_;
   BufferPool receiveBuffers_;

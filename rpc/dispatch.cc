@@ -4,6 +4,7 @@
 #include <optional>
 #include <thread>
 
+#include <trellis/core/logging.h>
 #include <trellis/rpc/profiler.h>
 
 namespace trellis::rpc::detail {
@@ -22,6 +23,12 @@ Dispatcher::~Dispatcher() { close(); }
 void Dispatcher::close() {
   pool_.shutdown(ThreadPool::ShutdownMode::kCancel);
   pool_.join();
+  if (!lifeline_->cut(Deadline::after(std::chrono::seconds(10)))) {
+    TRELLIS_LOG_ERROR(
+        "rpc agent {}: a request's callback still runs 10 s "
+        "after its worker pool closed",
+        self_.name);
+  }
 }
 
 void Dispatcher::dispatch(Request request) {
@@ -124,10 +131,10 @@ void Dispatcher::handle(Request& request) {
       if (held_) {
         held_();
       }
-      admitted.addDoneCallback(
-          [this, r = std::make_shared<Request>(std::move(request)), entry,
-           receiver = std::move(receiver), profileStartUs, nested, gate,
-           autogradContext](const Future<void>& f) {
+      admitted.addDoneCallback(Lifeline::guard(
+          lifeline_, [this, r = std::make_shared<Request>(std::move(request)),
+                      entry, receiver = std::move(receiver), profileStartUs,
+                      nested, gate, autogradContext](const Future<void>& f) {
             pool_.post([this, r, entry, receiver, profileStartUs, nested, gate,
                         autogradContext, f](const Error& pe) mutable {
               if (resumed_) {
@@ -150,7 +157,7 @@ void Dispatcher::handle(Request& request) {
               run(*r, entry, std::move(receiver), profileStartUs,
                   std::move(nested), gate);
             });
-          });
+          }));
       return;
     }
     if (admitted.hasError()) {
@@ -227,11 +234,11 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
   const int32_t peer = static_cast<int32_t>(req.from_worker());
   const uint64_t autogradContext = req.autograd_context_id();
   std::string function = req.function();
-  result.addDoneCallback([this, respond = std::move(request.respond), id, peer,
-                          profileStartUs, autogradContext,
-                          nested = std::move(nested), gate,
-                          function =
-                              std::move(function)](const Future<AnyValue>& f) {
+  // A function's future may complete on any thread, also after close().
+  auto reply = [this, respond = std::move(request.respond), id, peer,
+                profileStartUs, autogradContext, nested = std::move(nested),
+                gate,
+                function = std::move(function)](const Future<AnyValue>& f) {
     CurrentAgentScope scope(agent_);
     wire::Envelope env;
     env.set_version(kEnvelopeVersion);
@@ -320,7 +327,8 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
     respond(env, std::move(body), std::move(context));
     running_.fetch_sub(1);
     done_();
-  });
+  };
+  result.addDoneCallback(Lifeline::guard(lifeline_, std::move(reply)));
 }
 
 }  // namespace trellis::rpc::detail

@@ -15,6 +15,7 @@
 
 #include "envelope.h"
 #include <trellis/core/deadline.h>
+#include <trellis/core/lifeline.h>
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/extension.h>
@@ -58,7 +59,10 @@ class Dispatcher {
   uint64_t running() const { return running_.load(); }
   bool inPool() const { return pool_.inPool(); }
   // Closing at once: queued requests are dropped (their callers' calls
-  // fail on their side), running ones finish; joins the pool.
+  // fail on their side), running ones finish; joins the pool. A result
+  // that completes later (an async function's future, a request held at
+  // admission) is dropped: nothing of this object or of `respond` is
+  // touched after close() has returned, so the agent may be freed.
   void close();
 
  private:
@@ -85,6 +89,9 @@ class Dispatcher {
   std::function<void()> resumed_;
   ThreadPool pool_;
   std::atomic<uint64_t> running_{0};
+  // The callbacks on futures (results, admissions) run through it; close()
+  // cuts it, since those futures may complete on any thread at any time.
+  const std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>();
 };
 
 }  // namespace trellis::rpc::detail

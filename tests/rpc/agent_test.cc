@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
@@ -28,6 +29,7 @@
 #include <trellis/rpc/serializable.h>
 #include <trellis/rref/rref.h>
 #include <trellis/store/hash_store.h>
+#include <trellis/transport/context.h>
 
 using namespace std::chrono_literals;
 using trellis::Duration;
@@ -102,6 +104,57 @@ int64_t holdOwnAgent() {
   gLetGo.get_future().wait_for(30s);
   return self->self().rank;  // `self` is the last reference when it goes
 }
+// Opened once by one side, waited on (bounded) by the other; reset()
+// before each use, so a test may repeat.
+class Latch {
+ public:
+  void reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  // False if it was not opened within `limit`.
+  bool wait(Duration limit) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// Returns once the test lets it (at most 30 s later).
+Latch gReplyStarted;
+Latch gReplyLetGo;
+int64_t replyWhenLetGo() {
+  gReplyStarted.open();
+  gReplyLetGo.wait(30s);
+  return 1;
+}
+
+// Async: its result is what the test completes later (finishLater()).
+std::mutex gLaterMu;
+std::optional<Promise<int64_t>> gLater;
+Future<int64_t> resultLater() {
+  std::lock_guard<std::mutex> lock(gLaterMu);
+  gLater.emplace();
+  return gLater->getFuture();
+}
+bool finishLater(int64_t v) {
+  std::optional<Promise<int64_t>> p;
+  {
+    std::lock_guard<std::mutex> lock(gLaterMu);
+    p.swap(gLater);
+  }
+  return p.has_value() && p->setValue(v);
+}
+
 std::string shutDownFromHandler() {
   try {
     rpc::Agent::current().shutdown({.graceful = false});
@@ -124,6 +177,8 @@ TRELLIS_REMOTE_FUNCTION(dropHeld);
 TRELLIS_REMOTE_FUNCTION(makeTensor);
 TRELLIS_REMOTE_FUNCTION(holdOwnAgent);
 TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
+TRELLIS_REMOTE_FUNCTION(replyWhenLetGo);
+TRELLIS_REMOTE_FUNCTION(resultLater);
 TRELLIS_SERIALIZABLE(Delta, by, note);
 TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
@@ -356,6 +411,97 @@ TEST(RpcAgent, LastReferenceDroppedOnTheAgentsOwnThread) {
   } catch (const trellis::ConnectionError&) {
     // the pipe closed first
   }
+}
+
+// Holds the transport's late thread, the one that runs what reaches a
+// context's loop once that loop has exited (transport/loop.h), from
+// construction until release(): what an agent hands its closed transport
+// meanwhile completes only after that. It holds it with the write callback
+// of a pipe whose context is closed and joined, which runs there.
+class LateThreadHold {
+ public:
+  LateThreadHold() : ctx_(trellis::transport::Context::create()) {
+    ctx_->close();
+    EXPECT_TRUE(ctx_->join(10s));
+    pipe_ = ctx_->connect("uv://127.0.0.1:1");
+    pipe_->write({}, [state = state_](const trellis::Error&) {
+      state->held.open();
+      state->letGo.wait(30s);
+    });
+  }
+  ~LateThreadHold() { release(); }
+  LateThreadHold(const LateThreadHold&) = delete;
+  LateThreadHold& operator=(const LateThreadHold&) = delete;
+
+  bool held(Duration limit) { return state_->held.wait(limit); }
+  void release() { state_->letGo.open(); }
+  // Waits until the late thread has run what was queued before this call.
+  bool drain(Duration limit) {
+    auto done = std::make_shared<Latch>();
+    pipe_->write({}, [done](const trellis::Error&) { done->open(); });
+    return done->wait(limit);
+  }
+
+ private:
+  struct State {
+    Latch held;
+    Latch letGo;
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+  std::shared_ptr<trellis::transport::Context> ctx_;
+  std::shared_ptr<trellis::transport::Pipe> pipe_;
+};
+
+// Regression: a user function that returned while its agent was closing
+// wrote its reply after the transport loop had exited; that write completes
+// on the transport's late thread, and its callback failed the pipe through
+// the agent, freed by then (heap-use-after-free under ASan in
+// RRefTest.ToHereTimeout, about 1 run in 4). The late thread is held here
+// until the agent is gone, so the callback comes after it every time.
+TEST(RpcAgent, ReplyWrittenWhileClosingNeverCallsBackIntoTheFreedAgent) {
+  for (int round = 0; round < 3; ++round) {
+    gReplyStarted.reset();
+    gReplyLetGo.reset();
+    Group g(2);
+    LateThreadHold late;
+    ASSERT_TRUE(late.held(10s));
+    Future<int64_t> reply;
+    {
+      rpc::CurrentAgentScope scope(&g[0]);
+      reply = rpc::rpcAsync<replyWhenLetGo>({"w1", 30s});
+    }
+    ASSERT_TRUE(gReplyStarted.wait(10s)) << "w1 never ran replyWhenLetGo()";
+    // w1's teardown closes its transport, then waits for the function.
+    std::shared_ptr<rpc::Agent> callee = g.take(1);
+    std::thread closer([&callee] { callee.reset(); });
+    // The call fails once w1's transport has closed its pipe; the sleep
+    // lets w1's loop thread exit (not a wait for a state it could see).
+    EXPECT_THROW(reply.wait(10s), trellis::ConnectionError);
+    std::this_thread::sleep_for(100ms);
+    gReplyLetGo.open();  // the reply goes to the exited loop
+    closer.join();       // w1 is freed
+    late.release();      // the reply's write completes now
+    EXPECT_TRUE(late.drain(10s));
+  }
+}
+
+// An async function's result that completes once its agent is closed and
+// freed is dropped: the callback that would encode and write it must not
+// touch the agent's dispatcher, freed with it.
+TEST(RpcAgent, AsyncResultCompletedAfterTheAgentIsFreedIsDropped) {
+  Group g(2);
+  Future<int64_t> reply;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    reply = rpc::rpcAsync<resultLater>({"w1", 30s});
+  }
+  ASSERT_TRUE(waitUntil([] {
+    std::lock_guard<std::mutex> lock(gLaterMu);
+    return gLater.has_value();
+  })) << "w1 never ran resultLater()";
+  g.take(1).reset();  // w1 closes and is freed; the result is pending
+  EXPECT_THROW(reply.wait(10s), trellis::ConnectionError);
+  EXPECT_TRUE(finishLater(1));  // its callbacks run here, now
 }
 
 // Graceful shutdown of the others when one worker leaves without it
