@@ -22,6 +22,7 @@
 #include <trellis/core/wire.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
+#include <trellis/transport/process_gone.h>
 #include <trellis/transport/transport.h>
 #include <trellis/transport/wire_format.h>
 
@@ -138,6 +139,68 @@ TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
             std::string::npos)
       << e.what();
   EXPECT_NE(e.message().find("peer x"), std::string::npos) << e.what();
+}
+
+// A process that ended took its memory with it: a copy from it fails as
+// the peer's departure (UNAVAILABLE naming it), zombie or reaped, not as a
+// lying record. (A live process without the memory: DATA_LOSS, above.)
+TEST(CmaChannel, CopyFromAProcessThatIsGoneIsUnavailable) {
+  auto cma = cma::create();
+  ASSERT_TRUE(cma->viable().ok()) << cma->viable().what();
+  // Copied on the calling thread, and split across the copy threads.
+  std::vector<std::vector<uint8_t>> srcs;
+  for (size_t size : {size_t{100000}, (size_t{9} << 20) + 123}) {
+    srcs.emplace_back(size);
+    fillPattern(srcs.back().data(), size, 5);
+  }
+  // The child has the same memory at the same addresses (copy on write).
+  Child child;
+  child.pid = ::fork();
+  ASSERT_GE(child.pid, 0);
+  if (child.pid == 0) {
+    ::alarm(60);  // bounded even if this test dies first
+    for (;;) {
+      ::pause();  // async-signal-safe: waits for the SIGKILL
+    }
+  }
+  const auto pid = static_cast<uint64_t>(child.pid);
+  EXPECT_FALSE(processGone(pid));
+  EXPECT_FALSE(processGone(static_cast<uint64_t>(::getpid())));
+  auto copyEach = [&](const char* when) {
+    for (const auto& src : srcs) {
+      std::vector<uint8_t> dst(src.size());
+      const Error e = readRecord(
+          *cma,
+          cmaRecord(pid, reinterpret_cast<uintptr_t>(src.data()), src.size()),
+          dst.data(), dst.size(), "peer z");
+      if (std::string(when) == "alive") {
+        EXPECT_TRUE(e.ok()) << e.what();
+        EXPECT_EQ(dst, src);
+        continue;
+      }
+      EXPECT_EQ(e.code(), Code::kUnavailable) << when << ": " << e.what();
+      EXPECT_NE(e.message().find("pid " + std::to_string(pid)),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(e.message().find("peer z"), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("is gone"), std::string::npos) << e.what();
+    }
+  };
+  copyEach("alive");
+  ASSERT_EQ(::kill(child.pid, SIGKILL), 0);
+  // Not reaped yet: a zombie, which still answers kill(pid, 0).
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!processGone(pid) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(processGone(pid));
+  EXPECT_EQ(::kill(child.pid, 0), 0);
+  copyEach("zombie");
+  const int status = child.wait();
+  EXPECT_TRUE(WIFSIGNALED(status)) << status;
+  EXPECT_TRUE(processGone(pid));
+  copyEach("reaped");
 }
 
 TEST(CmaChannel, ThresholdDecidesWhatGoesOutOfBand) {
@@ -394,6 +457,16 @@ std::unique_ptr<Child> spawnHelper(std::vector<std::string> args) {
   return testing::spawnHelper(CMA_PEER_HELPER, std::move(args));
 }
 
+// A read that failed because its writer went away says so: the peer's pid,
+// its address, "is gone".
+void expectNamesTheDepartedPeer(const Error& e, pid_t pid,
+                                const std::string& address) {
+  EXPECT_NE(e.message().find("pid " + std::to_string(pid)), std::string::npos)
+      << e.what();
+  EXPECT_NE(e.message().find(address), std::string::npos) << e.what();
+  EXPECT_NE(e.message().find("is gone"), std::string::npos) << e.what();
+}
+
 TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
   auto server = Context::create(defaults("server"));
   auto l = server->listen({"shm://"});
@@ -429,6 +502,7 @@ TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
   ASSERT_EQ(d.tensors.size(), 1u);
   ASSERT_EQ(d.tensors[0].length, kBytes);
   // The record is here; the memory it names goes away.
+  const pid_t pid = child->pid;
   ASSERT_EQ(::kill(child->pid, SIGKILL), 0);
   const int status = child->wait();
   EXPECT_TRUE(WIFSIGNALED(status));
@@ -442,8 +516,10 @@ TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
   auto rf = rp.getFuture();
   ASSERT_TRUE(rf.waitFor(std::chrono::seconds(10)));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
-  // Either the copy finds no process, or the connection's EOF came first.
+  // The copy finds no process (whether or not the connection's EOF came
+  // first): the peer is gone, named by its pid and address.
   EXPECT_EQ(rf.error().code(), Code::kUnavailable) << rf.error().what();
+  expectNamesTheDepartedPeer(rf.error(), pid, pipe->peerAddress());
   EXPECT_THROW(rf.wait(kWait), ConnectionError);
   // The listener still serves.
   auto client = Context::create(defaults("client"));

@@ -19,6 +19,7 @@
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/cma/record.h>
+#include <trellis/transport/process_gone.h>
 
 namespace trellis::transport::cma {
 
@@ -167,23 +168,29 @@ Error copyRange(const Record& rec, uint8_t* dst, size_t offset, size_t length,
     }
     if (n <= 0) {
       const int err = n < 0 ? errno : EFAULT;
-      std::string what = "cma: process_vm_readv of " +
-                         std::to_string(rec.length) + " bytes at 0x" +
-                         hex(rec.address) + " of pid " +
-                         std::to_string(rec.pid) + " (" + who +
-                         ") failed after " + std::to_string(at) + " bytes";
-      // ESRCH: the peer is gone; that is a lost connection, not a bug.
-      if (err == ESRCH) {
-        return Error(Code::kUnavailable, what + ": no such process");
+      const std::string what =
+          "process_vm_readv of " + std::to_string(rec.length) + " bytes at 0x" +
+          hex(rec.address) + " of pid " + std::to_string(rec.pid) + " (" + who +
+          ") failed after " + std::to_string(at) + " bytes";
+      // ESRCH: no such process, or one without memory (a zombie). Memory
+      // that is not there (EFAULT, a short read, ENOMEM) is the peer's
+      // departure too if its process is gone or going: it took its memory
+      // with it. From a peer that lives on, it is a record naming memory
+      // the peer does not have.
+      if (err == ESRCH ||
+          ((err == EFAULT || err == ENOMEM) && processGone(rec.pid))) {
+        return Error(Code::kUnavailable,
+                     "cma: the peer process is gone: " + what + " (" +
+                         std::strerror(err) + ")");
       }
       if (err == EFAULT) {
         return Error(Code::kDataLoss,
-                     what +
+                     "cma: " + what +
                          ": the peer's record names memory it does not "
                          "have (" +
                          std::string(std::strerror(err)) + ")");
       }
-      return Error::fromErrno(err, what);
+      return Error::fromErrno(err, "cma: " + what);
     }
     done += static_cast<size_t>(n);
   }
