@@ -54,11 +54,16 @@ class Channel {
                                   std::string* /*record*/) const {
     return Error(Code::kUnimplemented, name() + " carries no out-of-band data");
   }
-  // Reader side, loop thread, before readOutOfBand: checks `record` against
-  // what the handshake told about the peer (cma: the record must name the
-  // peer's own pid, so a peer cannot make this process copy from a third
-  // process or from itself). An error fails that read only. Never throws.
+  // Reader side, loop thread, before readOutOfBand: checks everything about
+  // `record` that needs nothing of the peer's memory: that it decodes, that
+  // it describes `tensor` (the descriptor's entry for it: its length, at
+  // least) and that it matches what the handshake told about the peer
+  // (cma: the record must name the peer's own pid, so a peer cannot make
+  // this process copy from a third process or from itself). A failure is a
+  // lie whatever the peer does next (DATA_LOSS) and fails that read only.
+  // Never throws.
   virtual Error checkOutOfBandRecord(const std::string& /*record*/,
+                                     const Descriptor::TensorInfo& /*tensor*/,
                                      uint64_t /*peerPid*/) const {
     return Error();
   }

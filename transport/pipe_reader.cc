@@ -274,7 +274,8 @@ void PipeImpl::startOutOfBand() {
   // Records are checked before any copy starts: a lying one fails this read
   // only, and the stream stays in step.
   for (const auto& r : outOfBand_) {
-    Error e = channelFor(r.device)->checkOutOfBandRecord(r.record, peerPid_);
+    Error e = channelFor(r.device)->checkOutOfBandRecord(
+        r.record, Descriptor::TensorInfo{r.dst.length, r.device}, peerPid_);
     if (!e.ok()) {
       outOfBandError_ =
           e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor) +

@@ -122,10 +122,22 @@ TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
         cma->describeOutOfBand({src.data(), src.size(), Device{}}, &record)
             .ok());
     EXPECT_LE(record.size(), Channel::kMaxOutOfBandRecordBytes);
-    EXPECT_TRUE(
-        cma->checkOutOfBandRecord(record, static_cast<uint64_t>(::getpid()))
-            .ok());
-    EXPECT_EQ(cma->checkOutOfBandRecord(record, 1).code(), Code::kDataLoss);
+    const auto self = static_cast<uint64_t>(::getpid());
+    const Descriptor::TensorInfo info{src.size(), Device{}};
+    EXPECT_TRUE(cma->checkOutOfBandRecord(record, info, self).ok());
+    EXPECT_EQ(cma->checkOutOfBandRecord(record, info, 1).code(),
+              Code::kDataLoss);
+    // A record must describe the tensor it stands for.
+    EXPECT_EQ(
+        cma->checkOutOfBandRecord(record, {src.size() + 1, Device{}}, self)
+            .code(),
+        Code::kDataLoss);
+    EXPECT_EQ(
+        cma->checkOutOfBandRecord(record, {src.size(), Device::cuda(0)}, self)
+            .code(),
+        Code::kDataLoss);
+    EXPECT_EQ(cma->checkOutOfBandRecord("short", info, self).code(),
+              Code::kDataLoss);
     ASSERT_TRUE(readRecord(*cma, record, dst.data(), dst.size(), "self").ok());
     EXPECT_EQ(src, dst);
   }

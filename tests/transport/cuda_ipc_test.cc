@@ -156,9 +156,16 @@ Error readRecord(const Channel& c, const std::string& record, void* dst,
 TEST(CudaIpcChannelTest, RecordMustNameThePeersPid) {
   auto c = cuda_ipc::create();
   const std::string record = cuda_ipc::encodeRecord(sampleRecord());
-  EXPECT_TRUE(c->checkOutOfBandRecord(record, 1234).ok());
-  EXPECT_EQ(c->checkOutOfBandRecord(record, 1235).code(), Code::kDataLoss);
-  EXPECT_EQ(c->checkOutOfBandRecord("x", 1234).code(), Code::kDataLoss);
+  const Descriptor::TensorInfo tensor{sampleRecord().length, Device::cuda(0)};
+  EXPECT_TRUE(c->checkOutOfBandRecord(record, tensor, 1234).ok());
+  EXPECT_EQ(c->checkOutOfBandRecord(record, tensor, 1235).code(),
+            Code::kDataLoss);
+  EXPECT_EQ(c->checkOutOfBandRecord("x", tensor, 1234).code(), Code::kDataLoss);
+  // And it must have the tensor's length.
+  EXPECT_EQ(c->checkOutOfBandRecord(
+                 record, {sampleRecord().length + 1, Device::cuda(0)}, 1234)
+                .code(),
+            Code::kDataLoss);
 }
 
 TEST(CudaIpcChannelTest, BadRecordFailsTheReadOnce) {

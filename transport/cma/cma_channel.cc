@@ -266,9 +266,13 @@ class CmaChannel final : public Channel {
   }
 
   Error checkOutOfBandRecord(const std::string& record,
+                             const Descriptor::TensorInfo& tensor,
                              uint64_t peerPid) const override {
     Record rec;
     Error e = decodeRecord(record, &rec);
+    if (e.ok()) {
+      e = checkRecord(rec, tensor.length, tensor.device);
+    }
     if (e.ok() && rec.pid != peerPid) {
       e = Error::protocol("cma record names pid " + std::to_string(rec.pid) +
                           " but the peer's hello said " +
@@ -282,14 +286,8 @@ class CmaChannel final : public Channel {
                      OutOfBandCallback done) const override {
     Record rec;
     Error e = decodeRecord(record, &rec);
-    if (e.ok() && device.type != DeviceType::kCpu) {
-      e = Error::protocol("cma record for a " + device.toString() +
-                          " tensor (cma carries CPU memory only)");
-    }
-    if (e.ok() && rec.length != dst.length) {
-      e = Error::protocol("cma length " + std::to_string(rec.length) +
-                          " differs from the tensor length " +
-                          std::to_string(dst.length));
+    if (e.ok()) {
+      e = checkRecord(rec, dst.length, device);
     }
     if (!e.ok() || rec.length == 0) {
       done(e.ok() ? e : e.withContext(who));
@@ -322,6 +320,21 @@ class CmaChannel final : public Channel {
   }
 
  private:
+  // What a record must say of the tensor it stands for.
+  static Error checkRecord(const Record& rec, size_t length,
+                           const Device& device) {
+    if (device.type != DeviceType::kCpu) {
+      return Error::protocol("cma record for a " + device.toString() +
+                             " tensor (cma carries CPU memory only)");
+    }
+    if (rec.length != length) {
+      return Error::protocol("cma length " + std::to_string(rec.length) +
+                             " differs from the tensor length " +
+                             std::to_string(length));
+    }
+    return Error();
+  }
+
   const Options options_;
   mutable CopyPool pool_;
   mutable std::once_flag once_;

@@ -712,9 +712,12 @@ class CudaIpcChannel final : public Channel {
     return state_->describe(t, record);
   }
 
-  // The pipe's check against the pid in the peer's hello: a record naming
-  // another process (this one in particular) is refused before any copy.
+  // The pipe's check before any copy: the record must name the pid in the
+  // peer's hello (a record naming another process, this one in particular,
+  // is refused) and have the tensor's length. The devices are checked by
+  // readOutOfBand, against this host's device count.
   Error checkOutOfBandRecord(const std::string& record,
+                             const Descriptor::TensorInfo& tensor,
                              uint64_t peerPid) const override {
     Record r;
     const Error e = decodeRecord(record, &r);
@@ -726,6 +729,12 @@ class CudaIpcChannel final : public Channel {
                                         std::to_string(r.writerPid) +
                                         ", the peer is pid " +
                                         std::to_string(peerPid));
+    }
+    if (r.length != tensor.length) {
+      return Error(Code::kDataLoss, "cuda_ipc: the record has " +
+                                        std::to_string(r.length) +
+                                        " bytes for a tensor of " +
+                                        std::to_string(tensor.length));
     }
     return Error();
   }
