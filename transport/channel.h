@@ -69,11 +69,21 @@ class Channel {
   }
   // Reader side, called on the loop thread: copies the tensor described by
   // `record` into `dst` (its length and device come from the descriptor).
-  // `record` comes from the network: every field is validated, and a lying
-  // record fails this read (and the peer's write) only. The copy may run on
-  // a thread the channel owns; `done` fires exactly once, on any thread,
-  // possibly inline; the pipe hops back to its loop. Errors name the peer
-  // (`who`). Never throws.
+  // `record` comes from the network: every field is validated again, and a
+  // lying record fails this read (and the peer's write) only. The copy may
+  // run on a thread the channel owns; `done` fires exactly once, on any
+  // thread, possibly inline; the pipe hops back to its loop. Errors name
+  // the peer (`who`). For a record checkOutOfBandRecord passed, what fails
+  // is reaching the memory it names:
+  //  - UNAVAILABLE when the peer process is gone (exited, killed, exiting):
+  //    its memory went with it;
+  //  - DATA_LOSS when that memory cannot be read although the peer lives:
+  //    a record naming memory the peer does not have, or a buffer the peer
+  //    let go of once its write failed (its pipe closed); the pipe tells
+  //    the two apart by whether the peer's end of the connection closes
+  //    (docs/transport.md, "Errors");
+  //  - other codes for causes on this side (permission, resources, time).
+  // Never throws.
   using OutOfBandCallback = std::function<void(const Error&)>;
   virtual void readOutOfBand(const std::string& /*record*/,
                              const Allocation::Buffer& /*dst*/,

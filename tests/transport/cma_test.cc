@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <functional>
 #include <memory>
 #include <poll.h>
 #include <signal.h>
@@ -479,6 +480,89 @@ void expectNamesTheDepartedPeer(const Error& e, pid_t pid,
   EXPECT_NE(e.message().find("is gone"), std::string::npos) << e.what();
 }
 
+// A writer process (cma_peer_helper MODE) has written a 64 MiB tensor by
+// cma; this side takes the record, says "go", and reads the tensor once the
+// writer says it let go of it ("freed").
+struct ReadAfterRelease {
+  std::unique_ptr<Child> child;
+  std::shared_ptr<Pipe> pipe;
+  std::shared_ptr<std::vector<uint8_t>> body;
+  Error error;  // the read's
+  std::chrono::steady_clock::duration took{};
+};
+
+constexpr size_t kReleasedBytes = size_t{64} << 20;
+
+std::unique_ptr<ReadAfterRelease> readAfterRelease(
+    Listener& l, const std::string& mode,
+    const std::function<void(Pipe&)>& whileReading = nullptr) {
+  auto r = std::make_unique<ReadAfterRelease>();
+  r->child =
+      spawnHelper({mode, l.address("shm"), std::to_string(kReleasedBytes)});
+  r->pipe = acceptOne(l);
+  EXPECT_EQ(readAsync(r->pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(r->child->readLine(30000), "ready shm cma");
+  EXPECT_EQ(r->child->readLine(30000), "sent");
+  Promise<Descriptor> dp;
+  r->pipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  auto df = dp.getFuture();
+  if (!df.waitFor(kWait) || !df.error().ok()) {
+    r->error = df.error().ok() ? Error::timeout("no descriptor") : df.error();
+    ADD_FAILURE() << r->error.what();
+    return r;
+  }
+  const Descriptor d = df.wait(kWait);
+  EXPECT_EQ(d.descriptor, "big");
+  if (d.tensors.size() != 1 || d.tensors[0].length != kReleasedBytes) {
+    r->error = Error::internal("unexpected descriptor");
+    ADD_FAILURE() << "unexpected descriptor";
+    return r;
+  }
+  Message go;
+  go.descriptor = "go";
+  writeAsync(*r->pipe, go).wait(kWait);
+  EXPECT_EQ(r->child->readLine(30000), "freed");
+  // Shared with the read's callback: a read that never called back still
+  // owns its buffer.
+  r->body = std::make_shared<std::vector<uint8_t>>(kReleasedBytes);
+  Promise<void> rp;
+  const auto t0 = std::chrono::steady_clock::now();
+  r->pipe->read(Allocation{{}, {{r->body->data(), r->body->size()}}},
+                [rp, body = r->body](const Error& e) mutable {
+                  e.ok() ? rp.setValue() : rp.setError(e);
+                });
+  if (whileReading) {
+    whileReading(*r->pipe);
+  }
+  auto rf = rp.getFuture();
+  if (!rf.waitFor(std::chrono::seconds(20))) {
+    r->error = Error::timeout("the read did not call back within 20 s");
+    ADD_FAILURE() << r->error.what();
+    return r;
+  }
+  r->took = std::chrono::steady_clock::now() - t0;
+  r->error = rf.error();
+  return r;
+}
+
+// The listener and the channel serve the next writer as before.
+void expectAnotherWriterIsServed(Listener& l) {
+  constexpr size_t kBytes = size_t{16} << 20;
+  auto child = spawnHelper({"send", l.address("shm"), std::to_string(kBytes)});
+  auto pipe = acceptOne(l);
+  EXPECT_EQ(readAsync(pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(child->readLine(30000), "ready shm cma");
+  auto r = readAll(pipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_TRUE(checkPattern(r.tensors[0].data(), kBytes, 7));
+  EXPECT_EQ(child->readLine(30000), "written ok");
+  const int status = child->wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
   auto server = Context::create(defaults("server"));
   auto l = server->listen({"shm://"});
@@ -495,6 +579,78 @@ TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
   EXPECT_EQ(child->readLine(30000), "written ok");
   const int status = child->wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// The writer closed its pipe before the reader copied: its write failed
+// (CANCELLED), the buffer was its own again and it let go of it, though the
+// process lives on. The reader's copy finds the memory gone: the peer left,
+// it did not lie (issue: collectives saw DATA_LOSS here).
+TEST(CmaTwoProcesses, WriterThatClosedAndFreedItsTensorFailsTheReadAsGone) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "close");
+  EXPECT_EQ(r->error.code(), Code::kUnavailable) << r->error.what();
+  expectNamesTheDepartedPeer(r->error, r->child->pid, r->pipe->peerAddress());
+  EXPECT_LT(r->took, std::chrono::seconds(5));
+  EXPECT_THROW(throwIfError(r->error), ConnectionError);
+  // The stream ended with that message.
+  auto next = readAll(r->pipe);
+  EXPECT_EQ(next.error.code(), Code::kUnavailable) << next.error.what();
+  expectAnotherWriterIsServed(*l);
+}
+
+// The writer let go of the tensor with its pipe still open, as a process
+// does while unwinding on its way out, and ended 200 ms later: the read
+// fails as the peer's departure, not as corruption.
+TEST(CmaTwoProcesses, WriterThatFreedItsTensorAndExitedFailsTheReadAsGone) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "leave");
+  const pid_t pid = r->child->pid;
+  EXPECT_EQ(r->error.code(), Code::kUnavailable) << r->error.what();
+  expectNamesTheDepartedPeer(r->error, pid, r->pipe->peerAddress());
+  EXPECT_LT(r->took, std::chrono::seconds(5));
+  const int status = r->child->wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  expectAnotherWriterIsServed(*l);
+}
+
+// A live writer that keeps its pipe open but whose record names memory it
+// does not have (here: freed before the reader's copy) is still a protocol
+// error, that read's alone; the writer hears of it and the pipe goes on.
+TEST(CmaTwoProcesses, LiveWriterWhoseRecordNamesFreedMemoryIsAProtocolError) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "free");
+  EXPECT_EQ(r->error.code(), Code::kDataLoss) << r->error.what();
+  EXPECT_NE(r->error.message().find("pid " + std::to_string(r->child->pid)),
+            std::string::npos)
+      << r->error.what();
+  // The writer hears of it through the completion frame.
+  const std::string line = r->child->readLine(30000);
+  EXPECT_EQ(line.rfind("written error: DATA_LOSS", 0), 0u) << line;
+  // The pipe goes on.
+  Message ping;
+  ping.descriptor = "ping";
+  auto w = writeAsync(*r->pipe, ping);
+  ASSERT_TRUE(w.waitFor(kWait));
+  EXPECT_TRUE(w.error().ok()) << w.error().what();
+  expectAnotherWriterIsServed(*l);
+}
+
+// The same read, waiting for the writer's end of the connection, ends at
+// once when this side closes the pipe meanwhile.
+TEST(CmaTwoProcesses, ClosingThePipeEndsAReadWaitingForThePeersEnd) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "free", [](Pipe& pipe) {
+    // Long enough for the copy to fail, well inside the 1 s wait.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    pipe.close();
+  });
+  EXPECT_EQ(r->error.code(), Code::kCancelled) << r->error.what();
+  EXPECT_LT(r->took, std::chrono::milliseconds(900));
+  expectAnotherWriterIsServed(*l);
 }
 
 TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
