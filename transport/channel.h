@@ -54,21 +54,36 @@ class Channel {
                                   std::string* /*record*/) const {
     return Error(Code::kUnimplemented, name() + " carries no out-of-band data");
   }
-  // Reader side, loop thread, before readOutOfBand: checks `record` against
-  // what the handshake told about the peer (cma: the record must name the
-  // peer's own pid, so a peer cannot make this process copy from a third
-  // process or from itself). An error fails that read only. Never throws.
+  // Reader side, loop thread, before readOutOfBand: checks everything about
+  // `record` that needs nothing of the peer's memory: that it decodes, that
+  // it describes `tensor` (the descriptor's entry for it: its length, at
+  // least) and that it matches what the handshake told about the peer
+  // (cma: the record must name the peer's own pid, so a peer cannot make
+  // this process copy from a third process or from itself). A failure is a
+  // lie whatever the peer does next (DATA_LOSS) and fails that read only.
+  // Never throws.
   virtual Error checkOutOfBandRecord(const std::string& /*record*/,
+                                     const Descriptor::TensorInfo& /*tensor*/,
                                      uint64_t /*peerPid*/) const {
     return Error();
   }
   // Reader side, called on the loop thread: copies the tensor described by
   // `record` into `dst` (its length and device come from the descriptor).
-  // `record` comes from the network: every field is validated, and a lying
-  // record fails this read (and the peer's write) only. The copy may run on
-  // a thread the channel owns; `done` fires exactly once, on any thread,
-  // possibly inline; the pipe hops back to its loop. Errors name the peer
-  // (`who`). Never throws.
+  // `record` comes from the network: every field is validated again, and a
+  // lying record fails this read (and the peer's write) only. The copy may
+  // run on a thread the channel owns; `done` fires exactly once, on any
+  // thread, possibly inline; the pipe hops back to its loop. Errors name
+  // the peer (`who`). For a record checkOutOfBandRecord passed, what fails
+  // is reaching the memory it names:
+  //  - UNAVAILABLE when the peer process is gone (exited, killed, exiting):
+  //    its memory went with it;
+  //  - DATA_LOSS when that memory cannot be read although the peer lives:
+  //    a record naming memory the peer does not have, or a buffer the peer
+  //    let go of once its write failed (its pipe closed); the pipe tells
+  //    the two apart by whether the peer's end of the connection closes
+  //    (docs/transport.md, "Errors");
+  //  - other codes for causes on this side (permission, resources, time).
+  // Never throws.
   using OutOfBandCallback = std::function<void(const Error&)>;
   virtual void readOutOfBand(const std::string& /*record*/,
                              const Allocation::Buffer& /*dst*/,

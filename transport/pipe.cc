@@ -323,6 +323,13 @@ void PipeImpl::teardownFromLoop(const Error& error) {
     upgradeTimer_->cancel();
     upgradeTimer_ = nullptr;
   }
+  if (peerEndTimer_ != nullptr) {
+    // A read held for the peer's end (holdForPeerEnd): no copy runs, so
+    // it fails below with the rest.
+    peerEndTimer_->cancel();
+    peerEndTimer_ = nullptr;
+    heldError_ = Error();
+  }
   if (handshake_ && handshake_->upgradeToken() && !connector_) {
     ctx_->dropUpgrade(*handshake_->upgradeToken());
   }

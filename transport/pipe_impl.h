@@ -142,6 +142,17 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
                         std::vector<wire_format::OutOfBand>* records) const;
   void startOutOfBand();
   void onOutOfBandDone(size_t tensor, const Error& error);
+  // Ends the current read once its copies are done: `error` is the first
+  // copy's failure as the channel gave it (docs/transport.md, "Errors").
+  void finishOutOfBand(const Error& error);
+  // A copy found the peer's memory unreadable (DATA_LOSS) while the peer
+  // was still connected: the read waits, at most kPeerEndWait, for the
+  // peer's end of the connection, which tells a peer that left (and may
+  // have let go of its buffers) from a live one whose record lied.
+  void holdForPeerEnd(const Error& error);
+  void releaseHeldRead();
+  // The peer's end of the connection is gone (EOF, or writes refused).
+  bool peerLeft() const { return readEnd_ || !writeError_.ok(); }
   void finishRead(const Error& error);
   void sendCompletion(const Error& error);
   // The peer closed (EOF): fails every write now and later with `error`
@@ -197,6 +208,9 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
   std::vector<OutOfBandRead> outOfBand_;  // the current read's records
   size_t outOfBandPending_ = 0;           // copies not yet called back
   Error outOfBandError_;                  // the first copy error
+  size_t outOfBandErrorTensor_ = 0;       // whose copy it was
+  Error heldError_;  // holdForPeerEnd's, until the peer's end or the timer
+  LoopTimer* peerEndTimer_ = nullptr;
   // End of the stream seen (readEnd_) / writes impossible (writeError_).
   bool readEnd_ = false;
   Error readEndError_;

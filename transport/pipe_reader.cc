@@ -11,6 +11,18 @@ namespace trellis::transport {
 
 namespace wf = wire_format;
 
+namespace {
+
+// How long a read whose copy found the peer's memory gone waits for the
+// peer's end of the connection. A writer whose pipe closed has closed its
+// connection before its write failed and it let go of the buffer, so its
+// EOF is already on the way; a process that lets go of its buffers on its
+// way out (unwinding) ends within moments. A live peer whose record lied
+// keeps the connection: its read fails this much later, as DATA_LOSS.
+constexpr Duration kPeerEndWait = std::chrono::seconds(1);
+
+}  // namespace
+
 void PipeImpl::readBuffer(char** base, size_t* length) {
   if (state_ == State::kEstablished && buffered() == 0) {
     uint8_t* dst = nullptr;
@@ -66,6 +78,9 @@ void PipeImpl::onReadError(const Error& error) {
     // once nothing more can be served from it.
     peerClosedFromLoop(
         error.withContext(id_ + ": connection to " + peerAddress() + " lost"));
+    if (!heldError_.ok()) {
+      releaseHeldRead();
+    }
     process();
     return;
   }
@@ -274,13 +289,15 @@ void PipeImpl::startOutOfBand() {
   // Records are checked before any copy starts: a lying one fails this read
   // only, and the stream stays in step.
   for (const auto& r : outOfBand_) {
-    Error e = channelFor(r.device)->checkOutOfBandRecord(r.record, peerPid_);
+    Error e = channelFor(r.device)->checkOutOfBandRecord(
+        r.record, Descriptor::TensorInfo{r.dst.length, r.device}, peerPid_);
     if (!e.ok()) {
-      outOfBandError_ =
-          e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor) +
+      outOfBand_.clear();
+      e = e.withContext(id_ + ": read: tensor " + std::to_string(r.tensor) +
                         " (" + who + ")");
-      outOfBandPending_ = 1;
-      onOutOfBandDone(r.tensor, Error());
+      sendCompletion(e);
+      finishRead(e);
+      process();
       return;
     }
   }
@@ -306,8 +323,8 @@ void PipeImpl::startOutOfBand() {
 
 void PipeImpl::onOutOfBandDone(size_t tensor, const Error& error) {
   if (!error.ok() && outOfBandError_.ok()) {
-    outOfBandError_ =
-        error.withContext(id_ + ": read: tensor " + std::to_string(tensor));
+    outOfBandError_ = error;
+    outOfBandErrorTensor_ = tensor;
   }
   if (outOfBandPending_ == 0 || --outOfBandPending_ > 0) {
     return;
@@ -325,11 +342,57 @@ void PipeImpl::onOutOfBandDone(size_t tensor, const Error& error) {
     }
     return;
   }
+  if (e.code() == Code::kDataLoss && !peerLeft()) {
+    holdForPeerEnd(e);
+    return;
+  }
+  finishOutOfBand(e);
+}
+
+void PipeImpl::finishOutOfBand(const Error& error) {
+  Error e = error;
+  if (!e.ok()) {
+    const std::string where =
+        id_ + ": read: tensor " + std::to_string(outOfBandErrorTensor_);
+    if (e.code() == Code::kDataLoss && peerLeft()) {
+      // Its write failed when its end closed, and the buffer was its own
+      // again: gone memory says the peer left, not that it lied.
+      e = Error(Code::kUnavailable,
+                where + ": the peer is gone: peer " + peerAddress() +
+                    " closed its end of the connection before the tensor "
+                    "was read, and the memory its record names is no longer "
+                    "there (" +
+                    e.message() + ")");
+    } else {
+      e = e.withContext(where);
+    }
+  }
   // The writer's callback waits for this, whatever the outcome; the stream
   // stays in step either way, so only this read fails.
   sendCompletion(e);
   finishRead(e);
   process();
+}
+
+void PipeImpl::holdForPeerEnd(const Error& error) {
+  heldError_ = error;
+  std::weak_ptr<PipeImpl> weak = shared_from_this();
+  peerEndTimer_ = LoopTimer::start(ctx_->loop(), kPeerEndWait, [weak] {
+    if (auto p = weak.lock()) {
+      p->peerEndTimer_ = nullptr;
+      p->releaseHeldRead();
+    }
+  });
+}
+
+void PipeImpl::releaseHeldRead() {
+  if (peerEndTimer_ != nullptr) {
+    peerEndTimer_->cancel();
+    peerEndTimer_ = nullptr;
+  }
+  const Error e = heldError_;
+  heldError_ = Error();
+  finishOutOfBand(e);
 }
 
 void PipeImpl::sendCompletion(const Error& error) {

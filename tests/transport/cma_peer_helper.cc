@@ -10,12 +10,36 @@
 //   cma_peer_helper hold ADDRESS BYTES   the same, but after the write print
 //                                        "sent" and wait (the test kills
 //                                        this process before reading).
+//   The next three wait, after "sent", for a message "go" from the reader
+//   (which then holds the tensor's record), and then:
+//   cma_peer_helper close ADDRESS BYTES  after "sent", close the pipe, wait
+//                                        for the write's callback (CANCELLED:
+//                                        the buffer is the writer's again),
+//                                        unmap the tensor, print "freed" and
+//                                        wait (the test kills this process).
+//   cma_peer_helper leave ADDRESS BYTES  after "sent", unmap the tensor with
+//                                        the pipe still open (as a process
+//                                        unwinding on its way out), print
+//                                        "freed" and end 200 ms later
+//                                        (_exit(0)).
+//   cma_peer_helper free ADDRESS BYTES   after "sent", unmap the tensor with
+//                                        the pipe still open, print "freed",
+//                                        then "written ok" or "written error:
+//                                        ..." once the write's callback
+//                                        fires, and wait (the test kills
+//                                        this process): a live writer whose
+//                                        record names memory it no longer
+//                                        has.
 // Exit status 0 = as expected; anything else is printed on stderr.
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <sys/mman.h>
+#include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include "transport_test_util.h"
@@ -25,9 +49,94 @@
 using namespace trellis;
 using namespace trellis::transport;
 using trellis::transport::testing::fillPattern;
+using trellis::transport::testing::readAsync;
 using trellis::transport::testing::writeAsync;
 
 namespace {
+
+void say(const char* line) {
+  std::printf("%s\n", line);
+  std::fflush(stdout);
+}
+
+void sayWritten(const Error& e) {
+  if (e.ok()) {
+    std::printf("written ok\n");
+  } else {
+    std::printf("written error: %s\n", e.what().c_str());
+  }
+  std::fflush(stdout);
+}
+
+// Waits for the test to kill this process; bounded all the same.
+int waitToBeKilled() {
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  std::fprintf(stderr, "helper: not killed within 60 s\n");
+  return 3;
+}
+
+// The writer lets go of its tensor after posting its write (modes close,
+// leave, free). The tensor has a mapping of its own, so that letting go of
+// it (munmap) makes the record name memory this process no longer has.
+int releaseMode(const std::string& mode, const std::string& address,
+                size_t bytes) {
+  ContextOptions o;
+  o.name = "helper";
+  o.tokenFromEnvironment = false;
+  auto ctx = Context::create(o);
+  auto pipe = ctx->connect(address);
+  Message hello;
+  hello.descriptor = "hello";
+  writeAsync(*pipe, hello).wait(std::chrono::seconds(30));
+  std::printf("ready %s %s\n", pipe->transportName().c_str(),
+              pipe->channelName().c_str());
+  std::fflush(stdout);
+  void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) {
+    std::fprintf(stderr, "helper: mmap failed\n");
+    return 1;
+  }
+  fillPattern(static_cast<uint8_t*>(mem), bytes, 7);
+  Message m;
+  m.descriptor = "big";
+  m.tensors.push_back({mem, bytes, Device{}});
+  auto w = writeAsync(*pipe, m);
+  say("sent");
+  // The reader has the record once it says "go".
+  auto go = readAsync(pipe);
+  if (!go.waitFor(std::chrono::seconds(30)) || !go.error().ok() ||
+      go.value().descriptor != "go") {
+    std::fprintf(stderr, "helper: no \"go\" from the reader\n");
+    return 1;
+  }
+  if (mode == "close") {
+    pipe->close();
+    if (!w.waitFor(std::chrono::seconds(30))) {
+      std::fprintf(stderr, "helper: write callback did not fire on close\n");
+      return 1;
+    }
+    if (w.error().code() != Code::kCancelled) {
+      std::fprintf(stderr, "helper: closed write ended with %s\n",
+                   w.error().what().c_str());
+      return 1;
+    }
+  }
+  ::munmap(mem, bytes);
+  say("freed");
+  if (mode == "leave") {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::_exit(0);
+  }
+  if (mode == "free") {
+    if (!w.waitFor(std::chrono::seconds(30))) {
+      std::fprintf(stderr, "helper: write callback did not fire\n");
+      return 1;
+    }
+    sayWritten(w.error());
+  }
+  return waitToBeKilled();
+}
 
 int sendMode(const std::string& address, size_t bytes, bool hold) {
   ContextOptions o;
@@ -59,12 +168,7 @@ int sendMode(const std::string& address, size_t bytes, bool hold) {
     std::fprintf(stderr, "write callback did not fire within 60 s\n");
     return 1;
   }
-  if (w.error().ok()) {
-    std::printf("written ok\n");
-  } else {
-    std::printf("written error: %s\n", w.error().what().c_str());
-  }
-  std::fflush(stdout);
+  sayWritten(w.error());
   return 0;
 }
 
@@ -77,10 +181,16 @@ int main(int argc, char** argv) {
       return sendMode(argv[2], std::strtoull(argv[3], nullptr, 10),
                       std::strcmp(argv[1], "hold") == 0);
     }
+    if (argc == 4 && (std::strcmp(argv[1], "close") == 0 ||
+                      std::strcmp(argv[1], "leave") == 0 ||
+                      std::strcmp(argv[1], "free") == 0)) {
+      return releaseMode(argv[1], argv[2], std::strtoull(argv[3], nullptr, 10));
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "helper: %s\n", e.what());
     return 1;
   }
-  std::fprintf(stderr, "usage: %s send|hold ADDRESS BYTES\n", argv[0]);
+  std::fprintf(stderr, "usage: %s send|hold|close|leave|free ADDRESS BYTES\n",
+               argv[0]);
   return 2;
 }

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <functional>
 #include <memory>
 #include <poll.h>
 #include <signal.h>
@@ -22,6 +23,7 @@
 #include <trellis/core/wire.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
+#include <trellis/transport/process_gone.h>
 #include <trellis/transport/transport.h>
 #include <trellis/transport/wire_format.h>
 
@@ -121,10 +123,22 @@ TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
         cma->describeOutOfBand({src.data(), src.size(), Device{}}, &record)
             .ok());
     EXPECT_LE(record.size(), Channel::kMaxOutOfBandRecordBytes);
-    EXPECT_TRUE(
-        cma->checkOutOfBandRecord(record, static_cast<uint64_t>(::getpid()))
-            .ok());
-    EXPECT_EQ(cma->checkOutOfBandRecord(record, 1).code(), Code::kDataLoss);
+    const auto self = static_cast<uint64_t>(::getpid());
+    const Descriptor::TensorInfo info{src.size(), Device{}};
+    EXPECT_TRUE(cma->checkOutOfBandRecord(record, info, self).ok());
+    EXPECT_EQ(cma->checkOutOfBandRecord(record, info, 1).code(),
+              Code::kDataLoss);
+    // A record must describe the tensor it stands for.
+    EXPECT_EQ(
+        cma->checkOutOfBandRecord(record, {src.size() + 1, Device{}}, self)
+            .code(),
+        Code::kDataLoss);
+    EXPECT_EQ(
+        cma->checkOutOfBandRecord(record, {src.size(), Device::cuda(0)}, self)
+            .code(),
+        Code::kDataLoss);
+    EXPECT_EQ(cma->checkOutOfBandRecord("short", info, self).code(),
+              Code::kDataLoss);
     ASSERT_TRUE(readRecord(*cma, record, dst.data(), dst.size(), "self").ok());
     EXPECT_EQ(src, dst);
   }
@@ -138,6 +152,68 @@ TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
             std::string::npos)
       << e.what();
   EXPECT_NE(e.message().find("peer x"), std::string::npos) << e.what();
+}
+
+// A process that ended took its memory with it: a copy from it fails as
+// the peer's departure (UNAVAILABLE naming it), zombie or reaped, not as a
+// lying record. (A live process without the memory: DATA_LOSS, above.)
+TEST(CmaChannel, CopyFromAProcessThatIsGoneIsUnavailable) {
+  auto cma = cma::create();
+  ASSERT_TRUE(cma->viable().ok()) << cma->viable().what();
+  // Copied on the calling thread, and split across the copy threads.
+  std::vector<std::vector<uint8_t>> srcs;
+  for (size_t size : {size_t{100000}, (size_t{9} << 20) + 123}) {
+    srcs.emplace_back(size);
+    fillPattern(srcs.back().data(), size, 5);
+  }
+  // The child has the same memory at the same addresses (copy on write).
+  Child child;
+  child.pid = ::fork();
+  ASSERT_GE(child.pid, 0);
+  if (child.pid == 0) {
+    ::alarm(60);  // bounded even if this test dies first
+    for (;;) {
+      ::pause();  // async-signal-safe: waits for the SIGKILL
+    }
+  }
+  const auto pid = static_cast<uint64_t>(child.pid);
+  EXPECT_FALSE(processGone(pid));
+  EXPECT_FALSE(processGone(static_cast<uint64_t>(::getpid())));
+  auto copyEach = [&](const char* when) {
+    for (const auto& src : srcs) {
+      std::vector<uint8_t> dst(src.size());
+      const Error e = readRecord(
+          *cma,
+          cmaRecord(pid, reinterpret_cast<uintptr_t>(src.data()), src.size()),
+          dst.data(), dst.size(), "peer z");
+      if (std::string(when) == "alive") {
+        EXPECT_TRUE(e.ok()) << e.what();
+        EXPECT_EQ(dst, src);
+        continue;
+      }
+      EXPECT_EQ(e.code(), Code::kUnavailable) << when << ": " << e.what();
+      EXPECT_NE(e.message().find("pid " + std::to_string(pid)),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(e.message().find("peer z"), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("is gone"), std::string::npos) << e.what();
+    }
+  };
+  copyEach("alive");
+  ASSERT_EQ(::kill(child.pid, SIGKILL), 0);
+  // Not reaped yet: a zombie, which still answers kill(pid, 0).
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!processGone(pid) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(processGone(pid));
+  EXPECT_EQ(::kill(child.pid, 0), 0);
+  copyEach("zombie");
+  const int status = child.wait();
+  EXPECT_TRUE(WIFSIGNALED(status)) << status;
+  EXPECT_TRUE(processGone(pid));
+  copyEach("reaped");
 }
 
 TEST(CmaChannel, ThresholdDecidesWhatGoesOutOfBand) {
@@ -394,6 +470,99 @@ std::unique_ptr<Child> spawnHelper(std::vector<std::string> args) {
   return testing::spawnHelper(CMA_PEER_HELPER, std::move(args));
 }
 
+// A read that failed because its writer went away says so: the peer's pid,
+// its address, "is gone".
+void expectNamesTheDepartedPeer(const Error& e, pid_t pid,
+                                const std::string& address) {
+  EXPECT_NE(e.message().find("pid " + std::to_string(pid)), std::string::npos)
+      << e.what();
+  EXPECT_NE(e.message().find(address), std::string::npos) << e.what();
+  EXPECT_NE(e.message().find("is gone"), std::string::npos) << e.what();
+}
+
+// A writer process (cma_peer_helper MODE) has written a 64 MiB tensor by
+// cma; this side takes the record, says "go", and reads the tensor once the
+// writer says it let go of it ("freed").
+struct ReadAfterRelease {
+  std::unique_ptr<Child> child;
+  std::shared_ptr<Pipe> pipe;
+  std::shared_ptr<std::vector<uint8_t>> body;
+  Error error;  // the read's
+  std::chrono::steady_clock::duration took{};
+};
+
+constexpr size_t kReleasedBytes = size_t{64} << 20;
+
+std::unique_ptr<ReadAfterRelease> readAfterRelease(
+    Listener& l, const std::string& mode,
+    const std::function<void(Pipe&)>& whileReading = nullptr) {
+  auto r = std::make_unique<ReadAfterRelease>();
+  r->child =
+      spawnHelper({mode, l.address("shm"), std::to_string(kReleasedBytes)});
+  r->pipe = acceptOne(l);
+  EXPECT_EQ(readAsync(r->pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(r->child->readLine(30000), "ready shm cma");
+  EXPECT_EQ(r->child->readLine(30000), "sent");
+  Promise<Descriptor> dp;
+  r->pipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  auto df = dp.getFuture();
+  if (!df.waitFor(kWait) || !df.error().ok()) {
+    r->error = df.error().ok() ? Error::timeout("no descriptor") : df.error();
+    ADD_FAILURE() << r->error.what();
+    return r;
+  }
+  const Descriptor d = df.wait(kWait);
+  EXPECT_EQ(d.descriptor, "big");
+  if (d.tensors.size() != 1 || d.tensors[0].length != kReleasedBytes) {
+    r->error = Error::internal("unexpected descriptor");
+    ADD_FAILURE() << "unexpected descriptor";
+    return r;
+  }
+  Message go;
+  go.descriptor = "go";
+  writeAsync(*r->pipe, go).wait(kWait);
+  EXPECT_EQ(r->child->readLine(30000), "freed");
+  // Shared with the read's callback: a read that never called back still
+  // owns its buffer.
+  r->body = std::make_shared<std::vector<uint8_t>>(kReleasedBytes);
+  Promise<void> rp;
+  const auto t0 = std::chrono::steady_clock::now();
+  r->pipe->read(Allocation{{}, {{r->body->data(), r->body->size()}}},
+                [rp, body = r->body](const Error& e) mutable {
+                  e.ok() ? rp.setValue() : rp.setError(e);
+                });
+  if (whileReading) {
+    whileReading(*r->pipe);
+  }
+  auto rf = rp.getFuture();
+  if (!rf.waitFor(std::chrono::seconds(20))) {
+    r->error = Error::timeout("the read did not call back within 20 s");
+    ADD_FAILURE() << r->error.what();
+    return r;
+  }
+  r->took = std::chrono::steady_clock::now() - t0;
+  r->error = rf.error();
+  return r;
+}
+
+// The listener and the channel serve the next writer as before.
+void expectAnotherWriterIsServed(Listener& l) {
+  constexpr size_t kBytes = size_t{16} << 20;
+  auto child = spawnHelper({"send", l.address("shm"), std::to_string(kBytes)});
+  auto pipe = acceptOne(l);
+  EXPECT_EQ(readAsync(pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(child->readLine(30000), "ready shm cma");
+  auto r = readAll(pipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_TRUE(checkPattern(r.tensors[0].data(), kBytes, 7));
+  EXPECT_EQ(child->readLine(30000), "written ok");
+  const int status = child->wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
   auto server = Context::create(defaults("server"));
   auto l = server->listen({"shm://"});
@@ -410,6 +579,78 @@ TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
   EXPECT_EQ(child->readLine(30000), "written ok");
   const int status = child->wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// The writer closed its pipe before the reader copied: its write failed
+// (CANCELLED), the buffer was its own again and it let go of it, though the
+// process lives on. The reader's copy finds the memory gone: the peer left,
+// it did not lie (issue: collectives saw DATA_LOSS here).
+TEST(CmaTwoProcesses, WriterThatClosedAndFreedItsTensorFailsTheReadAsGone) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "close");
+  EXPECT_EQ(r->error.code(), Code::kUnavailable) << r->error.what();
+  expectNamesTheDepartedPeer(r->error, r->child->pid, r->pipe->peerAddress());
+  EXPECT_LT(r->took, std::chrono::seconds(5));
+  EXPECT_THROW(throwIfError(r->error), ConnectionError);
+  // The stream ended with that message.
+  auto next = readAll(r->pipe);
+  EXPECT_EQ(next.error.code(), Code::kUnavailable) << next.error.what();
+  expectAnotherWriterIsServed(*l);
+}
+
+// The writer let go of the tensor with its pipe still open, as a process
+// does while unwinding on its way out, and ended 200 ms later: the read
+// fails as the peer's departure, not as corruption.
+TEST(CmaTwoProcesses, WriterThatFreedItsTensorAndExitedFailsTheReadAsGone) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "leave");
+  const pid_t pid = r->child->pid;
+  EXPECT_EQ(r->error.code(), Code::kUnavailable) << r->error.what();
+  expectNamesTheDepartedPeer(r->error, pid, r->pipe->peerAddress());
+  EXPECT_LT(r->took, std::chrono::seconds(5));
+  const int status = r->child->wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  expectAnotherWriterIsServed(*l);
+}
+
+// A live writer that keeps its pipe open but whose record names memory it
+// does not have (here: freed before the reader's copy) is still a protocol
+// error, that read's alone; the writer hears of it and the pipe goes on.
+TEST(CmaTwoProcesses, LiveWriterWhoseRecordNamesFreedMemoryIsAProtocolError) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "free");
+  EXPECT_EQ(r->error.code(), Code::kDataLoss) << r->error.what();
+  EXPECT_NE(r->error.message().find("pid " + std::to_string(r->child->pid)),
+            std::string::npos)
+      << r->error.what();
+  // The writer hears of it through the completion frame.
+  const std::string line = r->child->readLine(30000);
+  EXPECT_EQ(line.rfind("written error: DATA_LOSS", 0), 0u) << line;
+  // The pipe goes on.
+  Message ping;
+  ping.descriptor = "ping";
+  auto w = writeAsync(*r->pipe, ping);
+  ASSERT_TRUE(w.waitFor(kWait));
+  EXPECT_TRUE(w.error().ok()) << w.error().what();
+  expectAnotherWriterIsServed(*l);
+}
+
+// The same read, waiting for the writer's end of the connection, ends at
+// once when this side closes the pipe meanwhile.
+TEST(CmaTwoProcesses, ClosingThePipeEndsAReadWaitingForThePeersEnd) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto r = readAfterRelease(*l, "free", [](Pipe& pipe) {
+    // Long enough for the copy to fail, well inside the 1 s wait.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    pipe.close();
+  });
+  EXPECT_EQ(r->error.code(), Code::kCancelled) << r->error.what();
+  EXPECT_LT(r->took, std::chrono::milliseconds(900));
+  expectAnotherWriterIsServed(*l);
 }
 
 TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
@@ -429,6 +670,7 @@ TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
   ASSERT_EQ(d.tensors.size(), 1u);
   ASSERT_EQ(d.tensors[0].length, kBytes);
   // The record is here; the memory it names goes away.
+  const pid_t pid = child->pid;
   ASSERT_EQ(::kill(child->pid, SIGKILL), 0);
   const int status = child->wait();
   EXPECT_TRUE(WIFSIGNALED(status));
@@ -442,8 +684,10 @@ TEST(CmaTwoProcesses, WriterKilledBeforeTheReadFailsItClearly) {
   auto rf = rp.getFuture();
   ASSERT_TRUE(rf.waitFor(std::chrono::seconds(10)));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
-  // Either the copy finds no process, or the connection's EOF came first.
+  // The copy finds no process (whether or not the connection's EOF came
+  // first): the peer is gone, named by its pid and address.
   EXPECT_EQ(rf.error().code(), Code::kUnavailable) << rf.error().what();
+  expectNamesTheDepartedPeer(rf.error(), pid, pipe->peerAddress());
   EXPECT_THROW(rf.wait(kWait), ConnectionError);
   // The listener still serves.
   auto client = Context::create(defaults("client"));

@@ -156,9 +156,16 @@ Error readRecord(const Channel& c, const std::string& record, void* dst,
 TEST(CudaIpcChannelTest, RecordMustNameThePeersPid) {
   auto c = cuda_ipc::create();
   const std::string record = cuda_ipc::encodeRecord(sampleRecord());
-  EXPECT_TRUE(c->checkOutOfBandRecord(record, 1234).ok());
-  EXPECT_EQ(c->checkOutOfBandRecord(record, 1235).code(), Code::kDataLoss);
-  EXPECT_EQ(c->checkOutOfBandRecord("x", 1234).code(), Code::kDataLoss);
+  const Descriptor::TensorInfo tensor{sampleRecord().length, Device::cuda(0)};
+  EXPECT_TRUE(c->checkOutOfBandRecord(record, tensor, 1234).ok());
+  EXPECT_EQ(c->checkOutOfBandRecord(record, tensor, 1235).code(),
+            Code::kDataLoss);
+  EXPECT_EQ(c->checkOutOfBandRecord("x", tensor, 1234).code(), Code::kDataLoss);
+  // And it must have the tensor's length.
+  EXPECT_EQ(c->checkOutOfBandRecord(
+                 record, {sampleRecord().length + 1, Device::cuda(0)}, 1234)
+                .code(),
+            Code::kDataLoss);
 }
 
 TEST(CudaIpcChannelTest, BadRecordFailsTheReadOnce) {
@@ -310,6 +317,33 @@ TEST_F(CudaIpcGpuTest, LyingRecordsFailThatReadOnly) {
   // The channel goes on.
   const Error e = readRecord(*channel_, records[0], dst, good.length);
   ASSERT_TRUE(e.ok()) << e.what();
+  expectPattern(dst, 4096, 8192);
+}
+
+// A writer that ended before its handles were opened took its memory with
+// it: that read fails as the peer's departure (UNAVAILABLE naming its pid),
+// not as a lying record, and the channel goes on.
+TEST_F(CudaIpcGpuTest, WriterGoneBeforeTheReadIsUnavailable) {
+  const size_t bytes = size_t{1} << 20;
+  auto records = startWriter(bytes, {"0:4096"});
+  ASSERT_EQ(records.size(), 1u);
+  const pid_t pid = writer_->pid;
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  writer_->wait();
+  void* dst = deviceBuffer(bytes);
+  const Error e = readRecord(*channel_, records[0], dst, 4096);
+  EXPECT_EQ(e.code(), Code::kUnavailable) << e.what();
+  EXPECT_NE(e.message().find("is gone"), std::string::npos) << e.what();
+  EXPECT_NE(e.message().find("pid " + std::to_string(pid)), std::string::npos)
+      << e.what();
+  Record r;
+  ASSERT_TRUE(cuda_ipc::decodeRecord(records[0], &r).ok());
+  EXPECT_EQ(r.writerPid, static_cast<uint64_t>(pid));
+  // A live writer: the channel reads on.
+  auto again = startWriter(bytes, {"4096:8192"});
+  ASSERT_EQ(again.size(), 1u);
+  const Error ok = readRecord(*channel_, again[0], dst, 8192);
+  ASSERT_TRUE(ok.ok()) << ok.what();
   expectPattern(dst, 4096, 8192);
 }
 

@@ -19,6 +19,7 @@
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/cma/record.h>
+#include <trellis/transport/process_gone.h>
 
 namespace trellis::transport::cma {
 
@@ -167,23 +168,29 @@ Error copyRange(const Record& rec, uint8_t* dst, size_t offset, size_t length,
     }
     if (n <= 0) {
       const int err = n < 0 ? errno : EFAULT;
-      std::string what = "cma: process_vm_readv of " +
-                         std::to_string(rec.length) + " bytes at 0x" +
-                         hex(rec.address) + " of pid " +
-                         std::to_string(rec.pid) + " (" + who +
-                         ") failed after " + std::to_string(at) + " bytes";
-      // ESRCH: the peer is gone; that is a lost connection, not a bug.
-      if (err == ESRCH) {
-        return Error(Code::kUnavailable, what + ": no such process");
+      const std::string what =
+          "process_vm_readv of " + std::to_string(rec.length) + " bytes at 0x" +
+          hex(rec.address) + " of pid " + std::to_string(rec.pid) + " (" + who +
+          ") failed after " + std::to_string(at) + " bytes";
+      // ESRCH: no such process, or one without memory (a zombie). Memory
+      // that is not there (EFAULT, a short read, ENOMEM) is the peer's
+      // departure too if its process is gone or going: it took its memory
+      // with it. From a peer that lives on, it is a record naming memory
+      // the peer does not have.
+      if (err == ESRCH ||
+          ((err == EFAULT || err == ENOMEM) && processGone(rec.pid))) {
+        return Error(Code::kUnavailable,
+                     "cma: the peer process is gone: " + what + " (" +
+                         std::strerror(err) + ")");
       }
       if (err == EFAULT) {
         return Error(Code::kDataLoss,
-                     what +
+                     "cma: " + what +
                          ": the peer's record names memory it does not "
                          "have (" +
                          std::string(std::strerror(err)) + ")");
       }
-      return Error::fromErrno(err, what);
+      return Error::fromErrno(err, "cma: " + what);
     }
     done += static_cast<size_t>(n);
   }
@@ -259,9 +266,13 @@ class CmaChannel final : public Channel {
   }
 
   Error checkOutOfBandRecord(const std::string& record,
+                             const Descriptor::TensorInfo& tensor,
                              uint64_t peerPid) const override {
     Record rec;
     Error e = decodeRecord(record, &rec);
+    if (e.ok()) {
+      e = checkRecord(rec, tensor.length, tensor.device);
+    }
     if (e.ok() && rec.pid != peerPid) {
       e = Error::protocol("cma record names pid " + std::to_string(rec.pid) +
                           " but the peer's hello said " +
@@ -275,14 +286,8 @@ class CmaChannel final : public Channel {
                      OutOfBandCallback done) const override {
     Record rec;
     Error e = decodeRecord(record, &rec);
-    if (e.ok() && device.type != DeviceType::kCpu) {
-      e = Error::protocol("cma record for a " + device.toString() +
-                          " tensor (cma carries CPU memory only)");
-    }
-    if (e.ok() && rec.length != dst.length) {
-      e = Error::protocol("cma length " + std::to_string(rec.length) +
-                          " differs from the tensor length " +
-                          std::to_string(dst.length));
+    if (e.ok()) {
+      e = checkRecord(rec, dst.length, device);
     }
     if (!e.ok() || rec.length == 0) {
       done(e.ok() ? e : e.withContext(who));
@@ -315,6 +320,21 @@ class CmaChannel final : public Channel {
   }
 
  private:
+  // What a record must say of the tensor it stands for.
+  static Error checkRecord(const Record& rec, size_t length,
+                           const Device& device) {
+    if (device.type != DeviceType::kCpu) {
+      return Error::protocol("cma record for a " + device.toString() +
+                             " tensor (cma carries CPU memory only)");
+    }
+    if (rec.length != length) {
+      return Error::protocol("cma length " + std::to_string(rec.length) +
+                             " differs from the tensor length " +
+                             std::to_string(length));
+    }
+    return Error();
+  }
+
   const Options options_;
   mutable CopyPool pool_;
   mutable std::once_flag once_;

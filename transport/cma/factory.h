@@ -16,7 +16,10 @@
 // (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)), since the reader is a peer,
 // not an ancestor; at 2 or 3 cma is not viable. A read that fails at run
 // time (EPERM, EFAULT, a short read) fails that read and that write with an
-// error naming the peer; the pipe goes on.
+// error naming the peer; the pipe goes on. A writer that is gone (its
+// process ended or is ending, or it closed its end of the pipe and so may
+// have freed the buffer) is UNAVAILABLE; a live one whose record names
+// memory it does not have is DATA_LOSS (docs/transport.md, "cma channel").
 //
 // Context::create() registers it with priority 150, above basic (100).
 

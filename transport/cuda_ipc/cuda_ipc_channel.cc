@@ -27,6 +27,7 @@
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cuda_ipc/factory.h>
 #include <trellis/transport/cuda_ipc/record.h>
+#include <trellis/transport/process_gone.h>
 
 namespace trellis::transport::cuda_ipc {
 
@@ -45,6 +46,18 @@ Error cudaError(cudaError_t e, const std::string& what,
                 Code code = Code::kInternal) {
   return Error(code, what + ": " + cudaGetErrorName(e) + " (" +
                          cudaGetErrorString(e) + ")");
+}
+
+// A handle of the writer that does not open: the writer's departure if its
+// process is gone (its allocations went with it), else a lying record.
+Error openFailed(cudaError_t e, const std::string& what, uint64_t writerPid) {
+  if (processGone(writerPid)) {
+    return cudaError(e,
+                     "cuda_ipc: the peer process is gone (pid " +
+                         std::to_string(writerPid) + "): " + what,
+                     Code::kUnavailable);
+  }
+  return cudaError(e, "cuda_ipc: " + what, Code::kDataLoss);
 }
 
 std::string deviceName(int index) { return "cuda:" + std::to_string(index); }
@@ -513,8 +526,8 @@ Error State::openMemory(const Record& r, int device, const std::string& who,
                              cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      return cudaError(e, "cuda_ipc: cannot open the memory handle from " + who,
-                       Code::kDataLoss);
+      return openFailed(e, "cannot open the memory handle from " + who,
+                        r.writerPid);
     }
     Opened o;
     o.base = reinterpret_cast<uintptr_t>(p);
@@ -555,8 +568,8 @@ Error State::openEvent(const Record& r, int device, const std::string& who,
         &ev, fromBytes<cudaIpcEventHandle_t>(r.eventHandle));
     if (e != cudaSuccess) {
       cudaGetLastError();
-      return cudaError(e, "cuda_ipc: cannot open the event handle from " + who,
-                       Code::kDataLoss);
+      return openFailed(e, "cannot open the event handle from " + who,
+                        r.writerPid);
     }
     it = events_.emplace(key, std::make_pair(ev, uint64_t{0})).first;
   }
@@ -699,9 +712,12 @@ class CudaIpcChannel final : public Channel {
     return state_->describe(t, record);
   }
 
-  // The pipe's check against the pid in the peer's hello: a record naming
-  // another process (this one in particular) is refused before any copy.
+  // The pipe's check before any copy: the record must name the pid in the
+  // peer's hello (a record naming another process, this one in particular,
+  // is refused) and have the tensor's length. The devices are checked by
+  // readOutOfBand, against this host's device count.
   Error checkOutOfBandRecord(const std::string& record,
+                             const Descriptor::TensorInfo& tensor,
                              uint64_t peerPid) const override {
     Record r;
     const Error e = decodeRecord(record, &r);
@@ -713,6 +729,12 @@ class CudaIpcChannel final : public Channel {
                                         std::to_string(r.writerPid) +
                                         ", the peer is pid " +
                                         std::to_string(peerPid));
+    }
+    if (r.length != tensor.length) {
+      return Error(Code::kDataLoss, "cuda_ipc: the record has " +
+                                        std::to_string(r.length) +
+                                        " bytes for a tensor of " +
+                                        std::to_string(tensor.length));
     }
     return Error();
   }
