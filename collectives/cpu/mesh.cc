@@ -628,11 +628,16 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
           }
           Link& link = links_[static_cast<size_t>(peer)];
           if (!link.posted.empty() && link.staged.empty()) {
-            link.reading.into = Reading::Into::kPosted;
-            link.reading.posted = std::move(link.posted.front());
-            link.posted.pop_front();
-            mismatch = match(peer, link.reading.posted, h);
-            alloc.tensors.push_back({link.reading.posted.data, h.bytes});
+            mismatch = match(peer, link.posted.front(), h);
+            if (mismatch.ok()) {
+              // From here a read into the receive's memory is under way:
+              // fail() leaves the receive to onRead.
+              link.reading.into = Reading::Into::kPosted;
+              link.reading.posted = std::move(link.posted.front());
+              link.posted.pop_front();
+              alloc.tensors.push_back({link.reading.posted.data, h.bytes});
+            }
+            // Else the receive stays posted, and fail() fails it.
           } else {
             link.reading.into = Reading::Into::kStaged;
             link.reading.staged.header = h;
@@ -654,6 +659,10 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
           }
         }
         if (!mismatch.ok()) {
+          {
+            MutexLock lock(mu_);
+            links_[static_cast<size_t>(peer)].reading = Reading{};
+          }
           fail(mismatch);
           return;
         }
@@ -708,12 +717,35 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   void onRead(int peer, const Error& e) {
     if (!e.ok()) {
       fail(peerError(peer, e));
-      // fail() has run the callback of what this read was filling.
-      return;
     }
     Callback done;
     SourceCallback doneTagged;
     Error result;
+    {
+      MutexLock lock(mu_);
+      Link& link = links_[static_cast<size_t>(peer)];
+      Reading& r = link.reading;
+      if (!error_.ok()) {
+        // Failed before or while this read ran: the receive it filled (if
+        // any) fails now that the transport let go of its memory.
+        result = error_;
+        if (r.into == Reading::Into::kPosted) {
+          done = std::move(r.posted.cb);
+        } else if (r.into == Reading::Into::kPostedTagged) {
+          doneTagged = std::move(r.postedTagged.cb);
+        }
+        r.into = Reading::Into::kNothing;
+      }
+    }
+    if (!result.ok()) {
+      if (done) {
+        done(result);
+      }
+      if (doneTagged) {
+        doneTagged(result, -1);
+      }
+      return;
+    }
     {
       MutexLock lock(mu_);
       Link& link = links_[static_cast<size_t>(peer)];
@@ -829,9 +861,11 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
     return Error();
   }
 
-  // The first error wins; every pending receive fails with it. Receives
-  // whose data is being read fail when the read ends, which closing the
-  // pipes (after the abort messages had a moment to leave) guarantees.
+  // The first error wins; every pending receive fails with it. A receive
+  // whose data is being read into the caller's memory fails only when that
+  // read ends (onRead), which closing the pipes (after the abort messages
+  // had a moment to leave) guarantees: its caller must not free or reuse
+  // the memory while the transport still writes into it.
   void fail(Error e, bool tellPeers = true) {
     std::vector<Callback> cbs;
     std::vector<SourceCallback> tagged;
@@ -848,14 +882,13 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
         }
         link.posted.clear();
         link.staged.clear();
-        if (link.reading.into == Reading::Into::kPosted) {
-          cbs.push_back(std::move(link.reading.posted.cb));
-        } else if (link.reading.into == Reading::Into::kPostedTagged) {
-          tagged.push_back(std::move(link.reading.postedTagged.cb));
+        // A read into staging memory keeps it until the pipe closes and
+        // then completes into nothing; one into a posted receive's memory
+        // fails that receive when it ends (onRead).
+        if (link.reading.into != Reading::Into::kPosted &&
+            link.reading.into != Reading::Into::kPostedTagged) {
+          link.reading.into = Reading::Into::kNothing;
         }
-        // The read keeps its buffer until the pipe closes: mark it so its
-        // completion does nothing more.
-        link.reading.into = Reading::Into::kNothing;
         if (link.pipe) {
           pipes.push_back(link.pipe);
         }
