@@ -75,11 +75,14 @@ int waitToBeKilled() {
   return 3;
 }
 
-// The writer lets go of its tensor after posting its write (modes close,
-// leave, free). The tensor has a mapping of its own, so that letting go of
-// it (munmap) makes the record name memory this process no longer has.
-int releaseMode(const std::string& mode, const std::string& address,
-                size_t bytes) {
+// Connects to the test at `address`, says hello on the pipe and "ready
+// <transport> <channel>" on stdout.
+struct Connected {
+  std::shared_ptr<Context> ctx;
+  std::shared_ptr<Pipe> pipe;
+};
+
+Connected connectAndGreet(const std::string& address) {
   ContextOptions o;
   o.name = "helper";
   o.tokenFromEnvironment = false;
@@ -91,6 +94,16 @@ int releaseMode(const std::string& mode, const std::string& address,
   std::printf("ready %s %s\n", pipe->transportName().c_str(),
               pipe->channelName().c_str());
   std::fflush(stdout);
+  return {std::move(ctx), std::move(pipe)};
+}
+
+// The writer lets go of its tensor after posting its write (modes close,
+// leave, free). The tensor has a mapping of its own, so that letting go of
+// it (munmap) makes the record name memory this process no longer has.
+int releaseMode(const std::string& mode, const std::string& address,
+                size_t bytes) {
+  Connected c = connectAndGreet(address);
+  auto& pipe = c.pipe;
   void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) {
@@ -139,17 +152,8 @@ int releaseMode(const std::string& mode, const std::string& address,
 }
 
 int sendMode(const std::string& address, size_t bytes, bool hold) {
-  ContextOptions o;
-  o.name = "helper";
-  o.tokenFromEnvironment = false;
-  auto ctx = Context::create(o);
-  auto pipe = ctx->connect(address);
-  Message hello;
-  hello.descriptor = "hello";
-  writeAsync(*pipe, hello).wait(std::chrono::seconds(30));
-  std::printf("ready %s %s\n", pipe->transportName().c_str(),
-              pipe->channelName().c_str());
-  std::fflush(stdout);
+  Connected c = connectAndGreet(address);
+  auto& pipe = c.pipe;
   std::vector<uint8_t> big(bytes);
   fillPattern(big.data(), big.size(), 7);
   Message m;
