@@ -10,9 +10,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <trellis/collectives/cpu/message.h>
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
 #include <trellis/store/hash_store.h>
+#include <trellis/store/prefix_store.h>
+#include <trellis/transport/context.h>
+#include <trellis/transport/pipe.h>
 
 namespace trellis::collectives {
 namespace {
@@ -532,6 +536,96 @@ TEST(ProcessGroup, WorldSizesThatDisagreeFailAtCreate) {
   t1.join();
   EXPECT_NE(e0.find("world sizes disagree"), std::string::npos) << e0;
   EXPECT_NE(e1.find("world sizes disagree"), std::string::npos) << e1;
+}
+
+// Strangers on a rank's mesh listener while its group forms (anything
+// that passes the transport's handshake: here no job token is set): a
+// first message that is not a hello, a hello from a rank that never
+// connects to this one, and one from a rank out of range. The rank closes
+// each such pipe; the group still forms and computes right.
+TEST(ProcessGroup, StrangersOnTheMeshListenerAreRefusedAndTheGroupForms) {
+  auto store = std::make_shared<store::HashStore>();
+  ProcessGroupOptions o;
+  o.timeout = 30s;
+  o.watchdogMode = WatchdogMode::kFail;
+  std::shared_ptr<ProcessGroup> pg2;
+  std::string error2;
+  std::thread rank2([&] {
+    try {
+      pg2 = ProcessGroup::create("cpu", store, 2, 3, o);
+    } catch (const std::exception& e) {
+      error2 = e.what();
+    }
+  });
+  // Rank 2 listens for ranks 0 and 1 under the group's prefix.
+  store::PrefixStore groupStore("pg/default#1", store);
+  groupStore.wait({"addr/2"}, 30s);
+  const std::string address = groupStore.getString("addr/2");
+  transport::ContextOptions co;
+  co.name = "stranger";
+  co.tokenFromEnvironment = false;
+  auto ctx = transport::Context::create(co);
+
+  auto hello = [](int rank, int worldSize, std::string group) {
+    detail::Header h;
+    h.kind = detail::Header::Kind::kHello;
+    h.rank = rank;
+    h.worldSize = worldSize;
+    h.groupId = std::move(group);
+    return detail::encode(h);
+  };
+  // Sends `descriptor` as the first message; the rank must close the pipe.
+  auto refused = [&](const std::string& descriptor, const std::string& what) {
+    auto pipe = ctx->connect(address);
+    transport::Message m;
+    m.descriptor = descriptor;
+    std::promise<Error> closed;
+    pipe->write(std::move(m), [](const Error&) {});
+    pipe->readDescriptor([&closed](const Error& e, transport::Descriptor) {
+      closed.set_value(e);
+    });
+    auto f = closed.get_future();
+    ASSERT_EQ(f.wait_for(20s), std::future_status::ready) << what;
+    EXPECT_FALSE(f.get().ok()) << what << ": the rank kept the pipe open";
+    pipe->close();
+  };
+  refused("not a collectives message", "garbage");
+  refused(hello(2, 3, "default#1"), "a hello from the rank itself");
+  refused(hello(7, 3, "default#1"), "a rank out of range");
+
+  std::vector<std::shared_ptr<ProcessGroup>> low(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> lows;
+  for (int r = 0; r < 2; ++r) {
+    lows.emplace_back([&, r] {
+      try {
+        low[static_cast<size_t>(r)] =
+            ProcessGroup::create("cpu", store, r, 3, o);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : lows) {
+    t.join();
+  }
+  rank2.join();
+  ASSERT_EQ(error2, "");
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  std::vector<torch::Tensor> ts;
+  std::vector<Work> works;
+  for (int r = 0; r < 3; ++r) {
+    ts.push_back(torch::full({1000}, r + 1, torch::kFloat));
+    auto& pg = r == 2 ? pg2 : low[static_cast<size_t>(r)];
+    works.push_back(pg->allreduce(ts.back()));
+  }
+  for (auto& w : works) {
+    w.wait(30s);
+  }
+  for (const auto& t : ts) {
+    EXPECT_TRUE(torch::equal(t, torch::full({1000}, 6, torch::kFloat)));
+  }
 }
 
 TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
