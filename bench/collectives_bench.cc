@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "pipe_bench_util.h"
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/future.h>
 #include <trellis/store/prefix_store.h>
@@ -504,37 +505,12 @@ void uvBaseline() {
   auto src = bench::prefaulted(size);
   auto dst = bench::prefaulted(size);
   auto run = [&](size_t count) {
-    Promise<void> done;
-    size_t received = 0;
-    std::function<void()> readNext = [&] {
-      s->readDescriptor([&](const Error& e, Descriptor) {
-        if (!e.ok()) {
-          Promise<void>(done).setError(e);
-          return;
-        }
-        Allocation a;
-        a.payloads.push_back({dst.data(), size});
-        s->read(std::move(a), [&](const Error& e) {
-          if (!e.ok()) {
-            Promise<void>(done).setError(e);
-          } else if (++received == count) {
-            Promise<void>(done).setValue();
-          } else {
-            readNext();
-          }
+    return bench::oneWayThroughput(
+        s, dst.data(), size, count, false, [&](size_t) {
+          Message m;
+          m.payloads.push_back({src.data(), size});
+          c->write(std::move(m), [](const Error&) {});
         });
-      });
-    };
-    readNext();
-    const auto t0 = Clock::now();
-    for (size_t i = 0; i < count; ++i) {
-      Message m;
-      m.payloads.push_back({src.data(), size});
-      c->write(std::move(m), [](const Error&) {});
-    }
-    done.getFuture().wait(std::chrono::seconds(120));
-    return static_cast<double>(count * size) /
-           std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
   };
   run(2);  // warm-up
   report.add("uv_throughput_64MiB", run(flags.quick ? 4 : 16), "GB/s");

@@ -50,6 +50,7 @@
 #endif
 
 #include "bench_util.h"
+#include "pipe_bench_util.h"
 #include <trellis/core/future.h>
 #include <trellis/transport/basic/factory.h>
 #include <trellis/transport/cma/factory.h>
@@ -231,8 +232,8 @@ double readvRate(uint8_t* a, uint8_t* b, size_t n, size_t threads,
   auto t0 = Clock::now();
   for (int i = -1; i < reps; ++i) {
     if (i == 0) {
-      *firstRead = n / std::chrono::duration<double>(Clock::now() - t0).count() /
-                   1e9;
+      *firstRead =
+          n / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
       t0 = Clock::now();
     }
     std::vector<std::thread> copiers;
@@ -280,8 +281,8 @@ void memcpyBaseline() {
     const double steady = readvRate(a.data(), b.data(), n, 2, &first);
     report.add({"process_vm_readv_64MiB_2threads_first_read", first, "GB/s",
                 "memcpy_64MiB"});
-    report.add({"process_vm_readv_64MiB_2threads", steady, "GB/s",
-                "memcpy_64MiB"});
+    report.add(
+        {"process_vm_readv_64MiB_2threads", steady, "GB/s", "memcpy_64MiB"});
   } catch (const std::exception& e) {
     note(std::string("process_vm_readv_64MiB_2threads skipped: ") + e.what());
   }
@@ -392,50 +393,25 @@ std::vector<double> pipePingPong(PipeBench& b) {
 // from memory no earlier message used (the "first read" rows: a fresh
 // tensor per step).
 double pipeThroughput(PipeBench& b, size_t size, bool asTensor = false,
-                      size_t total = kBytesPerSize,
-                      Pages pages = Pages::kSmall, size_t sources = 1) {
+                      size_t total = kBytesPerSize, Pages pages = Pages::kSmall,
+                      size_t sources = 1) {
   const size_t count = std::max<size_t>(total / size, 4);
   std::vector<bench::Buffer> srcs;
   for (size_t i = 0; i < sources; ++i) {
     srcs.push_back(runBuffer(size, pages, "pipeThroughput"));
   }
   auto dst = runBuffer(size, pages, "pipeThroughput");
-  Promise<void> done;
-  size_t received = 0;
-  std::function<void()> readNext = [&] {
-    b.s->readDescriptor([&](const Error& e, Descriptor) {
-      if (!e.ok()) {
-        Promise<void>(done).setError(e);
-        return;
-      }
-      Allocation a;
-      (asTensor ? a.tensors : a.payloads).push_back({dst.data(), size});
-      b.s->read(std::move(a), [&](const Error& e) {
-        if (!e.ok()) {
-          Promise<void>(done).setError(e);
-        } else if (++received == count) {
-          Promise<void>(done).setValue();
+  return bench::oneWayThroughput(
+      b.s, dst.data(), size, count, asTensor, [&](size_t i) {
+        Message m;
+        uint8_t* src = srcs[i % sources].data();
+        if (asTensor) {
+          m.tensors.push_back({src, size, Device{}});
         } else {
-          readNext();
+          m.payloads.push_back({src, size});
         }
+        b.c->write(std::move(m), [](const Error&) {});
       });
-    });
-  };
-  readNext();
-  const auto t0 = Clock::now();
-  for (size_t i = 0; i < count; ++i) {
-    Message m;
-    uint8_t* src = srcs[i % sources].data();
-    if (asTensor) {
-      m.tensors.push_back({src, size, Device{}});
-    } else {
-      m.payloads.push_back({src, size});
-    }
-    b.c->write(std::move(m), [](const Error&) {});
-  }
-  done.getFuture().wait(std::chrono::seconds(120));
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  return static_cast<double>(count * size) / secs / 1e9;
 }
 
 void trellisUv() {
