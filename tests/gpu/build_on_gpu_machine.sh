@@ -5,8 +5,9 @@
 # channel. It is also how the tree is checked against a libtorch 2.x.
 #
 #   build_on_gpu_machine.sh fetch          (here, on Debian 12) downloads the
-#       Debian packages the GPU machine lacks into .gpu-debs/ (ignore it:
-#       echo /.gpu-debs/ >> .git/info/exclude);
+#       Debian packages the GPU machine lacks into .gpu-debs/ (git
+#       ignores it; a tool that copies only tracked files must be told to
+#       take it along);
 #   build_on_gpu_machine.sh test [OUTDIR]  (there, from the repository root,
 #       with .gpu-debs/ copied along) unpacks them into a private prefix,
 #       configures against the machine's PyTorch and NCCL, builds the GPU
