@@ -1,5 +1,7 @@
+#include <atomic>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <thread>
 
 #include <trellis/collectives/cpu/algorithms.h>
@@ -18,7 +20,7 @@ class CpuBackend final : public Backend {
       : mesh_(std::move(mesh)),
         timeout_(timeout),
         algo_(allreduceAlgoFromEnvironment()),
-        worker_([this] { run(); }) {}
+        worker_([this, gone = gone_] { run(*gone); }) {}
 
   ~CpuBackend() override {
     {
@@ -31,7 +33,22 @@ class CpuBackend final : public Backend {
     mesh_->abort(Error::cancelled(mesh_->description() +
                                   " was destroyed on rank " +
                                   std::to_string(mesh_->rank())));
-    worker_.join();
+    if (worker_.get_id() == std::this_thread::get_id()) {
+      // A done callback on the worker dropped the group's last owner: the
+      // worker will not come back for what is queued, so it fails here.
+      std::deque<Item> left;
+      {
+        MutexLock lock(mu_);
+        left.swap(queue_);
+      }
+      for (auto& item : left) {
+        item.done(mesh_->error());
+      }
+      gone_->store(true);  // run() returns without touching `this`
+      worker_.detach();
+    } else {
+      worker_.join();
+    }
     mesh_.reset();
   }
 
@@ -71,7 +88,7 @@ class CpuBackend final : public Backend {
     Done done;
   };
 
-  void run() {
+  void run(const std::atomic<bool>& gone) {
     for (;;) {
       Item item;
       {
@@ -91,6 +108,9 @@ class CpuBackend final : public Backend {
         e = runOne(item.op);
       }
       item.done(e);
+      if (gone.load()) {
+        return;  // destroyed by that callback: `this` is no more
+      }
     }
   }
 
@@ -174,7 +194,10 @@ class CpuBackend final : public Backend {
   CondVar cv_;
   std::deque<Item> queue_ TRELLIS_GUARDED_BY(mu_);
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
-  std::thread worker_;
+  // Set by the destructor when it runs on the worker (see run()).
+  const std::shared_ptr<std::atomic<bool>> gone_ =
+      std::make_shared<std::atomic<bool>>(false);
+  std::thread worker_;  // last: started once the rest exists
 };
 
 }  // namespace

@@ -628,6 +628,40 @@ TEST(ProcessGroup, StrangersOnTheMeshListenerAreRefusedAndTheGroupForms) {
   }
 }
 
+// A callback on a Work's future that drops the group's last owner runs on
+// the backend's worker, which then destroys the backend: nothing hangs or
+// crashes, and the op queued behind fails instead of being forgotten.
+TEST(ProcessGroup, LastOwnerDroppedInACompletionCallback) {
+  auto store = std::make_shared<store::HashStore>();
+  ProcessGroupOptions o;
+  o.timeout = 30s;
+  o.watchdogMode = WatchdogMode::kFail;
+  std::shared_ptr<ProcessGroup> pg1;
+  std::thread t1([&] { pg1 = ProcessGroup::create("cpu", store, 1, 2, o); });
+  auto pg0 = ProcessGroup::create("cpu", store, 0, 2, o);
+  t1.join();
+  ASSERT_TRUE(pg1);
+  auto a = torch::ones({8});
+  auto queued = torch::ones({8});
+  auto first = pg0->allreduce(a);  // waits for rank 1's
+  auto behind = pg0->allreduce(queued);
+  std::promise<std::thread::id> dropped;
+  auto chained =
+      first.future().then([held = std::move(pg0),
+                           &dropped](const std::vector<at::Tensor>&) mutable {
+        held.reset();
+        dropped.set_value(std::this_thread::get_id());
+      });
+  pg1->allreduce(torch::ones({8})).wait(30s);
+  auto f = dropped.get_future();
+  ASSERT_EQ(f.wait_for(30s), std::future_status::ready);
+  EXPECT_NE(f.get(), std::this_thread::get_id())
+      << "the callback ran on the test's thread, not the worker's";
+  EXPECT_TRUE(torch::equal(a, torch::full({8}, 2.0)));
+  EXPECT_THROW(behind.wait(30s), Exception);
+  pg1.reset();
+}
+
 TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
   auto store = std::make_shared<store::HashStore>();
   EXPECT_THROW((void)ProcessGroup::create("gloo", store, 0, 1),
