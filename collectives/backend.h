@@ -2,8 +2,11 @@
 // What a ProcessGroup backend implements (not installed; no libtorch). The
 // front end (process_group.cc) checks arguments, numbers the ops and turns
 // tensors into the raw views of an OpSpec; a backend moves the bytes.
+#include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <trellis/collectives/cpu/message.h>
@@ -80,6 +83,47 @@ class Backend {
   // network (cpu: tells every peer why; nccl: ncclCommAbort). Idempotent;
   // any thread.
   virtual void abort(const Error& reason) = 0;
+};
+
+// A backend's own thread (cpu: the worker; nccl: the completion thread).
+// It runs the ops' done callbacks, and one of them may drop the group's
+// last owner, so the backend can be destroyed on this very thread, which
+// then cannot be joined. finish() joins it from any other thread; on the
+// thread itself it marks it gone and detaches it, and the thread's body
+// returns without touching the backend once `gone` is set after a callback.
+class BackendThread {
+ public:
+  BackendThread() = default;
+  BackendThread(const BackendThread&) = delete;
+  BackendThread& operator=(const BackendThread&) = delete;
+  ~BackendThread() { finish(); }
+
+  // Runs body(gone) on a new thread.
+  template <typename Body>
+  void start(Body body) {
+    thread_ = std::thread(
+        [gone = gone_, body = std::move(body)]() mutable { body(*gone); });
+  }
+  bool isCurrent() const {
+    return thread_.get_id() == std::this_thread::get_id();
+  }
+  // Idempotent; call once the body was told to stop.
+  void finish() {
+    if (!thread_.joinable()) {
+      return;
+    }
+    if (isCurrent()) {
+      gone_->store(true);
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+  }
+
+ private:
+  const std::shared_ptr<std::atomic<bool>> gone_ =
+      std::make_shared<std::atomic<bool>>(false);
+  std::thread thread_;
 };
 
 }  // namespace detail

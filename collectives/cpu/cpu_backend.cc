@@ -2,7 +2,6 @@
 #include <cstring>
 #include <deque>
 #include <memory>
-#include <thread>
 
 #include <trellis/collectives/cpu/algorithms.h>
 #include <trellis/collectives/cpu/cpu_backend.h>
@@ -19,8 +18,9 @@ class CpuBackend final : public Backend {
   CpuBackend(std::unique_ptr<Mesh> mesh, Duration timeout)
       : mesh_(std::move(mesh)),
         timeout_(timeout),
-        algo_(allreduceAlgoFromEnvironment()),
-        worker_([this, gone = gone_] { run(*gone); }) {}
+        algo_(allreduceAlgoFromEnvironment()) {
+    worker_.start([this](const std::atomic<bool>& gone) { run(gone); });
+  }
 
   ~CpuBackend() override {
     {
@@ -33,7 +33,7 @@ class CpuBackend final : public Backend {
     mesh_->abort(Error::cancelled(mesh_->description() +
                                   " was destroyed on rank " +
                                   std::to_string(mesh_->rank())));
-    if (worker_.get_id() == std::this_thread::get_id()) {
+    if (worker_.isCurrent()) {
       // A done callback on the worker dropped the group's last owner: the
       // worker will not come back for what is queued, so it fails here.
       std::deque<Item> left;
@@ -44,11 +44,8 @@ class CpuBackend final : public Backend {
       for (auto& item : left) {
         item.done(mesh_->error());
       }
-      gone_->store(true);  // run() returns without touching `this`
-      worker_.detach();
-    } else {
-      worker_.join();
     }
+    worker_.finish();  // on the worker: run() returns without touching us
     mesh_.reset();
   }
 
@@ -194,10 +191,7 @@ class CpuBackend final : public Backend {
   CondVar cv_;
   std::deque<Item> queue_ TRELLIS_GUARDED_BY(mu_);
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
-  // Set by the destructor when it runs on the worker (see run()).
-  const std::shared_ptr<std::atomic<bool>> gone_ =
-      std::make_shared<std::atomic<bool>>(false);
-  std::thread worker_;  // last: started once the rest exists
+  BackendThread worker_;  // last: started once the rest exists
 };
 
 }  // namespace

@@ -2,8 +2,8 @@
 // and backend.h). Kept in one file of about 1000 lines on purpose: the op
 // mapping, the communicators' lifecycle and the completion and abort paths
 // share one lock order (launchMu_ before mu_) and one sticky-error rule,
-// which are easiest to check when they sit side by side. Nothing here has
-// run on a GPU yet.
+// which are easiest to check when they sit side by side. Run on one GPU
+// only (groups of one rank; docs/collectives_nccl.md, "Status").
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -195,7 +195,8 @@ class NcclBackend final : public Backend {
         size_(size),
         timeout_(options.timeout),
         description_(options.description + " rank " + std::to_string(rank)) {
-    completer_ = std::thread([this, gone = gone_] { completeLoop(gone); });
+    completer_.start(
+        [this](const std::atomic<bool>& gone) { completeLoop(gone); });
   }
 
   ~NcclBackend() override {
@@ -377,7 +378,7 @@ class NcclBackend final : public Backend {
   // querying once a query failed (poll() reports that) or the backend was
   // aborted. `gone` is set by the destructor: a done callback may drop the
   // last owner of the backend, which is then destroyed on this thread.
-  void completeLoop(const std::shared_ptr<std::atomic<bool>>& gone) {
+  void completeLoop(const std::atomic<bool>& gone) {
     int current = -1;
     auto pause = std::chrono::microseconds(0);
     for (;;) {
@@ -396,7 +397,7 @@ class NcclBackend final : public Backend {
       for (auto& done : finished) {
         done(Error());
       }
-      if (gone->load()) {
+      if (gone.load()) {
         return;  // destroyed by a callback above: `this` is no more
       }
       if (!finished.empty()) {
@@ -454,12 +455,7 @@ class NcclBackend final : public Backend {
       stopping_ = true;
     }
     completerWake_.notifyAll();
-    if (completer_.get_id() == std::this_thread::get_id()) {
-      gone_->store(true);  // a done callback destroyed us: see completeLoop
-      completer_.detach();
-    } else {
-      completer_.join();
-    }
+    completer_.finish();  // on it: completeLoop returns without touching us
   }
 
   Error stickyError() {
@@ -1113,10 +1109,8 @@ class NcclBackend final : public Backend {
   bool aborted_ TRELLIS_GUARDED_BY(mu_) = false;
   Error abortReason_ TRELLIS_GUARDED_BY(mu_);
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
-  CondVar completerWake_;  // with mu_: an op is pending, abort, or stop
-  const std::shared_ptr<std::atomic<bool>> gone_ =
-      std::make_shared<std::atomic<bool>>(false);
-  std::thread completer_;  // last: started once the rest exists
+  CondVar completerWake_;    // with mu_: an op is pending, abort, or stop
+  BackendThread completer_;  // last: started once the rest exists
 };
 
 }  // namespace

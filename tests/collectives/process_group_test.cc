@@ -36,6 +36,15 @@ class ScopedAlgo {
   ~ScopedAlgo() { unsetenv("TRELLIS_COLLECTIVES_ALGO"); }
 };
 
+// Options for ranks that share this process: a failed group must not end
+// it.
+ProcessGroupOptions sharedProcessOptions(Duration timeout) {
+  ProcessGroupOptions o;
+  o.timeout = timeout;
+  o.watchdogMode = WatchdogMode::kFail;
+  return o;
+}
+
 // Runs fn(pg) on n threads, one rank each; a failure on any rank fails the
 // test with that rank named.
 void runRanks(int n, const std::function<void(ProcessGroup&)>& fn,
@@ -545,9 +554,7 @@ TEST(ProcessGroup, WorldSizesThatDisagreeFailAtCreate) {
 // each such pipe; the group still forms and computes right.
 TEST(ProcessGroup, StrangersOnTheMeshListenerAreRefusedAndTheGroupForms) {
   auto store = std::make_shared<store::HashStore>();
-  ProcessGroupOptions o;
-  o.timeout = 30s;
-  o.watchdogMode = WatchdogMode::kFail;
+  const ProcessGroupOptions o = sharedProcessOptions(30s);
   std::shared_ptr<ProcessGroup> pg2;
   std::string error2;
   std::thread rank2([&] {
@@ -633,9 +640,7 @@ TEST(ProcessGroup, StrangersOnTheMeshListenerAreRefusedAndTheGroupForms) {
 // crashes, and the op queued behind fails instead of being forgotten.
 TEST(ProcessGroup, LastOwnerDroppedInACompletionCallback) {
   auto store = std::make_shared<store::HashStore>();
-  ProcessGroupOptions o;
-  o.timeout = 30s;
-  o.watchdogMode = WatchdogMode::kFail;
+  const ProcessGroupOptions o = sharedProcessOptions(30s);
   std::shared_ptr<ProcessGroup> pg1;
   std::thread t1([&] { pg1 = ProcessGroup::create("cpu", store, 1, 2, o); });
   auto pg0 = ProcessGroup::create("cpu", store, 0, 2, o);
