@@ -16,6 +16,7 @@
 #include "rendezvous.h"
 #include <trellis/core/deadline.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/extension.h>
@@ -149,6 +150,25 @@ bool Agent::Impl::onOwnThread() const {
          (connections != nullptr && connections->inLoop());
 }
 
+namespace {
+
+// Teardowns posted to the teardown thread and not yet finished. Leaked on
+// purpose, like the transport's late pool: an agent may be released during
+// static destruction.
+struct DeferredTeardowns {
+  ThreadPool pool{1, "rpc-teardown"};
+  Mutex mu;
+  CondVar done;
+  size_t pending TRELLIS_GUARDED_BY(mu) = 0;
+};
+
+DeferredTeardowns& deferredTeardowns() {
+  static auto* teardowns = new DeferredTeardowns();
+  return *teardowns;
+}
+
+}  // namespace
+
 // The last reference to an agent may drop on any thread, also in a user
 // function or a future callback that runs on one of the agent's own
 // threads and held an RRef, a dist_autograd::Context or the result of
@@ -161,10 +181,30 @@ void Agent::destroy(Agent* agent) {
     delete agent;
     return;
   }
-  // Leaked on purpose, like the transport's late pool: an agent may be
-  // released during static destruction.
-  static ThreadPool* teardown = new ThreadPool(1, "rpc-teardown");
-  teardown->post([agent](const Error&) { delete agent; });
+  DeferredTeardowns& teardowns = deferredTeardowns();
+  {
+    MutexLock lock(teardowns.mu);
+    ++teardowns.pending;
+  }
+  teardowns.pool.post([agent, &teardowns](const Error&) {
+    delete agent;
+    MutexLock lock(teardowns.mu);
+    --teardowns.pending;
+    teardowns.done.notifyAll();
+  });
+}
+
+bool Agent::awaitDeferredTeardowns(Duration timeout) {
+  DeferredTeardowns& teardowns = deferredTeardowns();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  MutexLock lock(teardowns.mu);
+  while (teardowns.pending > 0) {
+    if (!teardowns.done.waitUntil(teardowns.mu, deadline) &&
+        teardowns.pending > 0) {
+      return false;
+    }
+  }
+  return true;
 }
 
 Agent::~Agent() {

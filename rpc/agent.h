@@ -139,6 +139,11 @@ class Agent : public std::enable_shared_from_this<Agent> {
   static std::shared_ptr<Agent> currentShared();
   // rpc::init() sets the process agent; null to clear.
   static void setProcessAgent(std::shared_ptr<Agent> agent);
+  // Waits until every agent whose last reference dropped on one of its own
+  // threads (its teardown then runs on another thread, see Lifetime above)
+  // has finished tearing down; false when some had not within `timeout`.
+  // For a program (or test) about to exit that let go of an agent that way.
+  static bool awaitDeferredTeardowns(Duration timeout);
 
   const WorkerInfo& self() const;
   int32_t worldSize() const;

@@ -405,6 +405,9 @@ TEST(RpcAgent, LastReferenceDroppedOnTheAgentsOwnThread) {
   EXPECT_FALSE(weak.expired());  // the user function still holds it
   gLetGo.set_value();
   EXPECT_TRUE(waitUntil([&] { return weak.expired(); }));
+  // The reference is gone once the teardown was handed over; the test (and
+  // its process) must not end before that teardown has.
+  EXPECT_TRUE(rpc::Agent::awaitDeferredTeardowns(10s));
   // Its reply may or may not have left before the teardown closed the pipe.
   try {
     EXPECT_EQ(f.wait(10s), 1);
