@@ -514,6 +514,24 @@ void uvBaseline() {
   };
   run(2);  // warm-up
   report.add("uv_throughput_64MiB", run(flags.quick ? 4 : 16), "GB/s");
+  // Both ways at once, per direction: what a two-rank ring over uv can
+  // reach at most, since each rank sends and receives at the same time and
+  // loopback TCP spends a core's time on either side of every byte.
+  auto src2 = bench::prefaulted(size);
+  auto dst2 = bench::prefaulted(size);
+  const size_t count = flags.quick ? 4 : 16;
+  double back = 0;
+  std::thread reverse([&] {
+    back = bench::oneWayThroughput(
+        c, dst2.data(), size, count, false, [&](size_t) {
+          Message m;
+          m.payloads.push_back({src2.data(), size});
+          s->write(std::move(m), [](const Error&) {});
+        });
+  });
+  const double forth = run(count);
+  reverse.join();
+  report.add("uv_both_ways_64MiB", (forth + back) / 2, "GB/s");
 }
 
 struct Phase {
@@ -660,7 +678,9 @@ int runMain() {
   // The default phases run with the defaults, whatever the caller's shell
   // says; the forced one sets both knobs.
   const std::vector<std::pair<std::string, std::string>> defaults = {
-      {"TRELLIS_COLLECTIVES_ALGO", ""}, {"TRELLIS_TRANSPORTS", ""}};
+      {"TRELLIS_COLLECTIVES_ALGO", ""},
+      {"TRELLIS_TRANSPORTS", ""},
+      {"TRELLIS_CHANNELS", ""}};
   // Gloo first at each size, so that each Trellis row follows its baseline.
   for (int n : {2, 4}) {
     const std::string r = std::to_string(n) + "r";
@@ -670,7 +690,9 @@ int runMain() {
   addPhase(
       {"trellis_ring_uv_2r",
        2,
-       {{"TRELLIS_COLLECTIVES_ALGO", "ring"}, {"TRELLIS_TRANSPORTS", "uv"}}});
+       {{"TRELLIS_COLLECTIVES_ALGO", "ring"},
+        {"TRELLIS_TRANSPORTS", "uv"},
+        {"TRELLIS_CHANNELS", "basic"}}});
   // Which of Gloo's two allreduces is faster changes from run to run on
   // this VM: the targets are held to the better one of this run.
   for (int n : {2, 4}) {
@@ -692,6 +714,13 @@ int runMain() {
       report.add("trellis_" + lat + "_vs_best",
                  report.valueOf("trellis_" + lat), "us", "gloo_best_" + lat);
     }
+  }
+  if (report.valueOf("trellis_ring_uv_allreduce_64MiB_busbw_2r") > 0) {
+    // The ring against what loopback carries both ways at once: the limit
+    // this machine puts on it (the target's one-way figure is not).
+    report.add("trellis_ring_uv_allreduce_64MiB_busbw_2r_vs_both_ways",
+               report.valueOf("trellis_ring_uv_allreduce_64MiB_busbw_2r"),
+               "GB/s", "uv_both_ways_64MiB");
   }
   report.print(flags.json);
   const double big = ratio("trellis_allreduce_64MiB_busbw_2r",

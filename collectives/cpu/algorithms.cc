@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -27,13 +28,16 @@ class Exchange {
   Exchange(const Exchange&) = delete;
   Exchange& operator=(const Exchange&) = delete;
 
+  // `peer`: an index into the context's team.
   void send(int peer, uint32_t step, const void* data, size_t bytes) {
-    add(peer, false);
-    c_.mesh.sendCollective(peer, c_.fp, step, data, bytes, done(peer, false));
+    const int to = c_.meshRank(peer);
+    add(to, false);
+    c_.mesh.sendCollective(to, c_.fp, step, data, bytes, done(to, false));
   }
   void recv(int peer, uint32_t step, void* data, size_t bytes) {
-    add(peer, true);
-    c_.mesh.recvCollective(peer, c_.fp, step, data, bytes, done(peer, true));
+    const int from = c_.meshRank(peer);
+    add(from, true);
+    c_.mesh.recvCollective(from, c_.fp, step, data, bytes, done(from, true));
   }
 
   // Waits for everything posted. At the deadline the group is aborted with
@@ -141,8 +145,8 @@ size_t chunkOffset(size_t count, int n, int c) {
 // rank. Steps 0..n-2.
 Error ringReduceScatter(AlgoContext& c, uint8_t* data, size_t count,
                         uint8_t* tmp) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   const size_t es = elementSize(c.fp.dtype);
   const int right = mod(r + 1, n);
   const int left = mod(r - 1, n);
@@ -165,8 +169,8 @@ Error ringReduceScatter(AlgoContext& c, uint8_t* data, size_t count,
 }
 
 Error ringAllreduce(AlgoContext& c, uint8_t* data, size_t count) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   const size_t es = elementSize(c.fp.dtype);
   uint8_t* tmp = c.scratch.get(chunkCount(count, n, 0) * es);
   if (Error e = ringReduceScatter(c, data, count, tmp); !e.ok()) {
@@ -194,8 +198,8 @@ Error ringAllreduce(AlgoContext& c, uint8_t* data, size_t count) {
 // Recursive doubling among the largest power of two p2 <= n; ranks p2..n-1
 // first fold their data into rank - p2 and get the result back at the end.
 Error recursiveDoubling(AlgoContext& c, uint8_t* data, size_t count) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   const size_t bytes = count * elementSize(c.fp.dtype);
   int p2 = 1;
   while (p2 * 2 <= n) {
@@ -237,7 +241,62 @@ Error recursiveDoubling(AlgoContext& c, uint8_t* data, size_t count) {
   return Error();
 }
 
+// Ring or recursive doubling among the team, by size unless forced.
+Error flatAllreduce(AlgoContext& c, uint8_t* p, size_t count) {
+  const size_t bytes = count * elementSize(c.fp.dtype);
+  bool ring = bytes > kSmallAllreduceBytes;
+  if (c.algo == AllreduceAlgo::kRing ||
+      c.algo == AllreduceAlgo::kRecursiveDoubling) {
+    ring = c.algo == AllreduceAlgo::kRing;
+  }
+  return ring ? ringAllreduce(c, p, count) : recursiveDoubling(c, p, count);
+}
+
+// Reduce on each host in shared memory, allreduce among one leader per
+// host over the mesh, broadcast on each host. One host: shared memory only.
+Error hierarchicalAllreduce(AlgoContext& c, uint8_t* p, size_t count) {
+  const HostLayout& hosts = *c.hosts;
+  if (hosts.hostCount() == 1) {
+    return c.shm->allreduce(c.mesh, c.fp, c.deadline, p, count);
+  }
+  if (c.shm != nullptr) {
+    if (Error e = c.shm->reduceToLeader(c.mesh, c.fp, c.deadline, p, count);
+        !e.ok()) {
+      return e;
+    }
+  }
+  if (c.shm == nullptr || c.shm->localIndex() == 0) {
+    AlgoContext leaders = c;
+    leaders.setTeam(hosts.leaders());
+    if (Error e = flatAllreduce(leaders, p, count); !e.ok()) {
+      return e;
+    }
+  }
+  if (c.shm != nullptr) {
+    return c.shm->broadcastFromLeader(c.mesh, c.fp, c.deadline, p,
+                                      count * elementSize(c.fp.dtype));
+  }
+  return Error();
+}
+
 }  // namespace
+
+int AlgoContext::size() const {
+  return team.empty() ? mesh.size() : static_cast<int>(team.size());
+}
+
+int AlgoContext::rank() const { return team.empty() ? mesh.rank() : teamIndex; }
+
+int AlgoContext::meshRank(int index) const {
+  return team.empty() ? index : team[static_cast<size_t>(index)];
+}
+
+void AlgoContext::setTeam(std::vector<int> ranks) {
+  team = std::move(ranks);
+  const auto it = std::find(team.begin(), team.end(), mesh.rank());
+  TRELLIS_CHECK(it != team.end(), "a team without this rank");
+  teamIndex = static_cast<int>(it - team.begin());
+}
 
 uint8_t* Scratch::get(size_t bytes) {
   if (buf_.size() < bytes) {
@@ -257,22 +316,22 @@ AllreduceAlgo allreduceAlgoFromEnvironment() {
   if (std::string_view(v) == "rd") {
     return AllreduceAlgo::kRecursiveDoubling;
   }
+  if (std::string_view(v) == "hier") {
+    return AllreduceAlgo::kHierarchical;
+  }
   throwError(Error::invalidArgument("TRELLIS_COLLECTIVES_ALGO='" +
                                     std::string(v) +
-                                    "' is not one of auto, ring, rd"));
+                                    "' is not one of auto, ring, rd, hier"));
 }
 
 Error allreduce(AlgoContext& c, void* data, size_t count) {
-  const int n = c.mesh.size();
+  const int n = c.size();
   auto* p = static_cast<uint8_t*>(data);
   if (n > 1) {
-    const size_t bytes = count * elementSize(c.fp.dtype);
-    bool ring = bytes > kSmallAllreduceBytes;
-    if (c.algo != AllreduceAlgo::kAuto) {
-      ring = c.algo == AllreduceAlgo::kRing;
-    }
-    Error e =
-        ring ? ringAllreduce(c, p, count) : recursiveDoubling(c, p, count);
+    const bool flat = c.algo == AllreduceAlgo::kRing ||
+                      c.algo == AllreduceAlgo::kRecursiveDoubling;
+    Error e = c.hosts != nullptr && !flat ? hierarchicalAllreduce(c, p, count)
+                                          : flatAllreduce(c, p, count);
     if (!e.ok()) {
       return e;
     }
@@ -284,9 +343,9 @@ Error allreduce(AlgoContext& c, void* data, size_t count) {
 }
 
 Error broadcast(AlgoContext& c, void* data, size_t bytes) {
-  const int n = c.mesh.size();
+  const int n = c.size();
   const int root = c.fp.root;
-  const int vr = mod(c.mesh.rank() - root, n);
+  const int vr = mod(c.rank() - root, n);
   int mask = 1;
   while (mask < n) {
     if (vr & mask) {
@@ -309,9 +368,9 @@ Error broadcast(AlgoContext& c, void* data, size_t bytes) {
 }
 
 Error reduce(AlgoContext& c, void* data, size_t count) {
-  const int n = c.mesh.size();
+  const int n = c.size();
   const int root = c.fp.root;
-  const int vr = mod(c.mesh.rank() - root, n);
+  const int vr = mod(c.rank() - root, n);
   const size_t bytes = count * elementSize(c.fp.dtype);
   // Non-roots keep their input: they accumulate in scratch.
   uint8_t* region = c.scratch.get(2 * bytes);
@@ -343,8 +402,8 @@ Error reduce(AlgoContext& c, void* data, size_t count) {
 
 Error allgather(AlgoContext& c, const void* input, size_t bytes,
                 std::span<void* const> outputs) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   auto* own = outputs[static_cast<size_t>(r)];
   if (own != input && bytes > 0) {
     std::memcpy(own, input, bytes);
@@ -366,8 +425,8 @@ Error allgather(AlgoContext& c, const void* input, size_t bytes,
 
 Error gather(AlgoContext& c, const void* input, size_t bytes,
              std::span<void* const> outputs) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   Exchange ex(c);
   if (r != c.fp.root) {
     ex.send(c.fp.root, 0, input, bytes);
@@ -387,8 +446,8 @@ Error gather(AlgoContext& c, const void* input, size_t bytes,
 
 Error scatter(AlgoContext& c, std::span<const void* const> inputs, void* output,
               size_t bytes) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   Exchange ex(c);
   if (r != c.fp.root) {
     ex.recv(c.fp.root, 0, output, bytes);
@@ -408,8 +467,8 @@ Error scatter(AlgoContext& c, std::span<const void* const> inputs, void* output,
 
 Error reduceScatter(AlgoContext& c, std::span<const void* const> inputs,
                     void* output, size_t count) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   const size_t bytes = count * elementSize(c.fp.dtype);
   const size_t total = bytes * static_cast<size_t>(n);
   uint8_t* work = c.scratch.get(total + bytes);
@@ -439,8 +498,8 @@ Error alltoall(AlgoContext& c, const uint8_t* input,
                std::span<const size_t> inLengths, uint8_t* output,
                std::span<const size_t> outOffsets,
                std::span<const size_t> outLengths) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   const auto ur = static_cast<size_t>(r);
   TRELLIS_DCHECK(inLengths[ur] == outLengths[ur],
                  "alltoall: own block sizes checked by the caller");
@@ -459,8 +518,8 @@ Error alltoall(AlgoContext& c, const uint8_t* input,
 }
 
 Error barrier(AlgoContext& c) {
-  const int n = c.mesh.size();
-  const int r = c.mesh.rank();
+  const int n = c.size();
+  const int r = c.rank();
   uint32_t step = 0;
   for (int dist = 1; dist < n; dist <<= 1, ++step) {
     Exchange ex(c);

@@ -5,9 +5,14 @@
 // caller's buffers are free again whatever the outcome.
 //
 // Which algorithm runs (docs/collectives.md, "Algorithms"):
-//  - allreduce: recursive doubling (with the non-power-of-two fold) up to
-//    kSmallAllreduceBytes, ring reduce-scatter + allgather above.
-//    TRELLIS_COLLECTIVES_ALGO=ring|rd forces one (tests cover both).
+//  - allreduce: where ranks share hosts (host_shm.h), hierarchical: reduce
+//    in each host's shared-memory segment, allreduce among one leader per
+//    host over the mesh, broadcast in the segment (one host: the segment
+//    alone). Among the leaders, or where no ranks share a host: recursive
+//    doubling (with the non-power-of-two fold) up to kSmallAllreduceBytes,
+//    ring reduce-scatter + allgather above. TRELLIS_COLLECTIVES_ALGO=ring|rd
+//    forces a flat one over the mesh, =hier the hierarchical one where it
+//    applies (tests cover each).
 //  - broadcast, reduce: binomial trees rooted at the root.
 //  - allgather: ring. gather, scatter: direct to/from the root.
 //  - reduceScatter: ring. alltoall: pairwise exchange. barrier:
@@ -19,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include <trellis/collectives/cpu/host_shm.h>
 #include <trellis/collectives/cpu/mesh.h>
 #include <trellis/collectives/dtype.h>
 #include <trellis/core/deadline.h>
@@ -27,9 +33,9 @@ namespace trellis::collectives::detail {
 
 constexpr size_t kSmallAllreduceBytes = 256 * 1024;
 
-enum class AllreduceAlgo { kAuto, kRing, kRecursiveDoubling };
-// TRELLIS_COLLECTIVES_ALGO: unset/"auto", "ring" or "rd"; anything else is
-// an InvalidArgumentError naming the variable and the value.
+enum class AllreduceAlgo { kAuto, kRing, kRecursiveDoubling, kHierarchical };
+// TRELLIS_COLLECTIVES_ALGO: unset/"auto", "ring", "rd" or "hier"; anything else
+// is an InvalidArgumentError naming the variable and the value.
 AllreduceAlgo allreduceAlgoFromEnvironment();
 
 // Reusable memory for received chunks: grows, never shrinks, so the hot
@@ -48,6 +54,21 @@ struct AlgoContext {
   Deadline deadline;
   Scratch& scratch;
   AllreduceAlgo algo = AllreduceAlgo::kAuto;
+  // Set when ranks share hosts and every host has its segment (allreduce
+  // then runs hierarchically); shm: this rank's host's segment, null when
+  // this rank is alone on its host.
+  const HostLayout* hosts = nullptr;
+  HostShm* shm = nullptr;
+  // The mesh ranks an algorithm runs among, in order; empty: all of them.
+  // The algorithms see team indices (size(), rank(), Exchange peers).
+  std::vector<int> team;
+  int teamIndex = -1;
+
+  int size() const;
+  int rank() const;
+  int meshRank(int index) const;
+  // `ranks` must contain this rank.
+  void setTeam(std::vector<int> ranks);
 };
 
 Error allreduce(AlgoContext& c, void* data, size_t count);

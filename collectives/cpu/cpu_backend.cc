@@ -2,6 +2,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <optional>
 
 #include <trellis/collectives/cpu/algorithms.h>
 #include <trellis/collectives/cpu/cpu_backend.h>
@@ -15,10 +16,13 @@ constexpr Duration kBackstop = std::chrono::seconds(60);
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(std::unique_ptr<Mesh> mesh, Duration timeout)
+  CpuBackend(std::unique_ptr<Mesh> mesh, std::optional<HostLayout> hosts,
+             std::unique_ptr<HostShm> shm, Duration timeout, AllreduceAlgo algo)
       : mesh_(std::move(mesh)),
+        hosts_(std::move(hosts)),
+        shm_(std::move(shm)),
         timeout_(timeout),
-        algo_(allreduceAlgoFromEnvironment()) {
+        algo_(algo) {
     worker_.start([this](const std::atomic<bool>& gone) { run(gone); });
   }
 
@@ -113,10 +117,20 @@ class CpuBackend final : public Backend {
 
   Error runOne(OpSpec& op) {
     mesh_->noteStarted(op.fp);
+    if (shm_) {
+      shm_->noteStarted(op.fp);
+    }
     // The watchdog fails an op at the group's timeout, naming the culprit;
     // this deadline is only a backstop should the watchdog itself be stuck.
-    AlgoContext c{*mesh_, op.fp, Deadline::fromTimeout(timeout_ + kBackstop),
-                  scratch_, algo_};
+    AlgoContext c{.mesh = *mesh_,
+                  .fp = op.fp,
+                  .deadline = Deadline::fromTimeout(timeout_ + kBackstop),
+                  .scratch = scratch_,
+                  .algo = algo_,
+                  .hosts = hosts_ ? &*hosts_ : nullptr,
+                  .shm = shm_.get(),
+                  .team = {},
+                  .teamIndex = -1};
     switch (op.fp.op) {
       case OpType::kAllreduce:
         return allreduce(c, op.data, op.count);
@@ -181,6 +195,9 @@ class CpuBackend final : public Backend {
   }
 
   std::unique_ptr<Mesh> mesh_;
+  // Set when ranks share hosts and the group agreed on shared memory.
+  const std::optional<HostLayout> hosts_;
+  const std::unique_ptr<HostShm> shm_;
   const Duration timeout_;
   const AllreduceAlgo algo_;
   // Touched only by the worker thread.
@@ -199,8 +216,24 @@ class CpuBackend final : public Backend {
 std::unique_ptr<Backend> createCpuBackend(store::Store& store, int rank,
                                           int size, MeshOptions options) {
   const Duration timeout = options.timeout;
+  // Both read the environment: a bad value fails before any connection.
+  const AllreduceAlgo algo = allreduceAlgoFromEnvironment();
+  const std::string hostKey = HostLayout::hostKey(rank);
   auto mesh = Mesh::connect(store, rank, size, std::move(options));
-  return std::make_unique<CpuBackend>(std::move(mesh), timeout);
+  std::optional<HostLayout> hosts;
+  std::unique_ptr<HostShm> shm;
+  if (size > 1) {
+    HostLayout layout = HostLayout::exchange(store, *mesh, hostKey, timeout);
+    bool everyHost = false;
+    if (layout.anyShared()) {
+      shm = HostShm::create(store, *mesh, layout, timeout, &everyHost);
+    }
+    if (everyHost) {
+      hosts = std::move(layout);
+    }
+  }
+  return std::make_unique<CpuBackend>(std::move(mesh), std::move(hosts),
+                                      std::move(shm), timeout, algo);
 }
 
 }  // namespace trellis::collectives::detail

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <list>
@@ -195,6 +196,7 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
         if (result.ok() && s.header.bytes > 0) {
           std::memcpy(p.data, s.data.data(), s.header.bytes);
         }
+        giveBackStaging(std::move(s.data));
       }
     }
     if (!result.ok()) {
@@ -245,16 +247,56 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   void abort(Error reason) { fail(std::move(reason), /*tellPeers=*/true); }
 
   void noteStarted(const Fingerprint& fp) {
-    MutexLock lock(mu_);
-    history_.push_back(fp);
-    if (history_.size() > kHistory) {
-      history_.pop_front();
+    Error mismatch;
+    {
+      MutexLock lock(mu_);
+      history_.push_back(fp);
+      if (history_.size() > kHistory) {
+        history_.pop_front();
+      }
+      // A peer's message for this sequence number that arrived before this
+      // rank started it was staged unchecked; an algorithm that posts no
+      // receive from that peer (the shared-memory path posts none) would
+      // never look at it, so it is checked now.
+      for (size_t peer = 0; peer < links_.size(); ++peer) {
+        const Link& link = links_[peer];
+        auto differs = [&](const Header& h) {
+          return h.fp.seq == fp.seq && !(h.fp == fp);
+        };
+        const Header* h = nullptr;
+        for (const Staged& st : link.staged) {
+          if (differs(st.header)) {
+            h = &st.header;
+            break;
+          }
+        }
+        if (h == nullptr && link.reading.into == Reading::Into::kStaged &&
+            differs(link.reading.staged.header)) {
+          h = &link.reading.staged.header;
+        }
+        if (h != nullptr) {
+          mismatch =
+              Error(Code::kAborted,
+                    description() + ": desync: rank " + std::to_string(rank_) +
+                        " runs " + fp.toString() + " but rank " +
+                        std::to_string(peer) + " runs " + h->fp.toString());
+          break;
+        }
+      }
+    }
+    if (!mismatch.ok()) {
+      fail(std::move(mismatch));
     }
   }
 
   Error error() const {
     MutexLock lock(mu_);
     return error_;
+  }
+
+  Error linkError(int peer) const {
+    MutexLock lock(mu_);
+    return links_[static_cast<size_t>(peer)].closed;
   }
 
   bool inLoop() const { return ctx_ && ctx_->inLoop(); }
@@ -288,6 +330,7 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   };
   struct Staged {
     Header header;
+    // At least header.bytes (a reused buffer may be larger).
     std::vector<uint8_t> data;
   };
   struct PostedTagged {
@@ -517,6 +560,42 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
     });
   }
 
+  // Buffers for collective messages that arrive before their receive is
+  // posted (common: a ring's next step from a peer that reduced faster),
+  // kept for reuse: a fresh buffer faults in fresh pages, which this VM
+  // does at a fraction of memcpy speed (DESIGN.md), and a ring stages
+  // every step's chunk. The smallest that fits; a new one only when none
+  // does. At most kSpareStaging are kept.
+  std::vector<uint8_t> takeStaging(size_t bytes) TRELLIS_REQUIRES(mu_) {
+    auto best = spareStaging_.end();
+    for (auto it = spareStaging_.begin(); it != spareStaging_.end(); ++it) {
+      if (it->size() >= bytes &&
+          (best == spareStaging_.end() || it->size() < best->size())) {
+        best = it;
+      }
+    }
+    if (best == spareStaging_.end()) {
+      return std::vector<uint8_t>(bytes);
+    }
+    std::vector<uint8_t> out = std::move(*best);
+    spareStaging_.erase(best);
+    return out;
+  }
+
+  void giveBackStaging(std::vector<uint8_t> buf) TRELLIS_REQUIRES(mu_) {
+    if (buf.empty()) {
+      return;
+    }
+    spareStaging_.push_back(std::move(buf));
+    if (spareStaging_.size() > kSpareStaging) {
+      // Drop the smallest: the large ones are the costly ones to fault in.
+      auto smallest = std::min_element(
+          spareStaging_.begin(), spareStaging_.end(),
+          [](const auto& a, const auto& b) { return a.size() < b.size(); });
+      spareStaging_.erase(smallest);
+    }
+  }
+
   void readNext(int peer) {
     auto pipe = pipeOf(peer);
     auto self = shared_from_this();
@@ -654,7 +733,7 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
                         std::to_string(peer) + " runs " + h.fp.toString());
               }
             }
-            link.reading.staged.data.resize(h.bytes);
+            link.reading.staged.data = takeStaging(h.bytes);
             alloc.tensors.push_back({link.reading.staged.data.data(), h.bytes});
           }
         }
@@ -764,6 +843,7 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
             if (result.ok() && p.bytes > 0) {
               std::memcpy(p.data, r.staged.data.data(), p.bytes);
             }
+            giveBackStaging(std::move(r.staged.data));
             done = std::move(p.cb);
           } else {
             link.staged.push_back(std::move(r.staged));
@@ -970,6 +1050,8 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   int hellos_ TRELLIS_GUARDED_BY(mu_) = 0;
   std::list<PostedTagged> postedTagged_ TRELLIS_GUARDED_BY(mu_);
   std::list<StagedTagged> stagedTagged_ TRELLIS_GUARDED_BY(mu_);
+  static constexpr size_t kSpareStaging = 4;
+  std::vector<std::vector<uint8_t>> spareStaging_ TRELLIS_GUARDED_BY(mu_);
   // The last kHistory collectives this rank started, for desync errors.
   static constexpr size_t kHistory = 64;
   std::deque<Fingerprint> history_ TRELLIS_GUARDED_BY(mu_);
@@ -1023,5 +1105,6 @@ void Mesh::recvTagged(int peer, int64_t tag, DType dtype, void* data,
 void Mesh::abort(Error reason) { impl_->abort(std::move(reason)); }
 void Mesh::noteStarted(const Fingerprint& fp) { impl_->noteStarted(fp); }
 Error Mesh::error() const { return impl_->error(); }
+Error Mesh::linkError(int peer) const { return impl_->linkError(peer); }
 
 }  // namespace trellis::collectives::detail

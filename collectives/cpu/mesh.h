@@ -85,6 +85,11 @@ class Mesh {
   void noteStarted(const Fingerprint& fp);
   // The sticky error; ok while the mesh is healthy.
   Error error() const;
+  // Why the pipe to `peer` ended (its process exited, it destroyed its
+  // group); ok while it is open. The mesh fails only once a receive from
+  // that peer can no longer be met; an algorithm that waits for the peer
+  // outside the mesh (host_shm.h) asks here.
+  Error linkError(int peer) const;
 
   class Impl;
 

@@ -15,8 +15,10 @@
 //  stall   (store=external) the store is a trellis-store process the test
 //          runs and freezes; the ranks allreduce on (they need no store)
 //          until the watchdog, stuck in a store call, is reported stuck.
-//  plain   every rank runs all five steps (each an allreduce by recursive
-//          doubling and one by ring, results checked) and says "done".
+//  plain   every rank runs all five steps (each a small allreduce and a
+//          1 MiB one, results checked: in the hosts' shared-memory segments
+//          where ranks share a host, by recursive doubling and by ring
+//          between hosts) and says "done".
 #include <chrono>
 #include <cstdio>
 #include <signal.h>
@@ -144,8 +146,8 @@ int main(int argc, char** argv) {
     }
     auto pg = ProcessGroup::fromEnvironment("cpu", o);
     const int rank = pg->rank();
-    // `big` is 1 MiB: above the recursive-doubling limit, so it runs the
-    // ring; `t` runs recursive doubling.
+    // Between hosts `big` (1 MiB, above the recursive-doubling limit) runs
+    // the ring and `t` recursive doubling; on a host, both the segment.
     auto t = torch::ones({1024});
     auto big = torch::ones({1 << 18});
     double expect = 1;

@@ -36,6 +36,18 @@ class ScopedAlgo {
   ~ScopedAlgo() { unsetenv("TRELLIS_COLLECTIVES_ALGO"); }
 };
 
+// TRELLIS_COLLECTIVES_RANKS_PER_HOST (0: unset, every rank on this host).
+class ScopedRanksPerHost {
+ public:
+  explicit ScopedRanksPerHost(int k) {
+    if (k > 0) {
+      setenv("TRELLIS_COLLECTIVES_RANKS_PER_HOST", std::to_string(k).c_str(),
+             1);
+    }
+  }
+  ~ScopedRanksPerHost() { unsetenv("TRELLIS_COLLECTIVES_RANKS_PER_HOST"); }
+};
+
 // Options for ranks that share this process: a failed group must not end
 // it.
 ProcessGroupOptions sharedProcessOptions(Duration timeout) {
@@ -134,14 +146,18 @@ const std::vector<torch::ScalarType> kDtypes = {
 struct SweepCase {
   int size;
   const char* algo;
+  // Ranks per (pretended) host; 0: all on this one.
+  int ranksPerHost = 0;
 };
 
 class AllreduceSweep : public ::testing::TestWithParam<SweepCase> {};
 
 TEST_P(AllreduceSweep, EveryDtypeAndSizeMatchesTheReference) {
-  const auto [n, algo] = GetParam();
+  const auto [n, algo, ranksPerHost] = GetParam();
   ScopedAlgo scoped(algo);
-  const std::vector<int64_t> sizes = {0, 1, 7, 1001};
+  ScopedRanksPerHost hosts(ranksPerHost);
+  // 70001: more than one shared-memory block for the 8-byte dtypes.
+  const std::vector<int64_t> sizes = {0, 1, 7, 1001, 70001};
   runRanks(n, [&](ProcessGroup& pg) {
     for (auto dtype : kDtypes) {
       for (int64_t count : sizes) {
@@ -162,13 +178,20 @@ INSTANTIATE_TEST_SUITE_P(
                       SweepCase{5, "ring"}, SweepCase{8, "ring"},
                       SweepCase{2, "rd"}, SweepCase{3, "rd"},
                       SweepCase{4, "rd"}, SweepCase{5, "rd"},
-                      SweepCase{8, "rd"}),
+                      SweepCase{8, "rd"}, SweepCase{2, "hier"},
+                      SweepCase{3, "hier"}, SweepCase{5, "hier"},
+                      SweepCase{8, "hier"}, SweepCase{4, "hier", 2},
+                      SweepCase{5, "hier", 2}, SweepCase{8, "hier", 3},
+                      SweepCase{4, "hier", 1}, SweepCase{4, "auto", 3}),
     [](const auto& info) {
-      return std::string(info.param.algo) + std::to_string(info.param.size);
+      return std::string(info.param.algo) + std::to_string(info.param.size) +
+             (info.param.ranksPerHost > 0
+                  ? "_per_host" + std::to_string(info.param.ranksPerHost)
+                  : "");
     });
 
 TEST(ProcessGroup, AllreduceOpsMatchTheReference) {
-  for (const char* algo : {"ring", "rd"}) {
+  for (const char* algo : {"ring", "rd", "hier"}) {
     ScopedAlgo scoped(algo);
     runRanks(3, [&](ProcessGroup& pg) {
       for (auto op : {ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
@@ -195,8 +218,10 @@ TEST(ProcessGroup, LargeAllreduceAndAvgAgreeBitwiseOnEveryRank) {
   // 4 MiB + 1 element of float32, random values: every rank must end with
   // the same bits, and the values must match a double-precision sum.
   const int64_t count = (4 << 20) / 4 + 1;
-  for (const char* algo : {"ring", "rd"}) {
-    ScopedAlgo scoped(algo);
+  for (const char* algo : {"ring", "rd", "hier", "hier/2"}) {
+    // hier/2: two pretended hosts of two ranks.
+    ScopedAlgo scoped(std::string(algo).substr(0, 4).c_str());
+    ScopedRanksPerHost hosts(std::string(algo) == "hier/2" ? 2 : 0);
     std::vector<torch::Tensor> results(4);
     runRanks(4, [&](ProcessGroup& pg) {
       auto gen = torch::make_generator<at::CPUGeneratorImpl>(pg.rank() + 7);
@@ -682,6 +707,19 @@ TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
               std::string::npos);
   }
   unsetenv("TRELLIS_COLLECTIVES_ALGO");
+  for (const char* bad : {"0", "two", "3x", "-1", "99999999999"}) {
+    setenv("TRELLIS_COLLECTIVES_RANKS_PER_HOST", bad, 1);
+    try {
+      (void)ProcessGroup::create("cpu", store, 0, 1);
+      ADD_FAILURE() << "no error for '" << bad << "'";
+    } catch (const InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "TRELLIS_COLLECTIVES_RANKS_PER_HOST='" + std::string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  unsetenv("TRELLIS_COLLECTIVES_RANKS_PER_HOST");
 }
 
 TEST(ProcessGroup, ARankThatNeverComesTimesOutNamingItAndTheOp) {

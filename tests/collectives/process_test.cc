@@ -341,5 +341,61 @@ TEST(CollectivesProcess, RanksOnThreeNetworkHostsRunAndALostHostIsNamed) {
   }
 }
 
+// Two ranks on each of two network hosts: the hierarchical allreduce for
+// real (each host's pair reduce in their segment, the leaders over TCP
+// between the namespaces). Then a non-leader is killed inside the group:
+// the others, on both hosts, fail within 2 s naming it.
+TEST(CollectivesProcess, TwoRanksOnEachOfTwoNetworkHostsRunHierarchically) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root to create network namespaces";
+  }
+  Hosts hosts(2);
+  ASSERT_TRUE(hosts.ok()) << "could not create the network namespaces";
+  Job probe(kWorker, "plain", 0);  // for its temp dir and job token only
+  const auto start = [&](const std::string& scenario) {
+    std::vector<std::unique_ptr<rpc::testing::Child>> ranks;
+    for (int r = 0; r < 4; ++r) {
+      ranks.push_back(transport::testing::spawnHelper(
+          "/usr/sbin/ip",
+          {"netns", "exec", hosts.ns("h" + std::to_string(r / 2)), kWorker,
+           scenario, "timeout_ms=60000"},
+          {"RANK=" + std::to_string(r), "WORLD_SIZE=4",
+           "MASTER_ADDR=" + hosts.address(0), "MASTER_PORT=29512",
+           "TRELLIS_LOCAL_ADDR=" + hosts.address(r / 2),
+           "TRELLIS_JOB_TOKEN=" + probe.token()},
+          probe.path(scenario + std::to_string(r) + ".err")));
+    }
+    return ranks;
+  };
+  {
+    auto ranks = start("plain");
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(lineStartingWith(*ranks[r], "done", 60000), "done")
+          << "rank " << r << ":\n"
+          << rpc::testing::readFile(
+                 probe.path("plain" + std::to_string(r) + ".err"));
+    }
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(statusText(ranks[r]->wait(10000)), "exit 0") << "rank " << r;
+    }
+  }
+  {
+    // The kill scenario's victim is rank 2: host 1's leader.
+    auto ranks = start("kill");
+    ASSERT_EQ(lineStartingWith(*ranks[2], "ready", 60000), "ready");
+    ASSERT_EQ(::kill(ranks[2]->pid, SIGKILL), 0);
+    const auto killed = Clock::now();
+    for (int r : {0, 1, 3}) {
+      const std::string line = lineStartingWith(*ranks[r], "error: ", 10000);
+      EXPECT_LT(Clock::now() - killed, kSlow * 2s) << "rank " << r << line;
+      EXPECT_NE(line.find("rank 2"), std::string::npos)
+          << "rank " << r << ": " << line;
+    }
+    for (int r : {0, 1, 3}) {
+      EXPECT_TRUE(endedFailing(ranks[r]->wait(10000))) << "rank " << r;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace trellis::collectives
