@@ -34,10 +34,38 @@ class Exchange {
     add(to, false);
     c_.mesh.sendCollective(to, c_.fp, step, data, bytes, done(to, false));
   }
-  void recv(int peer, uint32_t step, void* data, size_t bytes) {
+  // Returns the receive's number, for waitReceived().
+  size_t recv(int peer, uint32_t step, void* data, size_t bytes) {
     const int from = c_.meshRank(peer);
+    size_t id = 0;
+    {
+      MutexLock lock(st_->mu);
+      id = st_->received.size();
+      st_->received.push_back(false);
+    }
     add(from, true);
-    c_.mesh.recvCollective(from, c_.fp, step, data, bytes, done(from, true));
+    c_.mesh.recvCollective(from, c_.fp, step, data, bytes,
+                           done(from, true, id));
+    return id;
+  }
+
+  // Waits until receive `id` arrived, so its data can be used while the
+  // rest is still in flight. Once anything failed, or at the deadline,
+  // this is wait(): the error, after every callback fired.
+  Error waitReceived(size_t id) {
+    {
+      MutexLock lock(st_->mu);
+      while (!st_->received[id] && st_->first.ok()) {
+        if (!st_->cv.waitUntil(st_->mu, c_.deadline.timePoint())) {
+          break;
+        }
+      }
+      if (st_->received[id] && st_->first.ok()) {
+        return Error();
+      }
+    }
+    Error e = wait();
+    return e.ok() ? Error::internal("a receive ended without its callback") : e;
   }
 
   // Waits for everything posted. At the deadline the group is aborted with
@@ -76,6 +104,8 @@ class Exchange {
     Error first TRELLIS_GUARDED_BY(mu);
     // (peer, is receive) of every operation not yet called back.
     std::vector<std::pair<int, bool>> open TRELLIS_GUARDED_BY(mu);
+    // Per receive, in posting order: its callback fired without error.
+    std::vector<bool> received TRELLIS_GUARDED_BY(mu);
   };
 
   bool idle() {
@@ -89,11 +119,15 @@ class Exchange {
     st_->open.emplace_back(peer, isRecv);
   }
 
-  Mesh::Callback done(int peer, bool isRecv) {
-    return [st = st_, peer, isRecv](const Error& e) {
+  Mesh::Callback done(int peer, bool isRecv, size_t id = 0) {
+    return [st = st_, peer, isRecv, id](const Error& e) {
       MutexLock lock(st->mu);
       if (!e.ok() && st->first.ok()) {
         st->first = e;
+      }
+      if (isRecv && e.ok()) {
+        st->received[id] = true;
+        st->cv.notifyAll();
       }
       for (auto it = st->open.begin(); it != st->open.end(); ++it) {
         if (*it == std::make_pair(peer, isRecv)) {
@@ -140,6 +174,16 @@ size_t chunkOffset(size_t count, int n, int c) {
   return uc * base + std::min(uc, rem);
 }
 
+// A ring step's chunk travels in pieces of about kPieceBytes, so that the
+// receiver reduces each piece while the next ones are still on the wire.
+// Both ends split a chunk the same way: by its element count alone.
+constexpr size_t kPieceBytes = 2 * 1024 * 1024;
+
+size_t pieceCount(size_t count, size_t elementBytes) {
+  const size_t perPiece = std::max<size_t>(1, kPieceBytes / elementBytes);
+  return std::max<size_t>(1, (count + perPiece - 1) / perPiece);
+}
+
 // Reduce-scatter around the ring over `count` elements at `data` in place,
 // split into size() chunks: rank r ends holding chunk r reduced over every
 // rank. Steps 0..n-2.
@@ -151,19 +195,47 @@ Error ringReduceScatter(AlgoContext& c, uint8_t* data, size_t count,
   const int right = mod(r + 1, n);
   const int left = mod(r - 1, n);
   for (int s = 0; s < n - 1; ++s) {
+    const auto step = static_cast<uint32_t>(s);
     const int sendC = mod(r - s - 1, n);
     const int recvC = mod(r - s - 2, n);
+    const size_t sendCount = chunkCount(count, n, sendC);
     const size_t recvCount = chunkCount(count, n, recvC);
+    uint8_t* sendAt = data + chunkOffset(count, n, sendC) * es;
+    uint8_t* recvAt = data + chunkOffset(count, n, recvC) * es;
     Exchange ex(c);
-    ex.send(right, static_cast<uint32_t>(s),
-            data + chunkOffset(count, n, sendC) * es,
-            chunkCount(count, n, sendC) * es);
-    ex.recv(left, static_cast<uint32_t>(s), tmp, recvCount * es);
+    const size_t sendPieces = pieceCount(sendCount, es);
+    for (size_t p = 0; p < sendPieces; ++p) {
+      const size_t off = chunkOffset(sendCount, static_cast<int>(sendPieces),
+                                     static_cast<int>(p));
+      ex.send(right, step, sendAt + off * es,
+              chunkCount(sendCount, static_cast<int>(sendPieces),
+                         static_cast<int>(p)) *
+                  es);
+    }
+    const size_t recvPieces = pieceCount(recvCount, es);
+    std::vector<size_t> ids;
+    for (size_t p = 0; p < recvPieces; ++p) {
+      const size_t off = chunkOffset(recvCount, static_cast<int>(recvPieces),
+                                     static_cast<int>(p));
+      ids.push_back(ex.recv(left, step, tmp + off * es,
+                            chunkCount(recvCount, static_cast<int>(recvPieces),
+                                       static_cast<int>(p)) *
+                                es));
+    }
+    for (size_t p = 0; p < recvPieces; ++p) {
+      if (Error e = ex.waitReceived(ids[p]); !e.ok()) {
+        return e;
+      }
+      const size_t off = chunkOffset(recvCount, static_cast<int>(recvPieces),
+                                     static_cast<int>(p));
+      reduceInto(recvAt + off * es, tmp + off * es,
+                 chunkCount(recvCount, static_cast<int>(recvPieces),
+                            static_cast<int>(p)),
+                 c.fp.dtype, c.fp.reduceOp);
+    }
     if (Error e = ex.wait(); !e.ok()) {
       return e;
     }
-    reduceInto(data + chunkOffset(count, n, recvC) * es, tmp, recvCount,
-               c.fp.dtype, c.fp.reduceOp);
   }
   return Error();
 }

@@ -245,6 +245,23 @@ TEST(ProcessGroup, LargeAllreduceAndAvgAgreeBitwiseOnEveryRank) {
   }
 }
 
+// A ring step's chunk above 2 MiB travels in pieces, each reduced as it
+// arrives: chunks of 3 MiB + a few elements (2 pieces, uneven) at 2 ranks
+// and of 5 MiB (3 pieces) at 3, checked exactly (integers in float64).
+TEST(ProcessGroup, RingChunksTravelInPiecesAndReduceExactly) {
+  ScopedAlgo scoped("ring");
+  for (const auto& [n, count] :
+       {std::pair<int, int64_t>{2, (6 << 20) / 8 + 3},
+        std::pair<int, int64_t>{3, 3 * ((5 << 20) / 8)}}) {
+    runRanks(n, [&, n = n, count = count](ProcessGroup& pg) {
+      auto t = torch::arange(count, torch::kDouble) + pg.rank();
+      pg.allreduce(t).wait();
+      auto want = torch::arange(count, torch::kDouble) * n + n * (n - 1) / 2;
+      ASSERT_TRUE(torch::equal(t, want)) << "rank " << pg.rank() << " of " << n;
+    });
+  }
+}
+
 TEST(ProcessGroup, BroadcastAndReduceFromEveryRoot) {
   for (int n : {1, 2, 3, 5}) {
     runRanks(n, [&](ProcessGroup& pg) {
