@@ -709,6 +709,37 @@ TEST(ProcessGroup, LastOwnerDroppedInACompletionCallback) {
   pg1.reset();
 }
 
+// The same from a point-to-point op, whose callback runs on the transport's
+// loop thread: the group's teardown must not join that thread from itself,
+// and a receive posted behind it fails instead of hanging.
+TEST(ProcessGroup, LastOwnerDroppedInAPointToPointCallback) {
+  auto store = std::make_shared<store::HashStore>();
+  const ProcessGroupOptions o = sharedProcessOptions(30s);
+  std::shared_ptr<ProcessGroup> pg1;
+  std::thread t1([&] { pg1 = ProcessGroup::create("cpu", store, 1, 2, o); });
+  auto pg0 = ProcessGroup::create("cpu", store, 0, 2, o);
+  t1.join();
+  ASSERT_TRUE(pg1);
+  auto a = torch::zeros({8});
+  auto never = torch::zeros({8});
+  auto first = pg0->recv(a, 1, 7);
+  auto behind = pg0->recv(never, 1, 8);  // rank 1 never sends tag 8
+  std::promise<std::thread::id> dropped;
+  auto chained =
+      first.future().then([held = std::move(pg0),
+                           &dropped](const std::vector<at::Tensor>&) mutable {
+        held.reset();
+        dropped.set_value(std::this_thread::get_id());
+      });
+  pg1->send(torch::full({8}, 3.0), 0, 7).wait(30s);
+  auto f = dropped.get_future();
+  ASSERT_EQ(f.wait_for(30s), std::future_status::ready);
+  EXPECT_NE(f.get(), std::this_thread::get_id());
+  EXPECT_TRUE(torch::equal(a, torch::full({8}, 3.0)));
+  EXPECT_THROW(behind.wait(30s), Exception);
+  pg1.reset();
+}
+
 TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
   auto store = std::make_shared<store::HashStore>();
   EXPECT_THROW((void)ProcessGroup::create("gloo", store, 0, 1),
