@@ -338,7 +338,13 @@ void PipeImpl::teardownFromLoop(const Error& error) {
     upgradeConn_ = nullptr;
   }
   if (conn_ != nullptr) {
-    conn_->close();
+    // A channel copying out of the peer's memory (cma) reads a buffer the
+    // peer lends only until it learns that this pipe ended, which it
+    // learns from this connection: it is closed once those copies are
+    // done (onOutOfBandDone), never under them.
+    if (outOfBandPending_ == 0) {
+      conn_->close();
+    }
     reading_ = false;
   }
   std::vector<Pipe::WriteCallback> writes;

@@ -333,6 +333,11 @@ void PipeImpl::onOutOfBandDone(size_t tensor, const Error& error) {
   outOfBandError_ = Error();
   outOfBand_.clear();
   if (life_.failed()) {
+    // teardownFromLoop left the connection open for the copies; the peer
+    // may reuse its buffers once it sees it close.
+    if (conn_ != nullptr) {
+      conn_->close();
+    }
     // failFromLoop kept the read's callback for this moment.
     auto cb = std::move(readCb_);
     readCb_ = nullptr;

@@ -298,6 +298,54 @@ TEST(CmaPipe, LargeTensorsWaitForTheReaderSmallOnesDoNot) {
   EXPECT_EQ(pp.clientPipe->channelName(), "cma");
 }
 
+// The reader closes its pipe while its cma copy of a large tensor runs. The
+// writer learns of the close through the connection and may then reuse its
+// buffer, so the reader must keep the connection until its copy is done:
+// else the writer's reuse (here: overwriting the whole tensor at once in
+// its write callback) lands in the middle of the copy. The read itself
+// fails either way (the pipe was closed); what is checked is that the
+// destination holds only the writer's original bytes.
+TEST(CmaPipe, AReaderThatClosesMidCopyKeepsTheWritersBufferBorrowedUntilDone) {
+  auto pp = makePair(kShmCma, optionsFor(kShmCma, "server"),
+                     optionsFor(kShmCma, "client"));
+  const size_t n = size_t{96} << 20;
+  std::vector<uint8_t> src(n);
+  fillPattern(src.data(), n, 7);
+  const std::vector<uint8_t> original = src;
+  std::vector<uint8_t> dst(n, 0);
+  Message m;
+  m.descriptor = "big";
+  m.tensors.push_back({src.data(), n, {}});
+  Promise<void> written;
+  pp.clientPipe->write(std::move(m), [&src, written](const Error&) mutable {
+    std::memset(src.data(), 0xEE, src.size());  // the writer reuses it
+    written.setValue();
+  });
+  Promise<Descriptor> dp;
+  pp.serverPipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  ASSERT_EQ(dp.getFuture().wait(kWait).tensors.size(), 1u);
+  Allocation a;
+  a.tensors.push_back({dst.data(), n});
+  Promise<void> rp;
+  pp.serverPipe->read(std::move(a), [rp](const Error& e) mutable {
+    e.ok() ? rp.setValue() : rp.setError(e);
+  });
+  pp.serverPipe->close();  // while the copy runs
+  auto rf = rp.getFuture();
+  ASSERT_TRUE(rf.waitFor(kWait));
+  written.getFuture().wait(kWait);
+  // Bytes the copy got before the close ended it are the writer's; none
+  // may be the reused buffer's.
+  size_t reused = 0;
+  for (size_t i = 0; i < n; i += 512) {
+    reused += dst[i] == 0xEE && original[i] != 0xEE ? 1 : 0;
+  }
+  EXPECT_EQ(reused, 0u) << "pages of the copy read the writer's reused buffer";
+  EXPECT_EQ(pp.clientPipe->channelName(), "cma");
+}
+
 // ---- hostile peer: lying records
 // ---------------------------------------------
 
