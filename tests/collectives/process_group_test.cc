@@ -190,6 +190,114 @@ INSTANTIATE_TEST_SUITE_P(
                   : "");
     });
 
+// Every other collective × every dtype × world sizes 1–8 × sizes 0, 1 and
+// 7, and 4 MiB + 1 element at 2 and 3 ranks, against references computed
+// locally (allreduce has its own sweep above, per algorithm).
+struct OpSweepCase {
+  int size;
+  bool big;
+};
+
+class OpSweep : public ::testing::TestWithParam<OpSweepCase> {};
+
+TEST_P(OpSweep, EveryOpAndDtypeMatchesTheReference) {
+  const auto [n, big] = GetParam();
+  runRanks(n, [&, n = n, big = big](ProcessGroup& pg) {
+    const int r = pg.rank();
+    for (auto dtype : kDtypes) {
+      const int64_t bigCount =
+          (4 << 20) / static_cast<int64_t>(c10::elementSize(dtype)) + 1;
+      const std::vector<int64_t> counts =
+          big ? std::vector<int64_t>{bigCount} : std::vector<int64_t>{0, 1, 7};
+      for (int64_t count : counts) {
+        const auto what = [&](const char* op) {
+          return std::string(op) + " " + c10::toString(dtype) + "[" +
+                 std::to_string(count) + "] rank " + std::to_string(r) +
+                 " of " + std::to_string(n);
+        };
+        const int root = static_cast<int>(count % n);
+        auto b = input(r, count, dtype);
+        pg.broadcast(b, root).wait();
+        ASSERT_TRUE(torch::equal(b, input(root, count, dtype)))
+            << what("broadcast");
+        auto red = input(r, count, dtype);
+        pg.reduce(red, root).wait();
+        ASSERT_TRUE(torch::equal(
+            red, r == root ? reference(n, count, dtype, ReduceOp::kSum)
+                           : input(r, count, dtype)))
+            << what("reduce");
+        std::vector<torch::Tensor> all;
+        for (int q = 0; q < n; ++q) {
+          all.push_back(torch::empty({count}, dtype));
+        }
+        pg.allgather(all, input(r, count, dtype)).wait();
+        for (int q = 0; q < n; ++q) {
+          ASSERT_TRUE(
+              torch::equal(all[static_cast<size_t>(q)], input(q, count, dtype)))
+              << what("allgather") << " block " << q;
+        }
+        std::vector<torch::Tensor> gathered;
+        if (r == root) {
+          for (int q = 0; q < n; ++q) {
+            gathered.push_back(torch::empty({count}, dtype));
+          }
+        }
+        pg.gather(gathered, input(r, count, dtype), root).wait();
+        for (size_t q = 0; q < gathered.size(); ++q) {
+          ASSERT_TRUE(torch::equal(gathered[q],
+                                   input(static_cast<int>(q), count, dtype)))
+              << what("gather") << " block " << q;
+        }
+        std::vector<torch::Tensor> parts;
+        if (r == root) {
+          for (int q = 0; q < n; ++q) {
+            parts.push_back(input(q, count, dtype));
+          }
+        }
+        auto mine = torch::empty({count}, dtype);
+        pg.scatter(mine, parts, root).wait();
+        ASSERT_TRUE(torch::equal(mine, input(r, count, dtype)))
+            << what("scatter");
+        // Block q of every rank's input is its input rolled by q, so a
+        // block mixed up with another gives a different sum.
+        std::vector<torch::Tensor> blocks;
+        for (int q = 0; q < n; ++q) {
+          blocks.push_back(count > 0 ? input(r, count, dtype).roll(q)
+                                     : input(r, count, dtype));
+        }
+        auto reduced = torch::empty({count}, dtype);
+        pg.reduceScatter(reduced, blocks).wait();
+        auto want = reference(n, count, dtype, ReduceOp::kSum);
+        ASSERT_TRUE(torch::equal(reduced, count > 0 ? want.roll(r) : want))
+            << what("reduceScatter");
+        // Rank r's block q is input(r * n + q): rank q gets it as block r.
+        std::vector<torch::Tensor> outgoing;
+        for (int q = 0; q < n; ++q) {
+          outgoing.push_back(input(r * n + q, count, dtype));
+        }
+        auto received = torch::empty({count * n}, dtype);
+        pg.alltoall(received, torch::cat(outgoing)).wait();
+        for (int q = 0; q < n; ++q) {
+          ASSERT_TRUE(torch::equal(received.narrow(0, q * count, count),
+                                   input(q * n + r, count, dtype)))
+              << what("alltoall") << " block " << q;
+        }
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, OpSweep,
+    ::testing::Values(OpSweepCase{1, false}, OpSweepCase{2, false},
+                      OpSweepCase{3, false}, OpSweepCase{4, false},
+                      OpSweepCase{5, false}, OpSweepCase{8, false},
+                      OpSweepCase{2, true}, OpSweepCase{3, true}),
+    [](const auto& info) {
+      return std::to_string(info.param.size) + "ranks" +
+             (info.param.big ? "_4MiB" : "");
+    });
+
 TEST(ProcessGroup, AllreduceOpsMatchTheReference) {
   for (const char* algo : {"ring", "rd", "hier"}) {
     ScopedAlgo scoped(algo);
