@@ -25,7 +25,6 @@ namespace trellis::collectives::detail {
 
 namespace {
 
-constexpr auto kStoreWaitSlice = std::chrono::milliseconds(250);
 constexpr uint64_t kMagic = 0x7472656c6c697331ULL;  // "trellis1"
 constexpr size_t kHeaderBytes = 4096;
 constexpr int kMaxRanksPerHostVar = 1 << 20;
@@ -101,36 +100,24 @@ std::string asString(const store::Bytes& b) {
   return std::string(b.begin(), b.end());
 }
 
-// Waits for `keys` in slices, so that a peer that dies meanwhile ends the
-// wait with the mesh's error rather than the group's timeout.
+// Waits for `keys`; a peer that dies meanwhile ends the wait with the
+// mesh's error rather than the group's timeout.
 void waitKeys(store::Store& store, Mesh& mesh,
               const std::vector<std::string>& keys, const Deadline& deadline,
               const std::string& what) {
-  for (;;) {
-    if (Error e = mesh.error(); !e.ok()) {
-      throwError(e);
-    }
-    const auto slice = std::min<std::chrono::milliseconds>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(
-            deadline.remaining()),
-        kStoreWaitSlice);
-    if (slice <= std::chrono::milliseconds::zero()) {
-      std::string missing;
-      for (const auto& k : keys) {
-        if (!store.check({k})) {
-          missing += (missing.empty() ? "" : ", ") + k;
+  waitForKeys(
+      store, keys, deadline, [&] { return mesh.error(); },
+      [&] {
+        std::string missing;
+        for (const auto& k : keys) {
+          if (!store.check({k})) {
+            missing += (missing.empty() ? "" : ", ") + k;
+          }
         }
-      }
-      throwError(Error::timeout(
-          mesh.description() + ": rank " + std::to_string(mesh.rank()) +
-          " timed out waiting for " + what + " (" + missing + ")"));
-    }
-    try {
-      store.wait(keys, slice);
-      return;
-    } catch (const TimeoutError&) {
-    }
-  }
+        return Error::timeout(
+            mesh.description() + ": rank " + std::to_string(mesh.rank()) +
+            " timed out waiting for " + what + " (" + missing + ")");
+      });
 }
 
 std::string machineKey() {

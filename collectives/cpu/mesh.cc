@@ -92,26 +92,14 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
           options_.timeout);
       // In slices, so that a peer that already refused this rank (a world
       // size that disagrees) ends the wait with its reason.
-      const Deadline deadline = Deadline::fromTimeout(options_.timeout);
-      for (;;) {
-        if (Error e = error(); !e.ok()) {
-          throwError(e);
-        }
-        const auto slice = std::min<std::chrono::milliseconds>(
-            std::chrono::duration_cast<std::chrono::milliseconds>(
-                deadline.remaining()),
-            kStoreWaitSlice);
-        if (slice <= std::chrono::milliseconds::zero()) {
-          throwError(Error::timeout(
-              description() + ": ranks " + missingPublishers(store, keys) +
-              " did not publish their address within " + formatDuration(ms)));
-        }
-        try {
-          store.wait(keys, slice);
-          break;
-        } catch (const TimeoutError&) {
-        }
-      }
+      waitForKeys(
+          store, keys, Deadline::fromTimeout(options_.timeout),
+          [this] { return error(); },
+          [&] {
+            return Error::timeout(
+                description() + ": ranks " + missingPublishers(store, keys) +
+                " did not publish their address within " + formatDuration(ms));
+          });
       const auto addresses = store.multiGet(keys);
       for (int peer = rank_ + 1; peer < size_; ++peer) {
         const auto& a = addresses[static_cast<size_t>(peer - rank_ - 1)];
@@ -1058,6 +1046,28 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   // Pipes of peers refused at hello, closed with the others.
   std::vector<std::shared_ptr<tp::Pipe>> strays_ TRELLIS_GUARDED_BY(mu_);
 };
+
+void waitForKeys(store::Store& store, const std::vector<std::string>& keys,
+                 const Deadline& deadline, const std::function<Error()>& check,
+                 const std::function<Error()>& timedOut) {
+  for (;;) {
+    if (Error e = check(); !e.ok()) {
+      throwError(e);
+    }
+    const auto slice = std::min<std::chrono::milliseconds>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline.remaining()),
+        kStoreWaitSlice);
+    if (slice <= std::chrono::milliseconds::zero()) {
+      throwError(timedOut());
+    }
+    try {
+      store.wait(keys, slice);
+      return;
+    } catch (const TimeoutError&) {
+    }
+  }
+}
 
 std::unique_ptr<Mesh> Mesh::connect(store::Store& store, int rank,
                                     int worldSize, MeshOptions options) {

@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <trellis/collectives/cpu/message.h>
 #include <trellis/core/auth.h>
@@ -51,6 +52,14 @@ struct MeshOptions {
   std::string localAddress;
   Duration timeout = std::chrono::minutes(10);
 };
+
+// Waits until every one of `keys` exists in `store`, in short slices:
+// before each, `check` may end the wait with an error (thrown), such as a
+// peer's failure that makes waiting pointless; at `deadline` it throws what
+// `timedOut` returns.
+void waitForKeys(store::Store& store, const std::vector<std::string>& keys,
+                 const Deadline& deadline, const std::function<Error()>& check,
+                 const std::function<Error()>& timedOut);
 
 class Mesh {
  public:

@@ -785,17 +785,25 @@ TEST(ProcessGroup, StrangersOnTheMeshListenerAreRefusedAndTheGroupForms) {
   }
 }
 
-// A callback on a Work's future that drops the group's last owner runs on
-// the backend's worker, which then destroys the backend: nothing hangs or
-// crashes, and the op queued behind fails instead of being forgotten.
-TEST(ProcessGroup, LastOwnerDroppedInACompletionCallback) {
+// Both ranks of a 2-rank group in this process, each owned by the caller
+// alone (the tests below drop one of them inside a callback).
+std::pair<std::shared_ptr<ProcessGroup>, std::shared_ptr<ProcessGroup>>
+twoRanks() {
   auto store = std::make_shared<store::HashStore>();
   const ProcessGroupOptions o = sharedProcessOptions(30s);
   std::shared_ptr<ProcessGroup> pg1;
   std::thread t1([&] { pg1 = ProcessGroup::create("cpu", store, 1, 2, o); });
   auto pg0 = ProcessGroup::create("cpu", store, 0, 2, o);
   t1.join();
-  ASSERT_TRUE(pg1);
+  return {std::move(pg0), std::move(pg1)};
+}
+
+// A callback on a Work's future that drops the group's last owner runs on
+// the backend's worker, which then destroys the backend: nothing hangs or
+// crashes, and the op queued behind fails instead of being forgotten.
+TEST(ProcessGroup, LastOwnerDroppedInACompletionCallback) {
+  auto [pg0, pg1] = twoRanks();
+  ASSERT_TRUE(pg0 && pg1);
   auto a = torch::ones({8});
   auto queued = torch::ones({8});
   auto first = pg0->allreduce(a);  // waits for rank 1's
@@ -821,13 +829,8 @@ TEST(ProcessGroup, LastOwnerDroppedInACompletionCallback) {
 // loop thread: the group's teardown must not join that thread from itself,
 // and a receive posted behind it fails instead of hanging.
 TEST(ProcessGroup, LastOwnerDroppedInAPointToPointCallback) {
-  auto store = std::make_shared<store::HashStore>();
-  const ProcessGroupOptions o = sharedProcessOptions(30s);
-  std::shared_ptr<ProcessGroup> pg1;
-  std::thread t1([&] { pg1 = ProcessGroup::create("cpu", store, 1, 2, o); });
-  auto pg0 = ProcessGroup::create("cpu", store, 0, 2, o);
-  t1.join();
-  ASSERT_TRUE(pg1);
+  auto [pg0, pg1] = twoRanks();
+  ASSERT_TRUE(pg0 && pg1);
   auto a = torch::zeros({8});
   auto never = torch::zeros({8});
   auto first = pg0->recv(a, 1, 7);
