@@ -1,0 +1,652 @@
+#include <arpa/inet.h>
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <trellis/core/error.h>
+#include <trellis/elastic/agent.h>
+#include <trellis/elastic/worker_env.h>
+
+namespace trellis::elastic {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The self-pipe the signal handler writes to; one Agent runs at a time.
+int gSignalPipe[2] = {-1, -1};
+
+void onSignal(int signo) {
+  const int saved = errno;
+  const auto b = static_cast<unsigned char>(signo);
+  [[maybe_unused]] const ssize_t n = ::write(gSignalPipe[1], &b, 1);
+  errno = saved;
+}
+
+constexpr int kHandled[] = {SIGTERM, SIGINT, SIGHUP, SIGCHLD, SIGPIPE};
+
+// Installs the handlers and the pipe for run()'s duration.
+class SignalScope {
+ public:
+  SignalScope() {
+    if (::pipe2(gSignalPipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+      throwError(Error::fromErrno(errno, "elastic-run: pipe"));
+    }
+    for (size_t i = 0; i < std::size(kHandled); ++i) {
+      struct sigaction sa {};
+      sa.sa_handler = kHandled[i] == SIGPIPE ? SIG_IGN : onSignal;
+      sigemptyset(&sa.sa_mask);
+      sa.sa_flags = SA_RESTART;
+      ::sigaction(kHandled[i], &sa, &saved_[i]);
+    }
+  }
+  ~SignalScope() {
+    for (size_t i = 0; i < std::size(kHandled); ++i) {
+      ::sigaction(kHandled[i], &saved_[i], nullptr);
+    }
+    ::close(gSignalPipe[0]);
+    ::close(gSignalPipe[1]);
+    gSignalPipe[0] = gSignalPipe[1] = -1;
+  }
+  SignalScope(const SignalScope&) = delete;
+  SignalScope& operator=(const SignalScope&) = delete;
+
+ private:
+  struct sigaction saved_[std::size(kHandled)]{};
+};
+
+std::string signalName(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev != nullptr ? std::string("SIG") + abbrev
+                           : "signal " + std::to_string(sig);
+}
+
+void writeAll(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      return;
+    }
+    off += static_cast<size_t>(n);
+  }
+}
+
+// One tee'd stream of one worker: the pipe the agent reads, the log file
+// it copies to, and the console it prefixes lines onto (-1: none).
+struct Tee {
+  int pipe = -1;
+  int file = -1;
+  int console = -1;
+  std::string prefix;
+  std::string partial;
+};
+
+// Reads what is there; returns false at EOF (the pipe is then closed).
+bool pump(Tee& t) {
+  char buf[65536];
+  const ssize_t n = ::read(t.pipe, buf, sizeof(buf));
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+    return true;
+  }
+  if (n <= 0) {
+    if (!t.partial.empty() && t.console >= 0) {
+      writeAll(t.console, t.prefix + t.partial + "\n");
+    }
+    t.partial.clear();
+    ::close(t.pipe);
+    t.pipe = -1;
+    return false;
+  }
+  if (t.file >= 0) {
+    writeAll(t.file, std::string(buf, static_cast<size_t>(n)));
+  }
+  if (t.console < 0) {
+    return true;
+  }
+  t.partial.append(buf, static_cast<size_t>(n));
+  std::string lines;
+  size_t start = 0;
+  for (size_t nl; (nl = t.partial.find('\n', start)) != std::string::npos;
+       start = nl + 1) {
+    lines += t.prefix;
+    lines.append(t.partial, start, nl + 1 - start);
+  }
+  t.partial.erase(0, start);
+  writeAll(t.console, lines);
+  return true;
+}
+
+struct Worker {
+  WorkerExit exit;
+  bool reaped = false;
+  Tee tees[2];  // stdout, stderr
+};
+
+// What the child needs, built before fork(): after it, only
+// async-signal-safe calls.
+struct ChildPlan {
+  std::vector<std::string> argvStore;
+  std::vector<std::string> envStore;
+  std::vector<char*> argv;
+  std::vector<char*> envp;
+  int stdoutFd = -1;  // dup2'd onto 1 when >= 0
+  int stderrFd = -1;
+};
+
+Error makeDirs(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec) {
+    return Error::fromErrno(ec.value(), "cannot create " + path);
+  }
+  return Error();
+}
+
+// torchrun's run folder: <base>/<run id>_<random>.
+std::string makeRunLogDir(const ElasticOptions& options,
+                          const Environment& env) {
+  std::string base;
+  if (options.logDir) {
+    base = *options.logDir;
+  } else {
+    const auto tmp = env.find("TMPDIR");
+    base = tmp != env.end() && !tmp->second.empty() ? tmp->second : "/tmp";
+    base += "/torchelastic";
+  }
+  throwIfError(makeDirs(base));
+  std::string pattern = base + "/" + options.rdzvId + "_XXXXXX";
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    throwError(Error::fromErrno(errno, "cannot create a folder in " + base));
+  }
+  return pattern;
+}
+
+int openLog(const std::string& path) {
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throwError(Error::fromErrno(errno, "cannot open " + path));
+  }
+  return fd;
+}
+
+bool hasStream(Streams s, int stream) {
+  return (static_cast<int>(s) & (stream == 1 ? 1 : 2)) != 0;
+}
+
+}  // namespace
+
+const char* agentStateName(AgentState state) {
+  switch (state) {
+    case AgentState::kInit:
+      return "INIT";
+    case AgentState::kRendezvous:
+      return "RENDEZVOUS";
+    case AgentState::kRunning:
+      return "RUNNING";
+    case AgentState::kRestarting:
+      return "RESTARTING";
+    case AgentState::kSucceeded:
+      return "SUCCEEDED";
+    case AgentState::kFailed:
+      return "FAILED";
+  }
+  return "?";
+}
+
+std::string WorkerExit::describe() const {
+  if (signal != 0) {
+    return "killed by signal " + std::to_string(signal) + " (" +
+           signalName(signal) + ")";
+  }
+  return "exited with code " + std::to_string(exitCode);
+}
+
+void checkSupported(const ElasticOptions& options) {
+  if (options.maxNodes > 1 || options.minNodes > 1) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        "--nnodes " + std::to_string(options.minNodes) + ":" +
+        std::to_string(options.maxNodes) + " with --rdzv-backend " +
+        std::string(backendName(options.rdzvBackend)) +
+        ": this elastic-run runs a single node only (--standalone or "
+        "--nnodes 1); multi-node rendezvous is not implemented yet"));
+  }
+}
+
+uint16_t pickFreePort(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (const int rc = ::getaddrinfo(host.c_str(), "0", &hints, &res); rc != 0) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        "cannot resolve master address '" + host + "': " + gai_strerror(rc)));
+  }
+  int err = EADDRNOTAVAIL;
+  uint16_t port = 0;
+  for (addrinfo* a = res; a != nullptr && port == 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
+      port = bound.ss_family == AF_INET6
+                 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                 : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    } else {
+      err = errno;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  if (port == 0) {
+    throwError(Error::fromErrno(err, "cannot bind a port on '" + host + "'"));
+  }
+  return port;
+}
+
+Agent::Agent(ElasticOptions options, AgentConfig config)
+    : options_(std::move(options)), config_(std::move(config)) {}
+
+void Agent::setState(AgentState next) { state_ = next; }
+
+void Agent::log(const std::string& line) const {
+  writeAll(config_.logFd, "elastic-run: " + line + "\n");
+}
+
+RunResult Agent::run() {
+  checkSupported(options_);
+  if (options_.workerArgv.empty()) {
+    throw InvalidArgumentError(Error::invalidArgument("no worker command"));
+  }
+  SignalScope signals;
+  RunResult result;
+  result.runId = options_.rdzvId;
+  result.runLogDir = makeRunLogDir(options_, config_.env);
+  const auth::JobToken token = jobTokenForRun(config_.env);
+  if (auto note = ompNumThreadsWarning(options_, config_.env)) {
+    writeAll(config_.logFd, *note + "\n");
+  }
+  const int32_t nproc = options_.nprocPerNode;
+  int32_t restartCount = 0;
+
+  for (;;) {
+    // RENDEZVOUS: one node, nothing to agree on but the master port.
+    setState(AgentState::kRendezvous);
+    RendezvousOutcome outcome;
+    outcome.worldSize = nproc;
+    outcome.masterAddr = options_.masterAddr;
+    outcome.masterPort = options_.standalone ? pickFreePort(options_.masterAddr)
+                                             : options_.masterPort;
+    outcome.restartCount = restartCount;
+    outcome.runId = options_.rdzvId;
+    outcome.runLogDir = result.runLogDir;
+    outcome.jobToken = token;
+    result.masterPort = outcome.masterPort;
+
+    // RUNNING: start the group.
+    setState(AgentState::kRunning);
+    const std::string attemptDir =
+        result.runLogDir + "/attempt_" + std::to_string(restartCount);
+    std::vector<Worker> workers(static_cast<size_t>(nproc));
+    std::optional<std::string> execFailure;
+    const pid_t agentPid = ::getpid();
+    for (int32_t lr = 0; lr < nproc && !execFailure; ++lr) {
+      Worker& w = workers[static_cast<size_t>(lr)];
+      const std::string dir = attemptDir + "/" + std::to_string(lr);
+      throwIfError(makeDirs(dir));
+      const Environment env =
+          workerEnvironment(options_, outcome, lr, config_.env);
+      w.exit.localRank = lr;
+      w.exit.rank = outcome.rankOffset + lr;
+      w.exit.errorFile = env.at(kErrorFileEnvVar);
+
+      ChildPlan plan;
+      plan.argvStore = options_.workerArgv;
+      for (const auto& [k, v] : env) {
+        plan.envStore.push_back(k + "=" + v);
+      }
+      for (auto& a : plan.argvStore) {
+        plan.argv.push_back(a.data());
+      }
+      plan.argv.push_back(nullptr);
+      for (auto& e : plan.envStore) {
+        plan.envp.push_back(e.data());
+      }
+      plan.envp.push_back(nullptr);
+
+      // Streams: redirected to a file, tee'd (file + prefixed console),
+      // silenced (filtered out), or inherited.
+      const bool shown = options_.localRanksFilter.empty() ||
+                         options_.localRanksFilter.count(lr) != 0;
+      std::vector<int> toCloseInParent;
+      for (int stream : {1, 2}) {
+        const bool redirect = hasStream(options_.redirects.forRank(lr), stream);
+        const bool tee = hasStream(options_.tee.forRank(lr), stream);
+        int childFd = -1;
+        if (redirect || tee) {
+          const int file =
+              openLog(dir + (stream == 1 ? "/stdout.log" : "/stderr.log"));
+          if (tee && shown) {
+            int fds[2];
+            if (::pipe2(fds, O_CLOEXEC) != 0) {
+              throwError(Error::fromErrno(errno, "elastic-run: pipe"));
+            }
+            Tee& t = w.tees[stream - 1];
+            t.pipe = fds[0];
+            t.file = file;
+            t.console =
+                stream == 1 ? config_.consoleOutFd : config_.consoleErrFd;
+            t.prefix = "[" + options_.role + "/" + std::to_string(lr) + "]:";
+            childFd = fds[1];
+          } else {
+            childFd = file;
+          }
+          toCloseInParent.push_back(childFd);
+        } else if (!shown) {
+          childFd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+          toCloseInParent.push_back(childFd);
+        }
+        (stream == 1 ? plan.stdoutFd : plan.stderrFd) = childFd;
+      }
+
+      int execPipe[2];
+      if (::pipe2(execPipe, O_CLOEXEC) != 0) {
+        throwError(Error::fromErrno(errno, "elastic-run: pipe"));
+      }
+      const pid_t pid = ::fork();
+      if (pid < 0) {
+        throwError(Error::fromErrno(errno, "elastic-run: fork"));
+      }
+      if (pid == 0) {
+        // The child: async-signal-safe calls only.
+        ::setpgid(0, 0);
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (::getppid() != agentPid) {
+          ::_exit(kExitExecFailed);  // the agent died before prctl
+        }
+        struct sigaction dfl {};
+        dfl.sa_handler = SIG_DFL;
+        for (int s : kHandled) {
+          ::sigaction(s, &dfl, nullptr);
+        }
+        sigset_t none;
+        sigemptyset(&none);
+        ::sigprocmask(SIG_SETMASK, &none, nullptr);
+        if (plan.stdoutFd >= 0) {
+          ::dup2(plan.stdoutFd, 1);
+        }
+        if (plan.stderrFd >= 0) {
+          ::dup2(plan.stderrFd, 2);
+        }
+        ::execvpe(plan.argv[0], plan.argv.data(), plan.envp.data());
+        const int err = errno;
+        [[maybe_unused]] const ssize_t n =
+            ::write(execPipe[1], &err, sizeof(err));
+        ::_exit(kExitExecFailed);
+      }
+      // Also here, so that a signal sent right after fork() finds the group.
+      ::setpgid(pid, pid);
+      w.exit.pid = pid;
+      ::close(execPipe[1]);
+      for (int fd : toCloseInParent) {
+        if (fd != w.tees[0].file && fd != w.tees[1].file) {
+          ::close(fd);
+        }
+      }
+      // EOF once exec succeeded; an errno when it failed. Bounded: the
+      // child does nothing but set itself up before exec.
+      pollfd p{execPipe[0], POLLIN, 0};
+      int err = 0;
+      if (::poll(&p, 1, 10'000) == 1 &&
+          ::read(execPipe[0], &err, sizeof(err)) == sizeof(err)) {
+        execFailure = "cannot run '" + options_.workerArgv[0] +
+                      "' (local rank " + std::to_string(lr) +
+                      "): " + std::strerror(err);
+      }
+      ::close(execPipe[0]);
+    }
+
+    // Monitor until every worker is reaped.
+    std::optional<Clock::time_point> killAt;
+    std::optional<Clock::time_point> giveUpAt;
+    int agentSignal = 0;
+    bool stopping = false;
+    AttemptResult attempt;
+    attempt.restartCount = restartCount;
+    auto stopAll = [&](int sig) {
+      for (auto& w : workers) {
+        if (!w.reaped && w.exit.pid > 0) {
+          ::kill(-w.exit.pid, sig);  // its group: only what we started
+          w.exit.stoppedByAgent = true;
+        }
+      }
+    };
+    auto beginStop = [&](int sig) {
+      if (!stopping) {
+        stopping = true;
+        stopAll(sig);
+        killAt = Clock::now() + config_.stopGrace;
+      }
+    };
+    if (execFailure) {
+      beginStop(SIGKILL);
+    }
+    std::optional<Clock::time_point> drainUntil;
+    for (;;) {
+      bool allReaped = true;
+      for (const auto& w : workers) {
+        allReaped = allReaped && (w.reaped || w.exit.pid <= 0);
+      }
+      std::vector<pollfd> fds{{gSignalPipe[0], POLLIN, 0}};
+      std::vector<Tee*> tees;
+      for (auto& w : workers) {
+        for (Tee& t : w.tees) {
+          if (t.pipe >= 0) {
+            fds.push_back({t.pipe, POLLIN, 0});
+            tees.push_back(&t);
+          }
+        }
+      }
+      const auto now = Clock::now();
+      if (allReaped) {
+        // A worker's children may keep its pipes open: drain briefly.
+        if (!drainUntil) {
+          drainUntil = now + std::chrono::seconds(2);
+        }
+        if (tees.empty() || now >= *drainUntil) {
+          break;
+        }
+      }
+      if (killAt && now >= *killAt) {
+        log("workers still running " +
+            std::to_string(config_.stopGrace.count()) +
+            " ms after the stop signal; sending SIGKILL");
+        stopAll(SIGKILL);
+        killAt.reset();
+        giveUpAt = now + std::chrono::seconds(10);
+      }
+      if (giveUpAt && now >= *giveUpAt && !allReaped) {
+        log("workers did not die within 10 s of SIGKILL; giving up on them");
+        break;
+      }
+      auto next = now + std::chrono::seconds(1);
+      for (const auto& t : {killAt, giveUpAt, drainUntil}) {
+        if (t && *t < next) {
+          next = *t;
+        }
+      }
+      const auto waitMs =
+          std::chrono::duration_cast<std::chrono::milliseconds>(next - now)
+              .count();
+      ::poll(fds.data(), fds.size(),
+             static_cast<int>(
+                 std::max<int64_t>(1, std::min<int64_t>(waitMs, 1000))));
+      if ((fds[0].revents & POLLIN) != 0) {
+        unsigned char sigs[64];
+        const ssize_t n = ::read(gSignalPipe[0], sigs, sizeof(sigs));
+        for (ssize_t i = 0; i < n; ++i) {
+          const int sig = sigs[i];
+          if (sig == SIGCHLD) {
+            continue;
+          }
+          if (agentSignal != 0) {
+            // A second signal: no more grace.
+            log("got " + signalName(sig) + " again; sending SIGKILL");
+            stopAll(SIGKILL);
+            continue;
+          }
+          agentSignal = sig;
+          log("got " + signalName(sig) + "; forwarding it to the workers (" +
+              "SIGKILL after " + std::to_string(config_.stopGrace.count()) +
+              " ms)");
+          if (stopping) {
+            stopAll(sig);
+          } else {
+            beginStop(sig);
+          }
+        }
+      }
+      for (size_t i = 0; i < tees.size(); ++i) {
+        if ((fds[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+          pump(*tees[i]);
+        }
+      }
+      // Reap only our own workers, by pid.
+      for (size_t i = 0; i < workers.size(); ++i) {
+        Worker& w = workers[i];
+        if (w.reaped || w.exit.pid <= 0) {
+          continue;
+        }
+        int status = 0;
+        if (::waitpid(w.exit.pid, &status, WNOHANG) != w.exit.pid) {
+          continue;
+        }
+        w.reaped = true;
+        w.exit.endedAt = Clock::now();
+        if (WIFSIGNALED(status)) {
+          w.exit.signal = WTERMSIG(status);
+        } else {
+          w.exit.exitCode = WEXITSTATUS(status);
+        }
+        if (w.exit.succeeded()) {
+          w.exit.stoppedByAgent = false;
+          continue;
+        }
+        if (!stopping) {
+          w.exit.stoppedByAgent = false;
+          attempt.firstFailure = i;
+          log("local rank " + std::to_string(w.exit.localRank) + " (pid " +
+              std::to_string(w.exit.pid) + ") " + w.exit.describe() +
+              "; stopping the other workers");
+          beginStop(SIGTERM);
+        }
+      }
+    }
+    for (auto& w : workers) {
+      for (Tee& t : w.tees) {
+        if (t.pipe >= 0) {
+          ::close(t.pipe);
+        }
+        if (t.file >= 0) {
+          ::close(t.file);
+        }
+      }
+      ErrorRecord record;
+      if (!w.exit.succeeded() && w.exit.pid > 0 &&
+          readErrorFile(w.exit.errorFile, &record).ok()) {
+        w.exit.error = record;
+      }
+      attempt.workers.push_back(w.exit);
+    }
+    result.attempts.push_back(attempt);
+
+    if (execFailure) {
+      setState(AgentState::kFailed);
+      result.state = state_;
+      result.exitCode = kExitExecFailed;
+      result.summary = *execFailure;
+      return result;
+    }
+    if (agentSignal != 0) {
+      setState(AgentState::kFailed);
+      result.state = state_;
+      result.agentSignal = agentSignal;
+      result.exitCode = kExitSignalBase + agentSignal;
+      result.summary = "stopped by " + signalName(agentSignal) +
+                       "; the workers were stopped";
+      return result;
+    }
+    bool allOk = true;
+    for (const auto& w : attempt.workers) {
+      allOk = allOk && w.succeeded();
+    }
+    if (allOk) {
+      setState(AgentState::kSucceeded);
+      result.state = state_;
+      result.exitCode = 0;
+      return result;
+    }
+    if (restartCount < options_.maxRestarts) {
+      setState(AgentState::kRestarting);
+      ++restartCount;
+      log("restarting the worker group (restart " +
+          std::to_string(restartCount) + " of " +
+          std::to_string(options_.maxRestarts) + ")");
+      continue;
+    }
+
+    // FAILED: one summary, rooted in the first failure.
+    setState(AgentState::kFailed);
+    result.state = state_;
+    result.exitCode = kExitWorkerFailed;
+    std::string s = "the job failed after " + std::to_string(restartCount + 1) +
+                    " attempt(s) (" + "--max-restarts " +
+                    std::to_string(options_.maxRestarts) + ")";
+    if (attempt.firstFailure) {
+      const WorkerExit& f = attempt.workers[*attempt.firstFailure];
+      s += "\n  first failure: local rank " + std::to_string(f.localRank) +
+           " (rank " + std::to_string(f.rank) + ", pid " +
+           std::to_string(f.pid) + ") " + f.describe();
+      if (f.error) {
+        s += "\n  error file: " + f.errorFile +
+             "\n  message: " + f.error->message;
+      } else {
+        s += "\n  error file: none written (" + f.errorFile + ")";
+      }
+    }
+    for (const auto& w : attempt.workers) {
+      if (attempt.firstFailure &&
+          &w == &attempt.workers[*attempt.firstFailure]) {
+        continue;
+      }
+      s += "\n  local rank " + std::to_string(w.localRank) + ": " +
+           w.describe() + (w.stoppedByAgent ? " (stopped by the agent)" : "");
+    }
+    s += "\n  logs: " + result.runLogDir + "/attempt_" +
+         std::to_string(restartCount);
+    result.summary = s;
+    return result;
+  }
+}
+
+}  // namespace trellis::elastic
