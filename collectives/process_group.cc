@@ -6,6 +6,7 @@
 
 #include <trellis/collectives/backend.h>
 #include <trellis/collectives/cpu/cpu_backend.h>
+#include <trellis/collectives/cpu/mesh.h>
 #include <trellis/collectives/flight_recorder.h>
 #include <trellis/collectives/process_group.h>
 #include <trellis/collectives/reduce_kernels.h>
@@ -244,6 +245,10 @@ ProcessGroup::ProcessGroup(std::string backend, std::string name, int rank,
       store_(std::move(store)),
       impl_(std::move(impl)),
       options_(std::move(options)) {}
+
+bool ProcessGroup::awaitDeferredTeardowns(Duration timeout) {
+  return detail::awaitDetachedMeshTeardowns(timeout);
+}
 
 ProcessGroup::~ProcessGroup() {
   // The watchdog lets go of the group before its backend goes.

@@ -104,6 +104,13 @@ class ProcessGroup {
   static std::shared_ptr<ProcessGroup> fromEnvironment(
       const std::string& backend = "cpu", ProcessGroupOptions options = {});
 
+  // A group whose last owner is dropped inside a point-to-point op's
+  // callback (which runs on the transport's loop thread) finishes its
+  // teardown on a thread of its own. This waits until every such teardown
+  // is done; false when some were not within `timeout`. For a program (or
+  // test) about to exit, like rpc::Agent::awaitDeferredTeardowns.
+  static bool awaitDeferredTeardowns(Duration timeout);
+
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

@@ -57,12 +57,17 @@ struct alignas(128) Control {
   // Per generation parity, like the slots: written before `arrived`, read
   // by peers until they release that generation.
   PublishedOp ops[2];
-  // The last kStarted ops it started, shm or not, at seq % kStarted; the
-  // entry's `started` is its seq, stored last (a reader that sees another
-  // seq before and after reading the entry ignores it). For desync errors
-  // only: what a rank ran at the other rank's sequence number.
-  std::atomic<uint64_t> started[kStarted];
-  PublishedOp startedOps[kStarted];
+  // The last kStarted ops it started, shm or not, at seq % kStarted. Every
+  // field is an atomic of its own (no fences, no data race); a reader that
+  // finds another seq in the entry after reading it drops what it read.
+  // For desync errors only: what a rank ran at the other's sequence number.
+  struct Started {
+    std::atomic<uint64_t> seq;
+    std::atomic<uint64_t> count;
+    // op | dtype << 8 | reduceOp << 16 | (uint32_t)root << 32
+    std::atomic<uint64_t> rest;
+  };
+  Started started[kStarted];
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "the segment's counters are shared between processes");
@@ -228,12 +233,15 @@ class HostShm::Impl {
   int size() const { return static_cast<int>(ranks_.size()); }
 
   void noteStarted(const Fingerprint& fp) {
-    Control* c = control(index_);
-    const size_t k = fp.seq % kStarted;
-    c->started[k].store(0, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
-    write(c->startedOps[k], fp);
-    c->started[k].store(fp.seq, std::memory_order_release);
+    Control::Started& e = control(index_)->started[fp.seq % kStarted];
+    e.seq.store(0, std::memory_order_release);
+    e.count.store(fp.count, std::memory_order_release);
+    e.rest.store(
+        static_cast<uint64_t>(fp.op) | static_cast<uint64_t>(fp.dtype) << 8 |
+            static_cast<uint64_t>(fp.reduceOp) << 16 |
+            static_cast<uint64_t>(static_cast<uint32_t>(fp.root)) << 32,
+        std::memory_order_release);
+    e.seq.store(fp.seq, std::memory_order_release);
   }
   int index() const { return index_; }
 
@@ -440,16 +448,21 @@ class HostShm::Impl {
 
   // What rank index i started at `seq`, if still known: "; rank 1 ran ...".
   std::string startedAt(int i, uint64_t seq) const {
-    const Control* c = control(i);
-    const size_t k = seq % kStarted;
-    if (c->started[k].load(std::memory_order_acquire) != seq) {
+    const Control::Started& e = control(i)->started[seq % kStarted];
+    if (e.seq.load(std::memory_order_acquire) != seq) {
       return "";
     }
-    const Fingerprint fp = read(c->startedOps[k]);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (c->started[k].load(std::memory_order_relaxed) != seq || fp.seq != seq) {
+    Fingerprint fp;
+    fp.seq = seq;
+    fp.count = e.count.load(std::memory_order_acquire);
+    const uint64_t rest = e.rest.load(std::memory_order_acquire);
+    if (e.seq.load(std::memory_order_acquire) != seq) {
       return "";
     }
+    fp.op = static_cast<OpType>(rest & 0xff);
+    fp.dtype = static_cast<DType>((rest >> 8) & 0xff);
+    fp.reduceOp = static_cast<ReduceOp>((rest >> 16) & 0xff);
+    fp.root = static_cast<int32_t>(static_cast<uint32_t>(rest >> 32));
     return "; rank " + std::to_string(ranks_[static_cast<size_t>(i)]) +
            " ran " + fp.toString();
   }

@@ -1081,12 +1081,52 @@ std::unique_ptr<Mesh> Mesh::connect(store::Store& store, int rank,
 
 Mesh::Mesh(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+namespace {
+
+// Teardowns moved off a loop thread and not finished yet (~Mesh). Leaked
+// on purpose: a mesh may be released during static destruction.
+struct DetachedTeardowns {
+  Mutex mu;
+  CondVar done;
+  size_t pending TRELLIS_GUARDED_BY(mu) = 0;
+};
+
+DetachedTeardowns& detachedTeardowns() {
+  static auto* teardowns = new DetachedTeardowns();
+  return *teardowns;
+}
+
+}  // namespace
+
+bool awaitDetachedMeshTeardowns(Duration timeout) {
+  DetachedTeardowns& t = detachedTeardowns();
+  const auto deadline = Clock::now() + timeout;
+  MutexLock lock(t.mu);
+  while (t.pending > 0) {
+    if (!t.done.waitUntil(t.mu, deadline) && t.pending > 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 Mesh::~Mesh() {
   if (impl_->inLoop()) {
     // Destroyed from a callback on the transport's own loop thread: that
     // thread cannot join itself, so the teardown moves to a thread of its
     // own (DESIGN.md, "no object destroyed on a thread it owns").
-    std::thread([impl = std::move(impl_)] { impl->shutdown(); }).detach();
+    DetachedTeardowns& t = detachedTeardowns();
+    {
+      MutexLock lock(t.mu);
+      ++t.pending;
+    }
+    std::thread([impl = std::move(impl_), &t]() mutable {
+      impl->shutdown();
+      impl.reset();
+      MutexLock lock(t.mu);
+      --t.pending;
+      t.done.notifyAll();
+    }).detach();
     return;
   }
   impl_->shutdown();

@@ -61,6 +61,11 @@ void waitForKeys(store::Store& store, const std::vector<std::string>& keys,
                  const Deadline& deadline, const std::function<Error()>& check,
                  const std::function<Error()>& timedOut);
 
+// Waits until every mesh destroyed on its transport's loop thread (its
+// teardown then runs on a thread of its own) has finished tearing down;
+// false when some had not within `timeout`.
+bool awaitDetachedMeshTeardowns(Duration timeout);
+
 class Mesh {
  public:
   using Callback = std::function<void(const Error&)>;

@@ -849,6 +849,9 @@ TEST(ProcessGroup, LastOwnerDroppedInAPointToPointCallback) {
   EXPECT_TRUE(torch::equal(a, torch::full({8}, 3.0)));
   EXPECT_THROW(behind.wait(30s), Exception);
   pg1.reset();
+  // The teardown left the loop thread for one of its own: the test (and
+  // its process) must not end before it has.
+  EXPECT_TRUE(ProcessGroup::awaitDeferredTeardowns(30s));
 }
 
 TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
