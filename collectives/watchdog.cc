@@ -201,6 +201,34 @@ void Watchdog::stop() {
   if (monitor_.joinable()) {
     monitor_.join();
   }
+  releaseStores(/*all=*/true);
+}
+
+void Watchdog::releaseStores(bool all) {
+  std::vector<HeldStore> drop;
+  {
+    MutexLock lock(mu_);
+    if (all) {
+      for (const HeldStore& h : heldStores_) {
+        while (Clock::now() < h.until) {
+          cv_.waitUntil(mu_, h.until);
+        }
+      }
+      drop.swap(heldStores_);
+    } else {
+      const auto now = Clock::now();
+      for (auto it = heldStores_.begin(); it != heldStores_.end();) {
+        if (it->until <= now) {
+          drop.push_back(std::move(*it));
+          it = heldStores_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  // Destroyed unlocked: the last reference may take a store server down.
+  drop.clear();
 }
 
 namespace {
@@ -298,8 +326,10 @@ void Watchdog::run() {
       }
     }
     setPhase("idle", "");
-    // A group let go of meanwhile is destroyed here, before any exit.
+    // A group let go of meanwhile is destroyed here, before any exit; its
+    // store stays while it is held.
     list.clear();
+    releaseStores(/*all=*/false);
     exitIfRequested();
     MutexLock lock(mu_);
     const Duration t = tick();
@@ -477,6 +507,13 @@ void Watchdog::fail(Entry& e, const Error& error, const std::string& reason,
                      " [set TRELLIS_FLIGHT_RECORDER_DIR to keep a flight "
                      "recorder of the last ops]");
   }
+  {
+    MutexLock lock(mu_);
+    heldStores_.push_back(
+        {Clock::now() +
+             std::max<Duration>(config_.storeLinger, 3 * currentTick()),
+         e.g.store});
+  }
   setPhase("backend abort", e.name());
   if (const auto backend = e.g.backend.lock()) {
     backend->abort(full);
@@ -505,7 +542,8 @@ void Watchdog::exitIfRequested() {
     return;
   }
   // A moment for the abort to reach the peers (the abort message, and the
-  // store, which this process may host, for their next tick) and for the
+  // store, held since fail() and maybe hosted here, for their next tick and
+  // their culprit analysis) and for the
   // caller's wait() to raise the same error. Not cut short by stop(): a
   // caller that returns from main() at once would otherwise end the
   // process before the abort left it.

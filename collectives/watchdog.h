@@ -21,6 +21,10 @@
 //    the backend is aborted with it as a TimeoutError, so every pending op
 //    of the group fails with it. In WatchdogMode::kExit the process then ends
 //    with kWatchdogExitCode.
+// After any failure the group's store is held for max(storeLinger, 3 ticks)
+// whether or not the group lives on, so a rank hosting the store (rank 0
+// under fromEnvironment()) does not take it away while the others still
+// read why; stop() waits out what is left of that.
 // A second thread, the heartbeat monitor, checks that the watchdog itself
 // moves: one stuck in one step (a driver call, a store call) for
 // TRELLIS_WATCHDOG_HEARTBEAT_TIMEOUT_MS (default 120 s) is reported as
@@ -55,6 +59,10 @@ struct WatchdogConfig {
   Duration heartbeatTimeout = std::chrono::seconds(120);
   // Bound on each store call the watchdog makes.
   Duration storeTimeout = std::chrono::seconds(5);
+  // A failed group's store is held at least this long (and 3 ticks) after
+  // the failure, even if the program drops the group at once: the other
+  // ranks' culprit analyses read it, and this rank may host it.
+  Duration storeLinger = std::chrono::seconds(1);
   // TRELLIS_WATCHDOG_INTERVAL_MS, TRELLIS_WATCHDOG_HEARTBEAT_TIMEOUT_MS;
   // a malformed value is an InvalidArgumentError naming it.
   static WatchdogConfig fromEnvironment();
@@ -139,6 +147,9 @@ class Watchdog {
   Duration currentTick() const;
   void setPhase(const char* phase, const std::string& group);
   void unwatch(const std::shared_ptr<Entry>& e);
+  // Drops the held stores whose time is up (all of them with `all`, after
+  // waiting for the last).
+  void releaseStores(bool all);
 
   const WatchdogConfig config_;
   Hooks hooks_;
@@ -154,6 +165,11 @@ class Watchdog {
   std::string stuckReport_ TRELLIS_GUARDED_BY(mu_);
   bool anyExitMode_ TRELLIS_GUARDED_BY(mu_) = false;
   bool exitRequested_ TRELLIS_GUARDED_BY(mu_) = false;
+  struct HeldStore {
+    std::chrono::steady_clock::time_point until;
+    std::shared_ptr<store::Store> store;
+  };
+  std::vector<HeldStore> heldStores_ TRELLIS_GUARDED_BY(mu_);
   std::atomic<int64_t> tickNs_{0};
 
   std::mutex joinMu_;

@@ -486,6 +486,7 @@ WatchdogConfig fastConfig() {
   c.interval = 20ms;
   c.heartbeatTimeout = 60s;
   c.storeTimeout = 2s;
+  c.storeLinger = 100ms;
   return c;
 }
 
@@ -572,6 +573,49 @@ TEST(Watchdog, BackendErrorFailsTheGroupAndFailModeKeepsTheProcess) {
   EXPECT_EQ(h.backend->aborts(), 1u);
   EXPECT_TRUE(exits.get().empty());
   EXPECT_TRUE(std::filesystem::exists(h.dir + "/default.1-rank1.json"));
+}
+
+TEST(Watchdog, AFailedGroupsStoreOutlivesTheGroupForTheLinger) {
+  // Rank 0 under fromEnvironment() hosts the store in its group's store: a
+  // program that drops the group as soon as wait() raises must not take the
+  // store from the ranks still reading why.
+  Harness h;
+  WatchdogConfig c = fastConfig();
+  c.storeLinger = 300ms;
+  Watchdog w(c);
+  std::weak_ptr<store::HashStore> weak = h.store;
+  auto handle = w.watch(h.group(0, 2, 60000ms, WatchdogMode::kFail));
+  h.backend->awaitPolls(2);
+  h.backend->setPollError(Error::connection("rank 1 closed the connection"));
+  ASSERT_FALSE(h.backend->awaitAbort().ok());
+  const auto failed = Clock::now();
+  handle.reset();
+  h.store.reset();
+  EXPECT_FALSE(weak.expired());
+  // Released within a few ticks of the linger's end, not before.
+  const auto until = failed + 10s;
+  while (!weak.expired() && Clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_TRUE(weak.expired());
+  EXPECT_GE(Clock::now() - failed, 300ms);
+}
+
+TEST(Watchdog, StopWaitsOutTheLingerThenLetsTheStoreGo) {
+  Harness h;
+  WatchdogConfig c = fastConfig();
+  c.storeLinger = 300ms;
+  std::weak_ptr<store::HashStore> weak = h.store;
+  auto w = std::make_unique<Watchdog>(c);
+  auto handle = w->watch(h.group(0, 2, 60000ms, WatchdogMode::kFail));
+  h.backend->setPollError(Error::connection("rank 1 closed the connection"));
+  ASSERT_FALSE(h.backend->awaitAbort().ok());
+  const auto failed = Clock::now();
+  handle.reset();
+  h.store.reset();
+  w->stop();
+  EXPECT_GE(Clock::now() - failed, 300ms);
+  EXPECT_TRUE(weak.expired());
 }
 
 TEST(Watchdog, ARankInNoOpFailsWhenAnotherPublishedTheAbort) {
