@@ -8,6 +8,7 @@
 #include <trellis/collectives/watchdog.h>
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/text.h>
 #include <trellis/store/store.h>
 
 namespace trellis::collectives::detail {
@@ -30,15 +31,13 @@ long long envInt(const char* name, long long fallback, long long lo,
   if (v == nullptr || *v == '\0') {
     return fallback;
   }
-  errno = 0;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
+  const std::optional<int64_t> x = parseDecimal(v);
+  if (!x || *x < lo || *x > hi) {
     badEnv(name, v,
            "is not a whole number in [" + std::to_string(lo) + ", " +
                std::to_string(hi) + "]");
   }
-  return x;
+  return *x;
 }
 
 int64_t wallMicros() {

@@ -6,6 +6,7 @@
 #include <openssl/rand.h>
 
 #include <trellis/core/auth.h>
+#include <trellis/core/text.h>
 
 namespace trellis::auth {
 
@@ -19,13 +20,7 @@ JobToken JobToken::generate() {
     throw InternalError(
         Error::internal("RAND_bytes failed to generate a job token"));
   }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string hex;
-  hex.reserve(raw.size() * 2);
-  for (uint8_t b : raw) {
-    hex.push_back(kHex[b >> 4]);
-    hex.push_back(kHex[b & 0xf]);
-  }
+  std::string hex = toHex(raw);
   OPENSSL_cleanse(raw.data(), raw.size());
   return JobToken(std::move(hex));
 }

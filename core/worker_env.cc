@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include <trellis/core/error.h>
+#include <trellis/core/text.h>
 #include <trellis/core/worker_env.h>
 
 namespace trellis {
@@ -37,20 +38,14 @@ std::optional<std::string> read(const WorkerEnv::Lookup& lookup,
 // A decimal integer in [lo, hi], nothing around it.
 long long parseInt(const char* name, const std::string& value, long long lo,
                    long long hi, const std::string& range) {
-  errno = 0;
-  char* end = nullptr;
-  const char* begin = value.c_str();
-  const bool digitsFirst =
-      !value.empty() && (std::isdigit(static_cast<unsigned char>(value[0])) ||
-                         (value[0] == '-' && value.size() > 1));
-  const long long v = std::strtoll(begin, &end, 10);
-  if (!digitsFirst || end != begin + value.size() || errno == ERANGE) {
+  const std::optional<int64_t> v = parseDecimal(value);
+  if (!v) {
     bad(name, value, "is not a decimal integer");
   }
-  if (v < lo || v > hi) {
+  if (*v < lo || *v > hi) {
     bad(name, value, "is out of range: " + range);
   }
-  return v;
+  return *v;
 }
 
 }  // namespace

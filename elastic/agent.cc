@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <trellis/core/error.h>
+#include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/elastic/worker_env.h>
 
@@ -69,20 +70,6 @@ std::string signalName(int sig) {
   const char* abbrev = ::sigabbrev_np(sig);
   return abbrev != nullptr ? std::string("SIG") + abbrev
                            : "signal " + std::to_string(sig);
-}
-
-void writeAll(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n <= 0) {
-      return;
-    }
-    off += static_cast<size_t>(n);
-  }
 }
 
 // One tee'd stream of one worker: the pipe the agent reads, the log file

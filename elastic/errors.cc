@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <trellis/core/text.h>
 #include <trellis/elastic/errors.h>
 
 namespace trellis::elastic {
@@ -59,16 +60,6 @@ bool nestingWithin(std::string_view text, int limit) {
   return true;
 }
 
-std::optional<int64_t> parseInt(std::string_view s) {
-  int64_t v = 0;
-  const char* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (s.empty() || ec != std::errc() || p != end) {
-    return std::nullopt;
-  }
-  return v;
-}
-
 // An integer given as a JSON number or as a decimal string (torchrun
 // writes the timestamp as a string).
 std::optional<int64_t> intField(const Json& j) {
@@ -81,7 +72,7 @@ std::optional<int64_t> intField(const Json& j) {
     return j.get<int64_t>();
   }
   if (j.is_string()) {
-    return parseInt(j.get_ref<const std::string&>());
+    return parseDecimal(j.get_ref<const std::string&>());
   }
   return std::nullopt;
 }
@@ -198,7 +189,7 @@ ErrorRecord recordOfCurrentException() {
   }
   r.timestamp = static_cast<int64_t>(std::time(nullptr));
   if (const char* rank = std::getenv("RANK"); rank != nullptr) {
-    const auto v = parseInt(rank);
+    const auto v = parseDecimal(rank);
     if (v && *v >= 0 && *v <= std::numeric_limits<int32_t>::max()) {
       r.rank = static_cast<int32_t>(*v);
     }

@@ -14,6 +14,7 @@
 
 #include <trellis/core/auth.h>
 #include <trellis/core/error.h>
+#include <trellis/core/text.h>
 #include <trellis/elastic/options.h>
 
 extern char** environ;
@@ -100,20 +101,10 @@ struct Raw {
   fail(a.describe() + " contradicts " + b.describe() + ": " + std::string(why));
 }
 
-std::optional<int64_t> parseInt(std::string_view s) {
-  int64_t v = 0;
-  const char* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (s.empty() || ec != std::errc() || p != end) {
-    return std::nullopt;
-  }
-  return v;
-}
-
 // A decimal integer in [lo, hi]; `what` names it in the error.
 int64_t intIn(const Raw& raw, std::string_view text, int64_t lo, int64_t hi,
               std::string_view what) {
-  const auto v = parseInt(text);
+  const auto v = parseDecimal(text);
   if (!v) {
     fail(raw, std::string(what) + " must be a decimal integer");
   }
@@ -210,7 +201,7 @@ Endpoint parseEndpoint(const Raw& raw, std::string_view text,
 
 StreamsSpec parseStreams(const Raw& raw) {
   auto value = [&](std::string_view s) {
-    const auto v = parseInt(s);
+    const auto v = parseDecimal(s);
     if (!v || *v < 0 || *v > 3) {
       fail(raw,
            "expected 0-3 (none, stdout, stderr, both) or "
@@ -229,7 +220,7 @@ StreamsSpec parseStreams(const Raw& raw) {
       fail(raw,
            "expected LOCAL_RANK:0-3 items, got '" + std::string(item) + "'");
     }
-    const auto rank = parseInt(item.substr(0, at));
+    const auto rank = parseDecimal(item.substr(0, at));
     if (!rank || *rank < 0 || *rank > std::numeric_limits<int32_t>::max()) {
       fail(raw,
            "'" + std::string(item.substr(0, at)) + "' is not a local rank");
@@ -291,22 +282,12 @@ RdzvConf parseRdzvConf(const Raw& raw) {
   return conf;
 }
 
-std::string hex(std::span<const uint8_t> bytes) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string s;
-  for (uint8_t b : bytes) {
-    s += kDigits[b >> 4];
-    s += kDigits[b & 0xf];
-  }
-  return s;
-}
-
 // A version-4 UUID string, as torchrun's --standalone run ids.
 std::string randomUuid() {
   auto n = auth::randomNonce();
   n[6] = static_cast<uint8_t>((n[6] & 0x0f) | 0x40);
   n[8] = static_cast<uint8_t>((n[8] & 0x3f) | 0x80);
-  const std::string h = hex(std::span(n.data(), 16));
+  const std::string h = toHex(std::span(n.data(), 16));
   return h.substr(0, 8) + "-" + h.substr(8, 4) + "-" + h.substr(12, 4) + "-" +
          h.substr(16, 4) + "-" + h.substr(20, 12);
 }
@@ -319,7 +300,7 @@ int32_t probeGpus(const Environment& env) {
   for (const auto& entry : std::filesystem::directory_iterator("/dev", ec)) {
     const std::string name = entry.path().filename().string();
     if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
-        parseInt(std::string_view(name).substr(6))) {
+        parseDecimal(std::string_view(name).substr(6))) {
       ++devices;
     }
   }
@@ -331,7 +312,7 @@ int32_t probeGpus(const Environment& env) {
   int32_t visible = 0;
   for (std::string_view item : split(it->second, ',')) {
     item = trim(item);
-    const auto index = parseInt(item);
+    const auto index = parseDecimal(item);
     const bool uuid = item.rfind("GPU-", 0) == 0 || item.rfind("MIG-", 0) == 0;
     if (!uuid && (!index || *index < 0)) {
       break;
@@ -545,7 +526,7 @@ void Parser::resolve(ElasticOptions& o) {
         n = context_.cpuCount ? context_.cpuCount() : 0;
       }
     } else {
-      const auto v = parseInt(r->value);
+      const auto v = parseDecimal(r->value);
       if (!v) {
         fail(*r, "expected a count, auto, cpu or gpu");
       }

@@ -24,8 +24,8 @@
 #include <optional>
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <string>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -34,6 +34,7 @@
 #include <CLI/CLI.hpp>
 
 #include <trellis/core/auth.h>
+#include <trellis/core/text.h>
 
 extern char** environ;
 
@@ -72,20 +73,6 @@ int pickFreePort() {
   return port;
 }
 
-void writeAll(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n <= 0) {
-      return;
-    }
-    off += static_cast<size_t>(n);
-  }
-}
-
 // One of a rank's output streams, forwarded line by line with a prefix.
 struct Stream {
   int fd = -1;
@@ -120,7 +107,7 @@ bool pump(Stream& s, int rank) {
   }
   if (n <= 0) {
     if (!s.partial.empty()) {
-      writeAll(s.target, prefixOf(rank) + s.partial + "\n");
+      trellis::writeAll(s.target, prefixOf(rank) + s.partial + "\n");
       s.partial.clear();
     }
     ::close(s.fd);
@@ -137,7 +124,7 @@ bool pump(Stream& s, int rank) {
   }
   s.partial.erase(0, start);
   if (!lines.empty()) {
-    writeAll(s.target, lines);
+    trellis::writeAll(s.target, lines);
   }
   return true;
 }
@@ -279,7 +266,7 @@ int main(int argc, char** argv) {
       ::execvpe(args[0], args.data(), envp.data());
       const std::string msg = std::string("trellis-launch: cannot run ") +
                               args[0] + ": " + std::strerror(errno) + "\n";
-      writeAll(2, msg);
+      trellis::writeAll(2, msg);
       ::_exit(127);
     }
     rk.pid = pid;

@@ -17,6 +17,7 @@
 #include <trellis/core/deadline.h>
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
+#include <trellis/core/pending_count.h>
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/extension.h>
@@ -157,9 +158,7 @@ namespace {
 // static destruction.
 struct DeferredTeardowns {
   ThreadPool pool{1, "rpc-teardown"};
-  Mutex mu;
-  CondVar done;
-  size_t pending TRELLIS_GUARDED_BY(mu) = 0;
+  PendingCount pending;
 };
 
 DeferredTeardowns& deferredTeardowns() {
@@ -182,29 +181,15 @@ void Agent::destroy(Agent* agent) {
     return;
   }
   DeferredTeardowns& teardowns = deferredTeardowns();
-  {
-    MutexLock lock(teardowns.mu);
-    ++teardowns.pending;
-  }
+  teardowns.pending.add();
   teardowns.pool.post([agent, &teardowns](const Error&) {
     delete agent;
-    MutexLock lock(teardowns.mu);
-    --teardowns.pending;
-    teardowns.done.notifyAll();
+    teardowns.pending.done();
   });
 }
 
 bool Agent::awaitDeferredTeardowns(Duration timeout) {
-  DeferredTeardowns& teardowns = deferredTeardowns();
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  MutexLock lock(teardowns.mu);
-  while (teardowns.pending > 0) {
-    if (!teardowns.done.waitUntil(teardowns.mu, deadline) &&
-        teardowns.pending > 0) {
-      return false;
-    }
-  }
-  return true;
+  return deferredTeardowns().pending.await(timeout);
 }
 
 Agent::~Agent() {

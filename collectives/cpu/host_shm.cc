@@ -19,6 +19,7 @@
 #include <trellis/core/auth.h>
 #include <trellis/core/logging.h>
 #include <trellis/core/spin.h>
+#include <trellis/core/text.h>
 #include <trellis/store/store.h>
 
 namespace trellis::collectives::detail {
@@ -91,16 +92,6 @@ std::string segmentKeyName(int leader) {
 }
 std::string statusKeyName(int rank) { return "shm-ok/" + std::to_string(rank); }
 
-std::string toHex(std::span<const uint8_t> bytes) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out;
-  for (uint8_t b : bytes) {
-    out += kDigits[b >> 4];
-    out += kDigits[b & 15];
-  }
-  return out;
-}
-
 std::string asString(const store::Bytes& b) {
   return std::string(b.begin(), b.end());
 }
@@ -155,16 +146,14 @@ std::string HostLayout::hostKey(int rank) {
     return machineKey();
   }
   const std::string_view s(v);
-  int k = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), k);
-  if (ec != std::errc() || end != s.data() + s.size() || k < 1 ||
-      k > kMaxRanksPerHostVar) {
+  const std::optional<int64_t> k = parseDecimal(s);
+  if (!k || *k < 1 || *k > kMaxRanksPerHostVar) {
     throwError(Error::invalidArgument(
         "TRELLIS_COLLECTIVES_RANKS_PER_HOST='" + std::string(s) +
         "' is not an integer in [1, " + std::to_string(kMaxRanksPerHostVar) +
         "] (a test aid: rank r counts as being on host r / K)"));
   }
-  return machineKey() + "/test-host-" + std::to_string(rank / k);
+  return machineKey() + "/test-host-" + std::to_string(rank / *k);
 }
 
 HostLayout HostLayout::fromKeys(const std::vector<std::string>& keys) {
@@ -286,9 +275,9 @@ class HostShm::Impl {
     }
     // Two decimal numbers, nothing else: the path must not leave /proc.
     auto number = [](std::string_view text, int64_t* out) {
-      const auto [end, ec] =
-          std::from_chars(text.data(), text.data() + text.size(), *out);
-      return ec == std::errc() && end == text.data() + text.size() && *out >= 0;
+      const std::optional<int64_t> v = parseDecimal(text);
+      *out = v.value_or(-1);
+      return *out >= 0;
     };
     int64_t pid = 0;
     int64_t fd = 0;

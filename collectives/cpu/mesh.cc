@@ -9,6 +9,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
 #include <trellis/core/net.h>
+#include <trellis/core/pending_count.h>
 #include <trellis/core/worker_env.h>
 #include <trellis/store/store.h>
 #include <trellis/transport/context.h>
@@ -1085,29 +1086,15 @@ namespace {
 
 // Teardowns moved off a loop thread and not finished yet (~Mesh). Leaked
 // on purpose: a mesh may be released during static destruction.
-struct DetachedTeardowns {
-  Mutex mu;
-  CondVar done;
-  size_t pending TRELLIS_GUARDED_BY(mu) = 0;
-};
-
-DetachedTeardowns& detachedTeardowns() {
-  static auto* teardowns = new DetachedTeardowns();
-  return *teardowns;
+PendingCount& detachedTeardowns() {
+  static auto* pending = new PendingCount();
+  return *pending;
 }
 
 }  // namespace
 
 bool awaitDetachedMeshTeardowns(Duration timeout) {
-  DetachedTeardowns& t = detachedTeardowns();
-  const auto deadline = Clock::now() + timeout;
-  MutexLock lock(t.mu);
-  while (t.pending > 0) {
-    if (!t.done.waitUntil(t.mu, deadline) && t.pending > 0) {
-      return false;
-    }
-  }
-  return true;
+  return detachedTeardowns().await(timeout);
 }
 
 Mesh::~Mesh() {
@@ -1115,17 +1102,12 @@ Mesh::~Mesh() {
     // Destroyed from a callback on the transport's own loop thread: that
     // thread cannot join itself, so the teardown moves to a thread of its
     // own (DESIGN.md, "no object destroyed on a thread it owns").
-    DetachedTeardowns& t = detachedTeardowns();
-    {
-      MutexLock lock(t.mu);
-      ++t.pending;
-    }
-    std::thread([impl = std::move(impl_), &t]() mutable {
+    PendingCount& pending = detachedTeardowns();
+    pending.add();
+    std::thread([impl = std::move(impl_), &pending]() mutable {
       impl->shutdown();
       impl.reset();
-      MutexLock lock(t.mu);
-      --t.pending;
-      t.done.notifyAll();
+      pending.done();
     }).detach();
     return;
   }

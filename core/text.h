@@ -1,0 +1,25 @@
+#pragma once
+// Small text and file-descriptor helpers that several layers need. Not
+// installed: nothing public takes or returns them.
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace trellis {
+
+// `s` as a decimal integer with an optional leading '-', and nothing else
+// (no space, no '+', no trailing text); nullopt when it is not one or does
+// not fit in int64_t. Callers check the range and name what was wrong.
+std::optional<int64_t> parseDecimal(std::string_view s);
+
+// Lowercase hexadecimal, two digits per byte.
+std::string toHex(std::span<const uint8_t> bytes);
+
+// Writes all of `bytes` to `fd`, retrying after EINTR and short writes.
+// False on any other failure (errno says which); what was written stays
+// written.
+bool writeAll(int fd, std::string_view bytes);
+
+}  // namespace trellis

@@ -1,0 +1,80 @@
+#include <array>
+#include <cerrno>
+#include <fcntl.h>
+#include <thread>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <trellis/core/pending_count.h>
+#include <trellis/core/text.h>
+
+namespace trellis {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(ParseDecimal, TakesWholeIntegersOnly) {
+  EXPECT_EQ(parseDecimal("0"), 0);
+  EXPECT_EQ(parseDecimal("42"), 42);
+  EXPECT_EQ(parseDecimal("-7"), -7);
+  EXPECT_EQ(parseDecimal("9223372036854775807"), INT64_MAX);
+  EXPECT_EQ(parseDecimal("-9223372036854775808"), INT64_MIN);
+  for (const char* bad : {"", "-", "+1", " 1", "1 ", "1x", "0x10", "1.0",
+                          "9223372036854775808", "--1", "1e3"}) {
+    EXPECT_EQ(parseDecimal(bad), std::nullopt) << "'" << bad << "'";
+  }
+}
+
+TEST(ToHex, TwoLowercaseDigitsPerByte) {
+  const std::array<uint8_t, 4> bytes{0x00, 0x0f, 0xa0, 0xff};
+  EXPECT_EQ(toHex(bytes), "000fa0ff");
+  EXPECT_EQ(toHex({}), "");
+}
+
+TEST(WriteAll, WritesEverythingAndReportsAClosedPipe) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const std::string text(100'000, 'x');  // more than a pipe holds at once
+  std::string got;
+  std::thread reader([&] {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(fds[0], buf, sizeof buf)) > 0) {
+      got.append(buf, static_cast<size_t>(n));
+    }
+  });
+  EXPECT_TRUE(writeAll(fds[1], text));
+  ::close(fds[1]);
+  reader.join();
+  EXPECT_EQ(got, text);
+  // Nobody reads any more: the write fails (EPIPE; SIGPIPE ignored here).
+  ASSERT_EQ(::pipe(fds), 0);
+  ::close(fds[0]);
+  struct sigaction ignore {
+  }, saved{};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, &saved);
+  EXPECT_FALSE(writeAll(fds[1], "lost"));
+  EXPECT_EQ(errno, EPIPE);
+  ::sigaction(SIGPIPE, &saved, nullptr);
+  ::close(fds[1]);
+}
+
+TEST(PendingCount, AwaitReturnsWhenTheLastEndsAndTimesOutOtherwise) {
+  PendingCount p;
+  EXPECT_TRUE(p.await(0ms));
+  p.add();
+  p.add();
+  EXPECT_FALSE(p.await(20ms));
+  std::thread t([&] {
+    p.done();
+    std::this_thread::sleep_for(20ms);
+    p.done();
+  });
+  EXPECT_TRUE(p.await(10s));
+  t.join();
+}
+
+}  // namespace
+}  // namespace trellis
