@@ -8,7 +8,6 @@
 #include <ATen/ops/ones_like.h>
 #include <atomic>
 #include <deque>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -21,6 +20,7 @@
 
 #include <trellis/core/error.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/messages.h>
 #include <trellis/dist_autograd/step_gate.h>
@@ -127,17 +127,18 @@ struct ContextState {
     return {self, &slot};  // aliasing: no allocation
   }
 
-  std::mutex mu;
-  std::unordered_map<uint64_t, std::shared_ptr<SendRpcBackward>> sends;
-  std::unordered_set<int32_t> knownWorkers;
-  GradientMap gradients;
+  Mutex mu;
+  std::unordered_map<uint64_t, std::shared_ptr<SendRpcBackward>> sends
+      TRELLIS_GUARDED_BY(mu);
+  std::unordered_set<int32_t> knownWorkers TRELLIS_GUARDED_BY(mu);
+  GradientMap gradients TRELLIS_GUARDED_BY(mu);
   // The initiator ran a backward without retainGraph.
-  bool graphFreed = false;
+  bool graphFreed TRELLIS_GUARDED_BY(mu) = false;
 
   // One engine run at a time per context on this worker: the runs of one
   // context share nodes (a tensor sent twice), and gradients are summed in
   // `gradients` after each.
-  std::mutex engineMu;
+  Mutex engineMu;
 };
 
 class Receiver : public rpc::GradReceiver {
@@ -184,13 +185,13 @@ class Container : public rpc::detail::AgentExtension {
     const uint64_t id =
         (static_cast<uint64_t>(rank()) << kCounterBits) |
         (nextContext_.fetch_add(1, std::memory_order_relaxed) & kCounterMask);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     contexts_.emplace(id, std::make_shared<ContextState>(id));
     return id;
   }
 
   std::shared_ptr<ContextState> find(uint64_t id) const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = contexts_.find(id);
     return it == contexts_.end() ? nullptr : it->second;
   }
@@ -206,7 +207,7 @@ class Container : public rpc::detail::AgentExtension {
   }
 
   size_t size() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return contexts_.size();
   }
 
@@ -220,7 +221,7 @@ class Container : public rpc::detail::AgentExtension {
                            "'" + (released(contextId) ? " (released)" : "")));
     }
     {
-      std::lock_guard<std::mutex> lock(state->mu);
+      MutexLock lock(state->mu);
       state->knownWorkers.insert(peer);
     }
     if (tensors.empty()) {
@@ -240,7 +241,7 @@ class Container : public rpc::detail::AgentExtension {
     }
     const uint64_t messageId = nextMessage_.fetch_add(1);
     {
-      std::lock_guard<std::mutex> lock(state->mu);
+      MutexLock lock(state->mu);
       state->sends.emplace(messageId, std::move(node));
     }
     // Until its gradient arrives, the graph behind it may need the values
@@ -256,7 +257,7 @@ class Container : public rpc::detail::AgentExtension {
     throwIfError(checkContextId(contextId, agent_.worldSize()));
     std::shared_ptr<ContextState> state;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (tombstones_.count(contextId) != 0) {
         throwError(Error(Code::kFailedPrecondition,
                          "distributed-autograd " + contextName(contextId) +
@@ -270,7 +271,7 @@ class Container : public rpc::detail::AgentExtension {
       state = slot;
     }
     {
-      std::lock_guard<std::mutex> lock(state->mu);
+      MutexLock lock(state->mu);
       state->knownWorkers.insert(peer);
     }
     if (messageId == 0) {
@@ -303,7 +304,7 @@ class Container : public rpc::detail::AgentExtension {
   bool release(uint64_t id, int32_t from) {
     std::shared_ptr<ContextState> state;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = contexts_.find(id);
       if (it == contexts_.end()) {
         return false;
@@ -324,7 +325,7 @@ class Container : public rpc::detail::AgentExtension {
     gate_.release(state->slot);
     std::vector<int32_t> peers;
     {
-      std::lock_guard<std::mutex> lock(state->mu);
+      MutexLock lock(state->mu);
       peers.assign(state->knownWorkers.begin(), state->knownWorkers.end());
     }
     if (agent_.isShutDown()) {
@@ -350,16 +351,17 @@ class Container : public rpc::detail::AgentExtension {
   }
 
   bool released(uint64_t id) const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return tombstones_.count(id) != 0;
   }
 
  private:
   Agent& agent_;
-  mutable std::mutex mu_;
-  std::unordered_map<uint64_t, std::shared_ptr<ContextState>> contexts_;
-  std::unordered_set<uint64_t> tombstones_;
-  std::deque<uint64_t> tombstoneOrder_;
+  mutable Mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<ContextState>> contexts_
+      TRELLIS_GUARDED_BY(mu_);
+  std::unordered_set<uint64_t> tombstones_ TRELLIS_GUARDED_BY(mu_);
+  std::deque<uint64_t> tombstoneOrder_ TRELLIS_GUARDED_BY(mu_);
   std::atomic<uint64_t> nextContext_{1};
   std::atomic<uint64_t> nextMessage_{1};
   // Declared last: destroyed first, failing what it holds while the
@@ -384,7 +386,7 @@ void accumulate(ContextState& state, const at::Tensor& leaf, at::Tensor grad) {
   if (!grad.defined()) {
     return;
   }
-  std::lock_guard<std::mutex> lock(state.mu);
+  MutexLock lock(state.mu);
   const at::Tensor existing = state.gradients.find(leaf);
   if (existing.defined()) {
     state.gradients.add(leaf, existing + grad);
@@ -409,7 +411,7 @@ Future<void> runGraph(Container& container,
   };
   std::vector<Outgoing> outgoing;
   {
-    std::lock_guard<std::mutex> engineLock(state->engineMu);
+    MutexLock engineLock(state->engineMu);
     // What the engine should capture instead of running: leaves (their
     // AccumulateGrad) and the gradients entering RecvRpcBackward nodes.
     ag::edge_list outputs;
@@ -600,7 +602,7 @@ void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
     inputs.push_back(at::ones_like(r));
   }
   {
-    std::lock_guard<std::mutex> lock(state->mu);
+    MutexLock lock(state->mu);
     if (state->graphFreed) {
       throwError(Error(Code::kFailedPrecondition,
                        "backward of " + contextName(contextId) +
@@ -624,7 +626,7 @@ void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
     // Other workers free their part of the graph with the context.
     uint32_t unanswered = 0;
     {
-      std::lock_guard<std::mutex> lock(state->mu);
+      MutexLock lock(state->mu);
       for (auto& [id, send] : state->sends) {
         unanswered += send->markAnswered() ? 1 : 0;
       }
@@ -637,7 +639,7 @@ void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
 
 GradientMap getGradients(uint64_t contextId) {
   auto state = containerOf(Agent::current()).get(contextId);
-  std::lock_guard<std::mutex> lock(state->mu);
+  MutexLock lock(state->mu);
   return state->gradients;
 }
 
@@ -667,7 +669,7 @@ Future<bool> propagateGradients(uint64_t contextId, uint64_t messageId,
   }
   std::shared_ptr<SendRpcBackward> send;
   {
-    std::lock_guard<std::mutex> lock(state->mu);
+    MutexLock lock(state->mu);
     auto it = state->sends.find(messageId);
     if (it == state->sends.end()) {
       throwError(Error(Code::kFailedPrecondition,

@@ -2,7 +2,6 @@
 #include <c10/core/ScalarType.h>
 #include <chrono>
 #include <map>
-#include <mutex>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -14,6 +13,7 @@
 
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
+#include <trellis/core/mutex.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/messages.h>
 #include <trellis/dist_autograd/optimizer.h>
@@ -115,8 +115,8 @@ std::unique_ptr<torch::optim::Optimizer> makeTorchOptimizer(
 // parameters (two DistributedOptimizers, or two trainers' optimizers) must
 // not interleave their .grad swaps and updates. Steps of workers in one
 // process (tests) serialise too; nothing else is done under the lock.
-std::mutex& stepMutex() {
-  static std::mutex mu;
+Mutex& stepMutex() {
+  static Mutex mu;
   return mu;
 }
 
@@ -176,7 +176,7 @@ class LocalOptimizer {
 
  private:
   void apply(const GradientMap& grads) {
-    std::lock_guard<std::mutex> lock(stepMutex());
+    MutexLock lock(stepMutex());
     // torch::optim steps every parameter whose .grad is defined, so each
     // one gets exactly its context gradient (or none), whatever .grad held;
     // that is put back afterwards, also when the step throws.

@@ -26,12 +26,12 @@ StepGate::~StepGate() {
   std::vector<Held> held;
   std::vector<Writer> waiting;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
     held.swap(held_);
     waiting.swap(waiting_);
   }
-  timerCv_.notify_all();
+  timerCv_.notifyAll();
   if (timer_.joinable()) {
     if (timer_.get_id() == std::this_thread::get_id()) {
       timer_.detach();  // the last owner went away in a timer callback
@@ -134,7 +134,7 @@ Future<void> StepGate::admit(const std::shared_ptr<GateSlot>& slot,
   Completions done;
   Future<void> out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     GateSlot& s = *slot;
     if (s.released) {
       out = makeErrorFuture<void>(
@@ -160,7 +160,7 @@ Future<void> StepGate::admit(const std::shared_ptr<GateSlot>& slot,
     }
   }
   if (!out.completed()) {
-    timerCv_.notify_all();
+    timerCv_.notifyAll();
   }
   complete(done);  // empty: admitting a reader lets no writer through
   return out;
@@ -169,7 +169,7 @@ Future<void> StepGate::admit(const std::shared_ptr<GateSlot>& slot,
 void StepGate::requestDone(GateSlot& slot) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     change(
         slot,
         [](GateSlot& s) {
@@ -184,7 +184,7 @@ void StepGate::requestDone(GateSlot& slot) {
 
 void StepGate::sendRecorded(GateSlot& slot) {
   Completions done;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   change(
       slot, [](GateSlot& s) { ++s.pendingSends; }, done);
   // Recording a send never ends a reader, so `done` stays empty.
@@ -195,7 +195,7 @@ void StepGate::sendAnswered(GateSlot& slot) { sendsDropped(slot, 1); }
 void StepGate::sendsDropped(GateSlot& slot, uint32_t n) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     change(
         slot,
         [n](GateSlot& s) { s.pendingSends -= std::min(s.pendingSends, n); },
@@ -207,7 +207,7 @@ void StepGate::sendsDropped(GateSlot& slot, uint32_t n) {
 void StepGate::release(GateSlot& slot) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     change(
         slot, [](GateSlot& s) { s.released = true; }, done);
   }
@@ -220,7 +220,7 @@ Future<void> StepGate::beginWrite(const std::shared_ptr<GateSlot>& slot,
   Future<void> out;
   bool wake = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ++writers_;
     Writer w{slot, Promise<void>(), deadline, Clock::now(), std::move(what)};
     out = w.promise.getFuture();
@@ -234,7 +234,7 @@ Future<void> StepGate::beginWrite(const std::shared_ptr<GateSlot>& slot,
     }
   }
   if (wake) {
-    timerCv_.notify_all();
+    timerCv_.notifyAll();
   }
   complete(done);
   return out;
@@ -243,7 +243,7 @@ Future<void> StepGate::beginWrite(const std::shared_ptr<GateSlot>& slot,
 void StepGate::endWrite(GateSlot& slot) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     change(
         slot, [](GateSlot& s) { --s.writing; }, done);
     endWriter(done);
@@ -269,7 +269,7 @@ std::string StepGate::describeReaders() const {
 }
 
 StepGate::Counts StepGate::counts() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return {reading_, writers_, held_.size()};
 }
 
@@ -280,65 +280,68 @@ void StepGate::ensureTimer() {
 }
 
 void StepGate::timerLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    Deadline next = Deadline::never();
-    for (const auto& h : held_) {
-      next = earliest(next, h.deadline);
-    }
-    for (const auto& w : waiting_) {
-      next = earliest(next, w.deadline);
-    }
-    if (next.isNever()) {
-      timerCv_.wait(lock);
-      continue;
-    }
-    if (!next.expired()) {
-      timerCv_.wait_until(lock, next.timePoint());
-      continue;
-    }
+  for (;;) {
     Completions done;
-    for (auto it = held_.begin(); it != held_.end();) {
-      if (!it->deadline.expired()) {
-        ++it;
+    {
+      MutexLock lock(mu_);
+      if (stopping_) {
+        return;
+      }
+      Deadline next = Deadline::never();
+      for (const auto& h : held_) {
+        next = earliest(next, h.deadline);
+      }
+      for (const auto& w : waiting_) {
+        next = earliest(next, w.deadline);
+      }
+      if (next.isNever()) {
+        timerCv_.wait(mu_);
         continue;
       }
-      done.emplace_back(
-          std::move(it->promise),
-          Error::timeout("a request of distributed-autograd " +
-                         contextName(it->slot->id) + " waited on worker '" +
-                         worker_ +
-                         "' longer than its timeout for an optimizer step to "
-                         "finish, and was not run"));
-      it = held_.erase(it);
-    }
-    std::vector<Writer> expired;
-    for (auto it = waiting_.begin(); it != waiting_.end();) {
-      if (it->deadline.expired()) {
-        expired.push_back(std::move(*it));
-        it = waiting_.erase(it);
-      } else {
-        ++it;
+      if (!next.expired()) {
+        timerCv_.waitUntil(mu_, next.timePoint());
+        continue;
+      }
+      for (auto it = held_.begin(); it != held_.end();) {
+        if (!it->deadline.expired()) {
+          ++it;
+          continue;
+        }
+        done.emplace_back(
+            std::move(it->promise),
+            Error::timeout("a request of distributed-autograd " +
+                           contextName(it->slot->id) + " waited on worker '" +
+                           worker_ +
+                           "' longer than its timeout for an optimizer step to "
+                           "finish, and was not run"));
+        it = held_.erase(it);
+      }
+      std::vector<Writer> expired;
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if (it->deadline.expired()) {
+          expired.push_back(std::move(*it));
+          it = waiting_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& w : expired) {
+        done.emplace_back(
+            std::move(w.promise),
+            Error::timeout(w.what + " on worker '" + worker_ + "' waited " +
+                           formatDuration(std::chrono::duration_cast<Duration>(
+                               Clock::now() - w.since)) +
+                           " for distributed-autograd " + describeReaders() +
+                           " to finish the backward passes that "
+                           "need the current parameter values "
+                           "here (or to be released); not "
+                           "stepped"));
+        change(
+            *w.slot, [](GateSlot& g) { --g.writing; }, done);
+        endWriter(done);
       }
     }
-    for (auto& w : expired) {
-      done.emplace_back(
-          std::move(w.promise),
-          Error::timeout(w.what + " on worker '" + worker_ + "' waited " +
-                         formatDuration(std::chrono::duration_cast<Duration>(
-                             Clock::now() - w.since)) +
-                         " for distributed-autograd " + describeReaders() +
-                         " to finish the backward passes that "
-                         "need the current parameter values "
-                         "here (or to be released); not "
-                         "stepped"));
-      change(
-          *w.slot, [](GateSlot& g) { --g.writing; }, done);
-      endWriter(done);
-    }
-    lock.unlock();
     complete(done);
-    lock.lock();
   }
 }
 

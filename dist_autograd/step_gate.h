@@ -31,16 +31,15 @@
 // completed without the gate's lock held, on the calling thread of the
 // method that let them through (or the gate's timer thread at a deadline).
 
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <trellis/core/deadline.h>
 #include <trellis/core/future.h>
+#include <trellis/core/mutex.h>
 
 namespace trellis::rpc {
 class Agent;
@@ -127,27 +126,31 @@ class StepGate {
 
   // Apply a change to `s` and keep the list and counters in step.
   template <typename F>
-  void change(GateSlot& s, F&& f, Completions& done);
-  bool writersMayGo() const;  // under mu_
+  void change(GateSlot& s, F&& f, Completions& done) TRELLIS_REQUIRES(mu_);
+  bool writersMayGo() const TRELLIS_REQUIRES(mu_);
   // "context 1:3, context 2:5": the reading contexts that are not writing.
-  std::string describeReaders() const;  // under mu_
-  void letWritersGo(Completions& done);
-  void admitHeld(Completions& done);
-  void endWriter(Completions& done);  // a writer left (done or failed)
+  std::string describeReaders() const TRELLIS_REQUIRES(mu_);
+  void letWritersGo(Completions& done) TRELLIS_REQUIRES(mu_);
+  void admitHeld(Completions& done) TRELLIS_REQUIRES(mu_);
+  // A writer left (done or failed).
+  void endWriter(Completions& done) TRELLIS_REQUIRES(mu_);
   static void complete(Completions& done);
-  void ensureTimer();  // under mu_
+  void ensureTimer() TRELLIS_REQUIRES(mu_);
   void timerLoop();
 
   const std::string worker_;
-  mutable std::mutex mu_;
-  GateSlot* head_ = nullptr;     // GUARDED_BY(mu_): the reading slots
-  size_t reading_ = 0;           // GUARDED_BY(mu_): slots in that list
-  size_t readingWriting_ = 0;    // GUARDED_BY(mu_): of those, writing > 0
-  size_t writers_ = 0;           // GUARDED_BY(mu_): waiting + running
-  std::vector<Held> held_;       // GUARDED_BY(mu_)
-  std::vector<Writer> waiting_;  // GUARDED_BY(mu_): not yet let through
-  bool stopping_ = false;        // GUARDED_BY(mu_)
-  std::condition_variable timerCv_;
+  mutable Mutex mu_;
+  GateSlot* head_ TRELLIS_GUARDED_BY(mu_) = nullptr;  // the reading slots
+  size_t reading_ TRELLIS_GUARDED_BY(mu_) = 0;        // slots in that list
+  // Of those, the ones with writing > 0.
+  size_t readingWriting_ TRELLIS_GUARDED_BY(mu_) = 0;
+  size_t writers_ TRELLIS_GUARDED_BY(mu_) = 0;  // waiting + running
+  std::vector<Held> held_ TRELLIS_GUARDED_BY(mu_);
+  std::vector<Writer> waiting_ TRELLIS_GUARDED_BY(mu_);  // not yet let through
+  bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
+  CondVar timerCv_;
+  // Started under mu_ while !stopping_; joined by the destructor once
+  // stopping_ is set, when nothing starts it any more.
   std::thread timer_;
 };
 

@@ -78,7 +78,7 @@ struct Agent::Impl {
   std::unique_ptr<detail::Connections> connections;
 
   // Serialises shutdown() calls.
-  std::mutex shutdownMu;
+  Mutex shutdownMu;
 
   void onMessage(const std::shared_ptr<PipeState>& ps,
                  std::shared_ptr<pb::Envelope> env, Reply body,
@@ -529,7 +529,7 @@ void Agent::shutdown(ShutdownOptions options) {
                          "function or a future callback): call it from "
                          "another thread"));
   }
-  std::lock_guard<std::mutex> once(d.shutdownMu);
+  MutexLock once(d.shutdownMu);
   if (isShutDown()) {
     return;
   }

@@ -27,7 +27,7 @@ void CallTable::start() {
 bool CallTable::add(uint64_t id, Call call) {
   bool wakeTimer = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopping_) {
       return false;
     }
@@ -42,7 +42,7 @@ bool CallTable::add(uint64_t id, Call call) {
     }
     pending_.emplace(id, std::move(call));
     if (wakeTimer) {
-      timerCv_.notify_one();
+      timerCv_.notifyOne();
     }
   }
   return true;
@@ -50,7 +50,7 @@ bool CallTable::add(uint64_t id, Call call) {
 
 std::optional<CallTable::Call> CallTable::take(uint64_t id,
                                                const PipeState* pipe) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = pending_.find(id);
   if (it == pending_.end() || (pipe != nullptr && it->second.pipe != pipe)) {
     return std::nullopt;
@@ -61,7 +61,7 @@ std::optional<CallTable::Call> CallTable::take(uint64_t id,
   std::optional<Call> call(std::move(it->second));
   pending_.erase(it);
   if (quiescing_.load(std::memory_order_acquire)) {
-    idleCv_.notify_all();  // under mu_
+    idleCv_.notifyAll();  // under mu_
   }
   return call;
 }
@@ -79,7 +79,7 @@ void CallTable::fail(uint64_t id, const Error& error) {
 
 std::vector<uint64_t> CallTable::callsOn(const PipeState* pipe) const {
   std::vector<uint64_t> ids;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (const auto& [id, call] : pending_) {
     if (call.pipe == pipe) {
       ids.push_back(id);
@@ -137,13 +137,13 @@ void CallTable::complete(Call&& call, const wire::Envelope& env, Reply body,
 }
 
 size_t CallTable::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return pending_.size();
 }
 
 std::vector<uint64_t> CallTable::stop() {
   std::vector<uint64_t> ids;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   stopping_ = true;
   for (const auto& [id, call] : pending_) {
     ids.push_back(id);
@@ -152,16 +152,16 @@ std::vector<uint64_t> CallTable::stop() {
 }
 
 bool CallTable::stopped() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return stopping_;
 }
 
 void CallTable::join() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     closed_ = true;
   }
-  timerCv_.notify_all();
+  timerCv_.notifyAll();
   if (timerThread_.joinable()) {
     timerThread_.join();
   }
@@ -171,35 +171,39 @@ bool CallTable::onTimerThread() const { return tTimerOf == this; }
 
 void CallTable::timerLoop() {
   tTimerOf = this;
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!closed_) {
-    if (timers_.empty()) {
-      timerWakeAt_ = Clock::time_point::max();
-      timerCv_.wait(lock);
-      continue;
-    }
-    const auto next = timers_.begin()->first;
-    if (Clock::now() < next) {
-      timerWakeAt_ = next;
-      timerCv_.wait_until(lock, next);
-      continue;
-    }
+  for (;;) {
     std::vector<Call> expired;
-    const auto now = Clock::now();
-    while (!timers_.empty() && timers_.begin()->first <= now) {
-      const uint64_t id = timers_.begin()->second;
-      timers_.erase(timers_.begin());
-      auto it = pending_.find(id);
-      if (it != pending_.end()) {
-        it->second.hasTimer_ = false;
-        expired.push_back(std::move(it->second));
-        pending_.erase(it);
+    {
+      MutexLock lock(mu_);
+      if (closed_) {
+        return;
+      }
+      if (timers_.empty()) {
+        timerWakeAt_ = Clock::time_point::max();
+        timerCv_.wait(mu_);
+        continue;
+      }
+      const auto next = timers_.begin()->first;
+      if (Clock::now() < next) {
+        timerWakeAt_ = next;
+        timerCv_.waitUntil(mu_, next);
+        continue;
+      }
+      const auto now = Clock::now();
+      while (!timers_.empty() && timers_.begin()->first <= now) {
+        const uint64_t id = timers_.begin()->second;
+        timers_.erase(timers_.begin());
+        auto it = pending_.find(id);
+        if (it != pending_.end()) {
+          it->second.hasTimer_ = false;
+          expired.push_back(std::move(it->second));
+          pending_.erase(it);
+        }
+      }
+      if (!expired.empty() && quiescing_.load(std::memory_order_acquire)) {
+        idleCv_.notifyAll();  // under mu_
       }
     }
-    if (!expired.empty() && quiescing_.load(std::memory_order_acquire)) {
-      idleCv_.notify_all();  // under mu_
-    }
-    lock.unlock();
     for (auto& call : expired) {
       Error e =
           Error::timeout("rpc of '" + call.function + "' to " +
@@ -207,7 +211,6 @@ void CallTable::timerLoop() {
                          " timed out after " + formatDuration(call.timeout));
       failLater(std::move(call), std::move(e));
     }
-    lock.lock();
   }
 }
 
@@ -219,19 +222,21 @@ void CallTable::notifyIdle() {
   if (quiescing_.load(std::memory_order_acquire)) {
     // Taken and released so that a waiter between its check and its wait
     // cannot miss this notification.
-    { std::lock_guard<std::mutex> lock(mu_); }
-    idleCv_.notify_all();
+    { MutexLock lock(mu_); }
+    idleCv_.notifyAll();
   }
 }
 
 void CallTable::waitIdle(Deadline deadline,
                          const std::function<bool()>& othersIdle) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto idle = [&] { return pending_.empty() && othersIdle(); };
-  if (deadline.isNever()) {
-    idleCv_.wait(lock, idle);
-  } else {
-    idleCv_.wait_until(lock, deadline.timePoint(), idle);
+  MutexLock lock(mu_);
+  while (!(pending_.empty() && othersIdle())) {
+    if (deadline.isNever()) {
+      idleCv_.wait(mu_);
+    } else if (!idleCv_.waitUntil(mu_, deadline.timePoint()) &&
+               !(pending_.empty() && othersIdle())) {
+      return;
+    }
   }
 }
 

@@ -6,10 +6,8 @@
 // is dropped), and the failing of calls whose pipe died or whose agent
 // closed. Graceful shutdown waits on it for the calls in flight to end.
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -19,6 +17,7 @@
 #include "envelope.h"
 #include <trellis/core/deadline.h>
 #include <trellis/core/future.h>
+#include <trellis/core/mutex.h>
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/profiler.h>
@@ -111,18 +110,19 @@ class CallTable {
   // Guards every field below up to the thread: the pending calls, their
   // timers, the timer's wake-up time and the table's state. Held only for
   // bookkeeping, never while a promise completes.
-  mutable std::mutex mu_;
-  std::condition_variable timerCv_;
-  std::condition_variable idleCv_;
-  std::unordered_map<uint64_t, Call> pending_;
-  std::multimap<Clock::time_point, uint64_t> timers_;
+  mutable Mutex mu_;
+  CondVar timerCv_;
+  CondVar idleCv_;
+  std::unordered_map<uint64_t, Call> pending_ TRELLIS_GUARDED_BY(mu_);
+  std::multimap<Clock::time_point, uint64_t> timers_ TRELLIS_GUARDED_BY(mu_);
   // When the timer thread wakes next (max while it waits for work). A call
   // wakes it only to move that earlier: sequential calls with the same
   // timeout never do, since each deadline is later than the one it sleeps
   // until.
-  Clock::time_point timerWakeAt_ = Clock::time_point::max();
-  bool stopping_ = false;  // no new calls
-  bool closed_ = false;    // the timer thread ends
+  Clock::time_point timerWakeAt_ TRELLIS_GUARDED_BY(mu_) =
+      Clock::time_point::max();
+  bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;  // no new calls
+  bool closed_ TRELLIS_GUARDED_BY(mu_) = false;    // the timer thread ends
   std::thread timerThread_;
 
   std::atomic<uint64_t> nextId_{1};

@@ -91,19 +91,19 @@ void Connections::closeTransport() {
 }
 
 void Connections::forget() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   forgotten_ = true;
   outPipes_.clear();
   inPipes_.clear();
 }
 
 bool Connections::forgotten() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return forgotten_;
 }
 
 size_t Connections::openPipes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return outPipes_.size() + inPipes_.size();
 }
 
@@ -116,7 +116,7 @@ std::string Connections::describePeer(const PipeState& ps) const {
 // ---- sending ---------------------------------------------------------------
 
 std::shared_ptr<PipeState> Connections::outPipe(int32_t to) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = outPipes_.find(to);
   if (it != outPipes_.end()) {
     return it->second;
@@ -182,7 +182,7 @@ void Connections::accept() {
         auto ps = std::make_shared<PipeState>();
         ps->pipe = std::move(pipe);
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           if (forgotten_) {
             ps->pipe->close();
             return;
@@ -275,7 +275,7 @@ void Connections::fail(const std::shared_ptr<PipeState>& ps,
   }
   ps->pipe->close();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (ps->outgoing) {
       auto it = outPipes_.find(ps->peer);
       if (it != outPipes_.end() && it->second == ps) {

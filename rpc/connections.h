@@ -21,7 +21,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -30,6 +29,7 @@
 #include <trellis/core/buffer_pool.h>
 #include <trellis/core/deadline.h>
 #include <trellis/core/lifeline.h>
+#include <trellis/core/mutex.h>
 #include <trellis/rpc/agent.h>
 
 namespace trellis::transport {
@@ -126,10 +126,11 @@ class Connections {
 
   // Guards the pipe maps and `forgotten_`. Never held while a pipe is
   // written or read.
-  mutable std::mutex mu_;
-  std::map<int32_t, std::shared_ptr<PipeState>> outPipes_;
-  std::set<std::shared_ptr<PipeState>> inPipes_;
-  bool forgotten_ = false;
+  mutable Mutex mu_;
+  std::map<int32_t, std::shared_ptr<PipeState>> outPipes_
+      TRELLIS_GUARDED_BY(mu_);
+  std::set<std::shared_ptr<PipeState>> inPipes_ TRELLIS_GUARDED_BY(mu_);
+  bool forgotten_ TRELLIS_GUARDED_BY(mu_) = false;
 
   std::atomic<uint64_t> sent_{0};
   std::atomic<uint64_t> received_{0};

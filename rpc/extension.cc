@@ -1,7 +1,7 @@
-#include <mutex>
 #include <utility>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
 #include <trellis/rpc/extension.h>
 
 namespace trellis::rpc {
@@ -12,8 +12,9 @@ thread_local uint64_t tlsAutogradContext = 0;
 
 struct Factories {
   // Guards `list`: registrations (static-init time) against Agent::start().
-  std::mutex mu;
-  std::vector<std::pair<std::type_index, detail::ExtensionFactory>> list;
+  Mutex mu;
+  std::vector<std::pair<std::type_index, detail::ExtensionFactory>> list
+      TRELLIS_GUARDED_BY(mu);
 };
 
 Factories& factories() {
@@ -45,7 +46,7 @@ Future<AnyValue> AgentExtension::onRequest(ExtensionRequest& request) {
 
 void registerExtension(std::type_index type, ExtensionFactory factory) {
   Factories& f = factories();
-  std::lock_guard<std::mutex> lock(f.mu);
+  MutexLock lock(f.mu);
   for (auto& [t, fn] : f.list) {
     if (t == type) {
       fn = factory;
@@ -59,7 +60,7 @@ Extensions Extensions::create(Agent& agent) {
   std::vector<std::pair<std::type_index, ExtensionFactory>> list;
   {
     Factories& f = factories();
-    std::lock_guard<std::mutex> lock(f.mu);
+    MutexLock lock(f.mu);
     list = f.list;
   }
   Extensions out;

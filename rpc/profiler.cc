@@ -2,7 +2,6 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
-#include <mutex>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -14,12 +13,12 @@ namespace trellis::rpc {
 namespace {
 
 struct Collector {
-  std::mutex mu;
+  Mutex mu;
   std::atomic<int> active{0};
   // Events of the current profiling session; cleared when the last
   // profiler ends. `base` keeps each profiler's start index valid.
-  std::vector<ProfileEvent> events;
-  size_t base = 0;
+  std::vector<ProfileEvent> events TRELLIS_GUARDED_BY(mu);
+  size_t base TRELLIS_GUARDED_BY(mu) = 0;
 };
 
 Collector& collector() {
@@ -41,13 +40,13 @@ uint64_t profilerThreadId() {
 }
 
 void NestedEvents::add(ProfileEvent event) {
-  std::lock_guard<std::mutex> lock(mu);
+  MutexLock lock(mu);
   events.push_back(std::move(event));
 }
 
 std::vector<ProfileEvent> NestedEvents::take() {
   std::vector<ProfileEvent> out;
-  std::lock_guard<std::mutex> lock(mu);
+  MutexLock lock(mu);
   out.swap(events);
   return out;
 }
@@ -69,14 +68,14 @@ int64_t profilerNowUs() {
 
 Profiler::Profiler() {
   Collector& c = collector();
-  std::lock_guard<std::mutex> lock(c.mu);
+  MutexLock lock(c.mu);
   start_ = c.base + c.events.size();
   c.active.fetch_add(1);
 }
 
 Profiler::~Profiler() {
   Collector& c = collector();
-  std::lock_guard<std::mutex> lock(c.mu);
+  MutexLock lock(c.mu);
   if (c.active.fetch_sub(1) == 1) {
     c.base += c.events.size();
     c.events.clear();
@@ -89,7 +88,7 @@ bool Profiler::active() {
 
 void Profiler::record(ProfileEvent event) {
   Collector& c = collector();
-  std::lock_guard<std::mutex> lock(c.mu);
+  MutexLock lock(c.mu);
   if (c.active.load() > 0) {
     c.events.push_back(std::move(event));
   }
@@ -97,7 +96,7 @@ void Profiler::record(ProfileEvent event) {
 
 std::vector<ProfileEvent> Profiler::events() const {
   Collector& c = collector();
-  std::lock_guard<std::mutex> lock(c.mu);
+  MutexLock lock(c.mu);
   const size_t from = start_ > c.base ? start_ - c.base : 0;
   if (from >= c.events.size()) {
     return {};

@@ -31,9 +31,10 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
+
+#include <trellis/core/mutex.h>
 
 namespace trellis::rpc {
 
@@ -80,8 +81,8 @@ uint64_t profilerThreadId();
 // profilerThreadId() of the thread the function runs on.
 struct NestedEvents {
   uint64_t thread = 0;
-  std::mutex mu;
-  std::vector<ProfileEvent> events;
+  Mutex mu;
+  std::vector<ProfileEvent> events TRELLIS_GUARDED_BY(mu);
 
   void add(ProfileEvent event);
   std::vector<ProfileEvent> take();

@@ -2,19 +2,19 @@
 #include <cstdlib>
 #include <cxxabi.h>
 #include <memory>
-#include <mutex>
 #include <typeinfo>
 #include <unordered_map>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
 #include <trellis/rpc/registry.h>
 
 namespace trellis::rpc {
 
 struct Registry::Impl {
-  mutable std::mutex mu;
-  std::unordered_map<std::string, FunctionEntry> entries;
-  std::string duplicates;
+  mutable Mutex mu;
+  std::unordered_map<std::string, FunctionEntry> entries TRELLIS_GUARDED_BY(mu);
+  std::string duplicates TRELLIS_GUARDED_BY(mu);
 };
 
 Registry& Registry::global() {
@@ -31,7 +31,7 @@ Registry::Impl& Registry::impl() const {
 
 bool Registry::add(FunctionEntry entry) {
   Impl& d = impl();
-  std::lock_guard<std::mutex> lock(d.mu);
+  MutexLock lock(d.mu);
   std::string name = entry.name;
   if (!d.entries.emplace(name, std::move(entry)).second) {
     d.duplicates += (d.duplicates.empty() ? "'" : ", '") + name + "'";
@@ -42,14 +42,14 @@ bool Registry::add(FunctionEntry entry) {
 
 const FunctionEntry* Registry::find(std::string_view name) const {
   Impl& d = impl();
-  std::lock_guard<std::mutex> lock(d.mu);
+  MutexLock lock(d.mu);
   auto it = d.entries.find(std::string(name));
   return it == d.entries.end() ? nullptr : &it->second;
 }
 
 Error Registry::status() const {
   Impl& d = impl();
-  std::lock_guard<std::mutex> lock(d.mu);
+  MutexLock lock(d.mu);
   if (d.duplicates.empty()) {
     return Error();
   }
@@ -59,7 +59,7 @@ Error Registry::status() const {
 
 size_t Registry::size() const {
   Impl& d = impl();
-  std::lock_guard<std::mutex> lock(d.mu);
+  MutexLock lock(d.mu);
   return d.entries.size();
 }
 

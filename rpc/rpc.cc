@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/rpc.h>
 
@@ -14,8 +15,8 @@ namespace {
 
 thread_local Agent* tCurrentAgent = nullptr;
 // Guards gProcessAgent.
-std::mutex gProcessMu;
-std::shared_ptr<Agent> gProcessAgent;
+Mutex gProcessMu;
+std::shared_ptr<Agent> gProcessAgent TRELLIS_GUARDED_BY(gProcessMu);
 
 }  // namespace
 
@@ -43,7 +44,7 @@ std::shared_ptr<Agent> Agent::currentShared() {
     }
     return agent;
   }
-  std::lock_guard<std::mutex> lock(gProcessMu);
+  MutexLock lock(gProcessMu);
   if (gProcessAgent == nullptr) {
     throwError(Error(Code::kFailedPrecondition,
                      "no RPC agent: call trellis::rpc::init() first"));
@@ -52,7 +53,7 @@ std::shared_ptr<Agent> Agent::currentShared() {
 }
 
 void Agent::setProcessAgent(std::shared_ptr<Agent> agent) {
-  std::lock_guard<std::mutex> lock(gProcessMu);
+  MutexLock lock(gProcessMu);
   gProcessAgent = std::move(agent);
 }
 
@@ -76,7 +77,7 @@ namespace {
 void closeProcessAgentAtExit() {
   std::shared_ptr<Agent> agent;
   {
-    std::lock_guard<std::mutex> lock(gProcessMu);
+    MutexLock lock(gProcessMu);
     agent = std::move(gProcessAgent);
   }
   if (agent == nullptr) {
@@ -97,7 +98,7 @@ void closeProcessAgentAtExit() {
 void init(const std::string& name, int32_t rank, int32_t worldSize,
           RpcOptions options) {
   {
-    std::lock_guard<std::mutex> lock(gProcessMu);
+    MutexLock lock(gProcessMu);
     if (gProcessAgent != nullptr) {
       throwError(Error(Code::kFailedPrecondition,
                        "rpc::init: this process already runs agent '" +
@@ -113,7 +114,7 @@ void init(const std::string& name, int32_t rank, int32_t worldSize,
 void shutdown(ShutdownOptions options) {
   std::shared_ptr<Agent> agent;
   {
-    std::lock_guard<std::mutex> lock(gProcessMu);
+    MutexLock lock(gProcessMu);
     agent = gProcessAgent;
   }
   if (agent == nullptr) {

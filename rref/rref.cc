@@ -9,12 +9,12 @@
 #include <deque>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <set>
 #include <utility>
 
 #include <trellis/core/check.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/mutex.h>
 #include <trellis/rpc/extension.h>
 #include <trellis/rref/protocol.h>
 #include <trellis/rref/rref.h>
@@ -132,7 +132,7 @@ class RRefContext : public AgentExtension,
   void storeOwnerValue(const RRefId& rref, const RRefId& fork, int32_t caller,
                        const Future<AnyValue>& value) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       OwnerEntry& e = owners_[keyOf(rref)];
       e.created = true;
       e.origin = "created by remote() from " + agent_->workerInfo(caller).name;
@@ -147,7 +147,7 @@ class RRefContext : public AgentExtension,
       }
       Promise<AnyValue> p;
       {
-        std::lock_guard<std::mutex> lock(self->mu_);
+        MutexLock lock(self->mu_);
         auto it = self->owners_.find(k);
         if (it == self->owners_.end()) {
           return;  // every reference went away before the value was made
@@ -168,7 +168,7 @@ class RRefContext : public AgentExtension,
       const RRefId& rref) {
     Future<AnyValue> f;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       f = owners_[keyOf(rref)].value;
     }
     return f.then(
@@ -176,14 +176,14 @@ class RRefContext : public AgentExtension,
   }
 
   Future<AnyValue> ownerAny(const RRefId& rref) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return owners_[keyOf(rref)].value;
   }
 
   void createLocal(const RRefId& rref, AnyValue value) {
     Promise<AnyValue> p;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       OwnerEntry& e = owners_[keyOf(rref)];
       e.created = true;
       e.origin = "created by makeRRef() on " + agent_->self().name;
@@ -194,7 +194,7 @@ class RRefContext : public AgentExtension,
   }
 
   void addFork(const RRefId& rref, const RRefId& fork) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     addForkLocked(owners_[keyOf(rref)], keyOf(fork));
   }
 
@@ -202,7 +202,7 @@ class RRefContext : public AgentExtension,
   // is still on a handler thread) leaves a tombstone that cancels it.
   void removeFork(const RRefId& rref, const RRefId& fork) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = owners_.find(keyOf(rref));
       if (it == owners_.end() || it->second.forks.erase(keyOf(fork)) == 0) {
         addTombstoneLocked(keyOf(fork));
@@ -214,21 +214,21 @@ class RRefContext : public AgentExtension,
   // ---- user side ---------------------------------------------------------
 
   void registerUser(const std::shared_ptr<RRefState>& s) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     users_[keyOf(s->fork())] = s;
   }
   void forgetUser(const RRefId& fork) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     users_.erase(keyOf(fork));
   }
   void holdParent(const RRefId& child, std::shared_ptr<RRefState> parent) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     pendingChildren_[keyOf(child)] = std::move(parent);
   }
   void childAccepted(const RRefId& child) {
     std::shared_ptr<RRefState> parent;  // released after the lock
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = pendingChildren_.find(keyOf(child));
       if (it == pendingChildren_.end()) {
         return;
@@ -284,7 +284,7 @@ class RRefContext : public AgentExtension,
     std::map<Key, std::shared_ptr<RRefState>> children;
     std::vector<std::shared_ptr<RRefState>> live;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       children.swap(pendingChildren_);
       for (auto& [k, w] : users_) {
         if (auto s = w.lock()) {
@@ -301,7 +301,7 @@ class RRefContext : public AgentExtension,
 
   std::vector<std::string> leaks() override {
     std::vector<std::string> out;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (const auto& [k, e] : owners_) {
       out.push_back("RRef " + str(RRefId{k.first, k.second}) + " with " +
                     std::to_string(e.forks.size()) + " fork(s), " +
@@ -311,11 +311,11 @@ class RRefContext : public AgentExtension,
   }
 
   size_t ownedCount() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return owners_.size();
   }
   size_t userCount() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     size_t n = 0;
     for (const auto& [k, w] : users_) {
       n += w.expired() ? 0 : 1;
@@ -327,7 +327,7 @@ class RRefContext : public AgentExtension,
   // Bounded: a delete whose fork never arrives (a peer that died between
   // the two, or one that sends garbage) must not grow this forever. The
   // oldest go first; a fork arrives within a round trip of its delete.
-  void addTombstoneLocked(const Key& fork) {
+  void addTombstoneLocked(const Key& fork) TRELLIS_REQUIRES(mu_) {
     if (tombstones_.insert(fork).second) {
       tombstoneOrder_.push_back(fork);
       if (tombstoneOrder_.size() > kMaxTombstones) {
@@ -337,7 +337,7 @@ class RRefContext : public AgentExtension,
     }
   }
 
-  void addForkLocked(OwnerEntry& e, const Key& fork) {
+  void addForkLocked(OwnerEntry& e, const Key& fork) TRELLIS_REQUIRES(mu_) {
     if (tombstones_.erase(fork) == 0) {
       e.forks.insert(fork);
     }
@@ -346,7 +346,7 @@ class RRefContext : public AgentExtension,
   void maybeFree(const Key& k) {
     OwnerEntry dead;  // the value dies outside the lock
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = owners_.find(k);
       if (it == owners_.end() || !it->second.created ||
           !it->second.forks.empty()) {
@@ -361,14 +361,15 @@ class RRefContext : public AgentExtension,
 
   Agent* agent_;
   std::atomic<uint64_t> next_{1};
-  std::mutex mu_;
-  std::map<Key, OwnerEntry> owners_;
+  Mutex mu_;
+  std::map<Key, OwnerEntry> owners_ TRELLIS_GUARDED_BY(mu_);
   // Forks deleted before their addition arrived; fork ids are unique in the
   // group, so the fork alone is the key.
-  std::set<Key> tombstones_;
-  std::deque<Key> tombstoneOrder_;
-  std::map<Key, std::weak_ptr<RRefState>> users_;
-  std::map<Key, std::shared_ptr<RRefState>> pendingChildren_;
+  std::set<Key> tombstones_ TRELLIS_GUARDED_BY(mu_);
+  std::deque<Key> tombstoneOrder_ TRELLIS_GUARDED_BY(mu_);
+  std::map<Key, std::weak_ptr<RRefState>> users_ TRELLIS_GUARDED_BY(mu_);
+  std::map<Key, std::shared_ptr<RRefState>> pendingChildren_
+      TRELLIS_GUARDED_BY(mu_);
 };
 
 RRefContext& contextOf(Agent& agent) {
