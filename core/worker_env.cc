@@ -1,6 +1,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
+#include <limits>
 
 #include <trellis/core/error.h>
 #include <trellis/core/text.h>
@@ -11,6 +12,10 @@ namespace {
 
 // Far above any real job; keeps every rank an int32_t with room to spare.
 constexpr long long kMaxWorldSize = 1 << 24;
+// MASTER_PORT under srun when the job does not export one: 15000 + the job
+// id mod 10000, the same on every task, below Linux's ephemeral ports.
+constexpr int64_t kSlurmPortBase = 15000;
+constexpr int64_t kSlurmPortSpan = 10000;
 
 std::optional<std::string> fromProcess(const char* name) {
   const char* v = std::getenv(name);
@@ -48,6 +53,93 @@ long long parseInt(const char* name, const std::string& value, long long lo,
   return *v;
 }
 
+// The first host of a Slurm hostlist ("node[01-04,07],gpu5" -> "node01";
+// "rack[1-2]-n[3-4]" -> "rack1-n3"). Anything that is not a plain hostlist
+// is refused, naming the variable.
+std::string firstSlurmHost(const char* name, const std::string& list) {
+  std::string host;
+  size_t i = 0;
+  while (i < list.size() && list[i] != ',') {
+    const char c = list[i];
+    if (c == '[') {
+      const size_t close = list.find(']', i);
+      if (close == std::string::npos) {
+        bad(name, list, "is not a Slurm host list (a '[' is never closed)");
+      }
+      const std::string inside = list.substr(i + 1, close - i - 1);
+      const std::string first = inside.substr(0, inside.find_first_of(",-"));
+      if (first.empty() ||
+          first.find_first_not_of("0123456789") != std::string::npos) {
+        bad(name, list,
+            "is not a Slurm host list (a range must start with a number)");
+      }
+      host += first;
+      i = close + 1;
+      continue;
+    }
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' &&
+        c != '_') {
+      bad(name, list, "is not a Slurm host list");
+    }
+    host += c;
+    ++i;
+  }
+  if (host.empty()) {
+    bad(name, list, "is not a Slurm host list (no first host)");
+  }
+  return host;
+}
+
+// The tasks on node `node` from SLURM_TASKS_PER_NODE's compressed form
+// ("2(x3),1": three nodes with 2 tasks, then one with 1).
+int32_t slurmTasksOnNode(const char* name, const std::string& spec,
+                         int64_t node) {
+  int64_t seen = 0;
+  size_t i = 0;
+  while (i <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', i), spec.size());
+    const std::string item = spec.substr(i, comma - i);
+    const size_t paren = item.find('(');
+    const std::optional<int64_t> tasks = parseDecimal(item.substr(0, paren));
+    std::optional<int64_t> repeat = 1;
+    if (paren != std::string::npos) {
+      if (item.size() < paren + 4 || item.compare(paren, 2, "(x") != 0 ||
+          item.back() != ')') {
+        bad(name, spec, "is not a Slurm task count list (like '2(x3),1')");
+      }
+      repeat = parseDecimal(item.substr(paren + 2, item.size() - paren - 3));
+    }
+    if (!tasks || *tasks < 1 || *tasks > kMaxWorldSize || !repeat ||
+        *repeat < 1 || *repeat > kMaxWorldSize) {
+      bad(name, spec, "is not a Slurm task count list (like '2(x3),1')");
+    }
+    seen += *repeat;
+    if (node < seen) {
+      return static_cast<int32_t>(*tasks);
+    }
+    i = comma + 1;
+  }
+  bad(name, spec,
+      "has no entry for this node (SLURM_NODEID " + std::to_string(node) + ")");
+}
+
+// Where each launcher puts a worker's place in the job.
+struct LauncherNames {
+  const char* label;
+  const char* rank;
+  const char* worldSize;
+  const char* localRank;
+  const char* localWorldSize;  // null: derived (Slurm)
+};
+
+constexpr LauncherNames kTorchrun{"torchrun", "RANK", "WORLD_SIZE",
+                                  "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+constexpr LauncherNames kOpenMpi{
+    "Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
+constexpr LauncherNames kSlurm{"Slurm", "SLURM_PROCID", "SLURM_NTASKS",
+                               "SLURM_LOCALID", nullptr};
+
 }  // namespace
 
 MasterEndpoint masterFromVariables(const WorkerEnv::Lookup& lookup) {
@@ -73,6 +165,24 @@ MasterEndpoint masterFromVariables(const WorkerEnv::Lookup& lookup) {
     m.port = static_cast<uint16_t>(
         parseInt("MASTER_PORT", *port, 1, 65535, "a port is 1-65535"));
   }
+  // Under srun nothing sets them: the first host of the step (or job) and
+  // a port every task of the job derives alike.
+  if (m.addr.empty()) {
+    for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"}) {
+      if (auto list = read(lookup, name)) {
+        m.addr = firstSlurmHost(name, *list);
+        break;
+      }
+    }
+  }
+  if (m.port == 0) {
+    if (auto job = read(lookup, "SLURM_JOB_ID")) {
+      const auto id =
+          parseInt("SLURM_JOB_ID", *job, 0, std::numeric_limits<int64_t>::max(),
+                   "a job id is a non-negative integer");
+      m.port = static_cast<uint16_t>(kSlurmPortBase + id % kSlurmPortSpan);
+    }
+  }
   return m;
 }
 
@@ -81,43 +191,81 @@ MasterEndpoint masterFromEnvironment() {
 }
 
 WorkerEnv WorkerEnv::fromVariables(const Lookup& lookup) {
+  // The first launcher whose variables are there: elastic-run and torchrun
+  // (also when started under srun or mpirun), then mpirun (whose processes
+  // inherit the batch step's SLURM_PROCID, 0 for all of them), then srun.
+  const LauncherNames* names = nullptr;
+  for (const LauncherNames* l : {&kTorchrun, &kOpenMpi, &kSlurm}) {
+    if (read(lookup, l->rank) || read(lookup, l->worldSize)) {
+      names = l;
+      break;
+    }
+  }
+  if (names == nullptr) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        "RANK is not set: start the workers with a launcher (elastic-run, "
+        "torchrun, srun, mpirun), or set RANK and WORLD_SIZE"));
+  }
   auto required = [&](const char* name) {
     auto v = read(lookup, name);
     if (!v.has_value()) {
       throw InvalidArgumentError(Error::invalidArgument(
-          std::string(name) +
-          " is not set: start the workers with a launcher that sets RANK "
-          "and WORLD_SIZE (trellis-launch, torchrun), or set them"));
+          std::string(name) + " is not set (the worker's other " +
+          names->label + " variables are): start the workers with " +
+          (names == &kTorchrun ? std::string("a launcher that sets RANK and "
+                                             "WORLD_SIZE (elastic-run, "
+                                             "torchrun), or set them")
+                               : std::string("the launcher that sets it"))));
     }
     return *v;
   };
   WorkerEnv env;
-  const std::string world = required("WORLD_SIZE");
+  env.launcher = names->label;
+  const std::string world = required(names->worldSize);
   env.worldSize =
-      static_cast<int32_t>(parseInt("WORLD_SIZE", world, 1, kMaxWorldSize,
+      static_cast<int32_t>(parseInt(names->worldSize, world, 1, kMaxWorldSize,
                                     "1-" + std::to_string(kMaxWorldSize)));
-  const std::string rank = required("RANK");
+  const std::string rank = required(names->rank);
   env.rank =
-      static_cast<int32_t>(parseInt("RANK", rank, 0, env.worldSize - 1,
-                                    "0 <= RANK < WORLD_SIZE (" + world + ")"));
+      static_cast<int32_t>(parseInt(names->rank, rank, 0, env.worldSize - 1,
+                                    std::string("0 <= ") + names->rank + " < " +
+                                        names->worldSize + " (" + world + ")"));
   env.localWorldSize = env.worldSize;
-  if (auto v = read(lookup, "LOCAL_WORLD_SIZE")) {
-    env.localWorldSize = static_cast<int32_t>(
-        parseInt("LOCAL_WORLD_SIZE", *v, 1, env.worldSize,
-                 "1 <= LOCAL_WORLD_SIZE <= WORLD_SIZE (" + world + ")"));
+  if (names->localWorldSize != nullptr) {
+    if (auto v = read(lookup, names->localWorldSize)) {
+      env.localWorldSize = static_cast<int32_t>(
+          parseInt(names->localWorldSize, *v, 1, env.worldSize,
+                   std::string("1 <= ") + names->localWorldSize +
+                       " <= " + names->worldSize + " (" + world + ")"));
+    }
+  } else {
+    // srun: the tasks on this node, from the step's (else the job's)
+    // per-node counts; unset, the job is taken to run on one host.
+    const char* which = read(lookup, "SLURM_STEP_TASKS_PER_NODE")
+                            ? "SLURM_STEP_TASKS_PER_NODE"
+                            : "SLURM_TASKS_PER_NODE";
+    if (auto spec = read(lookup, which)) {
+      const auto node = parseInt("SLURM_NODEID", required("SLURM_NODEID"), 0,
+                                 kMaxWorldSize - 1, "0 <= SLURM_NODEID");
+      env.localWorldSize =
+          std::min(slurmTasksOnNode(which, *spec, node), env.worldSize);
+    }
   }
   env.localRank = env.rank;
-  if (auto v = read(lookup, "LOCAL_RANK")) {
+  if (auto v = read(lookup, names->localRank)) {
     env.localRank = static_cast<int32_t>(
-        parseInt("LOCAL_RANK", *v, 0, env.localWorldSize - 1,
-                 "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE (" +
-                     std::to_string(env.localWorldSize) + ")"));
+        parseInt(names->localRank, *v, 0, env.localWorldSize - 1,
+                 std::string("0 <= ") + names->localRank + " < " +
+                     (names->localWorldSize != nullptr
+                          ? std::string(names->localWorldSize)
+                          : std::string("the tasks on this node")) +
+                     " (" + std::to_string(env.localWorldSize) + ")"));
   } else if (env.localRank >= env.localWorldSize) {
-    throw InvalidArgumentError(
-        Error::invalidArgument("LOCAL_RANK is not set and RANK (" + rank +
-                               ") is not below LOCAL_WORLD_SIZE (" +
-                               std::to_string(env.localWorldSize) +
-                               "): set LOCAL_RANK for a job on several hosts"));
+    throw InvalidArgumentError(Error::invalidArgument(
+        std::string(names->localRank) + " is not set and " + names->rank +
+        " (" + rank + ") is not below the workers on this host (" +
+        std::to_string(env.localWorldSize) + "): set " + names->localRank +
+        " for a job on several hosts"));
   }
   env.master = masterFromVariables(lookup);
   if (auto token = read(lookup, auth::kTokenEnvVar)) {

@@ -1,7 +1,7 @@
 #pragma once
 
 // Who this worker is in its job, read from the variables a launcher sets
-// (docs/examples.md, "Worker environment"). trellis-launch and torchrun set
+// (docs/examples.md, "Worker environment"). elastic-run and torchrun set
 //
 //   RANK, WORLD_SIZE               this worker's rank in the job, job size
 //   LOCAL_RANK, LOCAL_WORLD_SIZE   the same among the workers of this host
@@ -15,16 +15,32 @@
 //   trellis::rpc::init("worker" + std::to_string(env.rank), env.rank,
 //                      env.worldSize);
 //
-// Rules. RANK and WORLD_SIZE are required. LOCAL_RANK and LOCAL_WORLD_SIZE
-// are optional: unset, the job is taken to run on one host (localRank =
-// rank, localWorldSize = worldSize). MASTER_ADDR and MASTER_PORT are
-// optional here (a program may rendezvous through a store it made itself);
-// the layer that needs them says so. Numbers are decimal integers with
-// nothing around them; 0 <= RANK < WORLD_SIZE, 0 <= LOCAL_RANK <
-// LOCAL_WORLD_SIZE <= WORLD_SIZE, 1 <= MASTER_PORT <= 65535. A variable set
-// to the empty string counts as unset. Anything else throws
-// InvalidArgumentError naming the variable and its value (the token's
-// value is never shown).
+// Workers started by srun or Open MPI's mpirun, without elastic-run, work
+// too. The first launcher whose rank or size variable is set wins:
+//   1. torchrun / elastic-run: RANK, WORLD_SIZE, LOCAL_RANK,
+//      LOCAL_WORLD_SIZE (also when elastic-run itself runs under srun);
+//   2. Open MPI: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+//      (before Slurm: mpirun's processes inherit the batch step's
+//      SLURM_PROCID, 0 for every one of them);
+//   3. Slurm: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and the tasks on
+//      this node from SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE,
+//      "2(x3),1" form) at SLURM_NODEID.
+// MASTER_ADDR and MASTER_PORT always win when set. Unset, under Slurm (a
+// SLURM_STEP_NODELIST or SLURM_JOB_NODELIST in the environment, also for
+// mpirun inside an allocation) the address is the first host of that list
+// (rank 0 runs there under Slurm's default distributions), and the port is
+// 15000 + SLURM_JOB_ID mod 10000, the same for every task of the job.
+// mpirun outside Slurm sets neither: pass them with -x.
+//
+// Rules. The rank and size are required. The local ones are optional:
+// unset, the job is taken to run on one host (localRank = rank,
+// localWorldSize = worldSize). MASTER_ADDR and MASTER_PORT are optional here
+// (a program may rendezvous through a store it made itself); the layer that
+// needs them says so. Numbers are decimal integers with nothing around them;
+// 0 <= rank < size, 0 <= local rank < local size <= size, 1 <= MASTER_PORT
+// <= 65535. A variable set to the empty string counts as unset. Anything
+// else throws InvalidArgumentError naming the variable and its value (the
+// token's value is never shown).
 
 #include <cstdint>
 #include <functional>
@@ -50,6 +66,9 @@ struct WorkerEnv {
   int32_t localWorldSize = 1;
   MasterEndpoint master;
   std::optional<auth::JobToken> jobToken;
+  // Whose variables these were: "torchrun" (also elastic-run), "Open MPI"
+  // or "Slurm".
+  std::string launcher;
 
   // Reads the process environment; throws InvalidArgumentError as above.
   static WorkerEnv fromEnvironment();
@@ -60,7 +79,8 @@ struct WorkerEnv {
   static WorkerEnv fromVariables(const Lookup& lookup);
 };
 
-// MASTER_ADDR / MASTER_PORT only (both optional, checked as above).
+// MASTER_ADDR / MASTER_PORT only (both optional, checked as above, with
+// the Slurm fallbacks).
 MasterEndpoint masterFromEnvironment();
 MasterEndpoint masterFromVariables(const WorkerEnv::Lookup& lookup);
 

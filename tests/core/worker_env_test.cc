@@ -162,6 +162,121 @@ TEST(WorkerEnv, FromEnvironmentReadsTheProcess) {
   EXPECT_EQ(env.worldSize, 2);
 }
 
+TEST(WorkerEnv, NothingSetNamesEveryLauncher) {
+  const std::string m = refusal({});
+  EXPECT_NE(m.find("RANK is not set"), std::string::npos) << m;
+  EXPECT_NE(m.find("srun"), std::string::npos) << m;
+  EXPECT_NE(m.find("mpirun"), std::string::npos) << m;
+}
+
+// What srun sets for task 5 of 6: two tasks on each of three nodes
+// ("2(x2),2"), this one the second on the third node.
+Vars srunTask() {
+  return {{"SLURM_PROCID", "5"},
+          {"SLURM_NTASKS", "6"},
+          {"SLURM_LOCALID", "1"},
+          {"SLURM_NODEID", "2"},
+          {"SLURM_STEP_TASKS_PER_NODE", "2(x2),2"},
+          {"SLURM_TASKS_PER_NODE", "8(x3)"},  // the job's; the step's wins
+          {"SLURM_JOB_NODELIST", "gpu[07-09,11],cpu1"},
+          {"SLURM_JOB_ID", "123456"}};
+}
+
+TEST(WorkerEnv, SrunVariables) {
+  const WorkerEnv env = parse(srunTask());
+  EXPECT_EQ(env.launcher, "Slurm");
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.worldSize, 6);
+  EXPECT_EQ(env.localRank, 1);
+  EXPECT_EQ(env.localWorldSize, 2);
+  EXPECT_EQ(env.master.addr, "gpu07");
+  EXPECT_EQ(env.master.port, 15000 + 123456 % 10000);
+  // The step's node list wins over the job's; MASTER_* win over both.
+  Vars v = srunTask();
+  v["SLURM_STEP_NODELIST"] = "rack[2-3]-n[04-05]";
+  EXPECT_EQ(parse(v).master.addr, "rack2-n04");
+  v["MASTER_ADDR"] = "10.0.0.1";
+  v["MASTER_PORT"] = "29500";
+  EXPECT_EQ(parse(v).master.addr, "10.0.0.1");
+  EXPECT_EQ(parse(v).master.port, 29500);
+  // Per-node counts: the node's own entry.
+  v = srunTask();
+  v["SLURM_STEP_TASKS_PER_NODE"] = "1,3(x2)";
+  v["SLURM_NODEID"] = "0";
+  v["SLURM_LOCALID"] = "0";
+  EXPECT_EQ(parse(v).localWorldSize, 1);
+  v["SLURM_NODEID"] = "2";
+  v["SLURM_LOCALID"] = "2";
+  EXPECT_EQ(parse(v).localWorldSize, 3);
+}
+
+TEST(WorkerEnv, MalformedSlurmValuesAreNamed) {
+  auto with = [](const char* name, const char* value) {
+    Vars v = srunTask();
+    v[name] = value;
+    return refusal(v);
+  };
+  for (const char* list : {"gpu[07-09", "gpu[a-b]", "gpu 1", ",gpu1", "[]"}) {
+    const std::string m = with("SLURM_JOB_NODELIST", list);
+    EXPECT_NE(m.find("SLURM_JOB_NODELIST='"), std::string::npos) << m;
+  }
+  for (const char* spec : {"2(x", "2(3)", "x2", "0", "2(x0)", "2,,2", ""}) {
+    Vars v = srunTask();
+    v["SLURM_STEP_TASKS_PER_NODE"] = spec;
+    if (std::string(spec).empty()) {
+      // Empty counts as unset: the job's value (8 per node, capped at the
+      // 6 tasks) is used.
+      EXPECT_EQ(parse(v).localWorldSize, 6);
+      continue;
+    }
+    const std::string m = refusal(v);
+    EXPECT_NE(m.find("SLURM_STEP_TASKS_PER_NODE='"), std::string::npos)
+        << spec << ": " << m;
+  }
+  EXPECT_NE(with("SLURM_STEP_TASKS_PER_NODE", "2,2")
+                .find("no entry for this "
+                      "node"),
+            std::string::npos);
+  EXPECT_NE(with("SLURM_PROCID", "6").find("SLURM_PROCID='6' is out of range"),
+            std::string::npos);
+  EXPECT_NE(with("SLURM_LOCALID", "2").find("SLURM_LOCALID='2'"),
+            std::string::npos);
+  EXPECT_NE(with("SLURM_JOB_ID", "-1").find("SLURM_JOB_ID='-1'"),
+            std::string::npos);
+  Vars v = srunTask();
+  v.erase("SLURM_NODEID");
+  EXPECT_NE(refusal(v).find("SLURM_NODEID is not set"), std::string::npos);
+}
+
+TEST(WorkerEnv, MpirunVariablesWinOverTheBatchStepsSlurmOnes) {
+  Vars v = srunTask();
+  v["SLURM_PROCID"] = "0";  // inherited from the batch step by every process
+  v["OMPI_COMM_WORLD_RANK"] = "3";
+  v["OMPI_COMM_WORLD_SIZE"] = "4";
+  v["OMPI_COMM_WORLD_LOCAL_RANK"] = "1";
+  v["OMPI_COMM_WORLD_LOCAL_SIZE"] = "2";
+  const WorkerEnv env = parse(v);
+  EXPECT_EQ(env.launcher, "Open MPI");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.worldSize, 4);
+  EXPECT_EQ(env.localRank, 1);
+  EXPECT_EQ(env.localWorldSize, 2);
+  EXPECT_EQ(env.master.addr, "gpu07");  // inside an allocation
+  // torchrun's (elastic-run's) variables win over both.
+  v["RANK"] = "2";
+  v["WORLD_SIZE"] = "8";
+  EXPECT_EQ(parse(v).launcher, "torchrun");
+  EXPECT_EQ(parse(v).rank, 2);
+  // Outside Slurm mpirun sets no address.
+  const WorkerEnv bare =
+      parse({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  EXPECT_TRUE(bare.master.addr.empty());
+  EXPECT_EQ(bare.master.port, 0);
+  EXPECT_NE(refusal({{"OMPI_COMM_WORLD_RANK", "0"}})
+                .find("OMPI_COMM_WORLD_SIZE is not set"),
+            std::string::npos);
+}
+
 TEST(TimeoutModel, UnsetZeroAndNegative) {
   using std::chrono::seconds;
   EXPECT_EQ(timeoutOr(std::nullopt, seconds(60), "rpc timeout"), seconds(60));
