@@ -677,13 +677,24 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
         break;
       }
       case Header::Kind::kAbort: {
-        Error reason(h.code, description() + ": rank " + std::to_string(peer) +
-                                 " gave up on the group: " + h.reason);
+        // `rank` is who gave up: the peer, or the rank whose abort the peer
+        // relays.
+        const int origin = h.rank >= 0 && h.rank < size_ ? h.rank : peer;
+        std::string who = "rank " + std::to_string(origin) + " gave up";
+        if (origin != peer) {
+          who += " (relayed by rank " + std::to_string(peer) + ")";
+        }
+        Error reason(h.code,
+                     description() + ": " + who + " on the group: " + h.reason);
         if (h.code == Code::kCancelled) {
           // It destroyed its group after its last op: not a failure yet.
           closeLink(peer, reason);
         } else {
-          fail(reason, /*tellPeers=*/false);
+          // Relayed to every other peer: one that waits on this rank (in
+          // a segment, a ring) could otherwise see this rank leave before
+          // the originator's own abort reaches it, and name this rank.
+          const AbortNote relay{origin, h.code, h.reason};
+          fail(reason, /*tellPeers=*/true, &relay);
         }
         return;
       }
@@ -935,7 +946,16 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   // read ends (onRead), which closing the pipes (after the abort messages
   // had a moment to leave) guarantees: its caller must not free or reuse
   // the memory while the transport still writes into it.
-  void fail(Error e, bool tellPeers = true) {
+  // What an abort message tells the peers: who gave up, and why.
+  struct AbortNote {
+    int rank;
+    Code code;
+    std::string reason;
+  };
+
+  // `relay`: the abort of another rank that caused this failure, told to
+  // the peers instead of this rank's own wording of it.
+  void fail(Error e, bool tellPeers = true, const AbortNote* relay = nullptr) {
     std::vector<Callback> cbs;
     std::vector<SourceCallback> tagged;
     std::vector<std::shared_ptr<tp::Pipe>> pipes;
@@ -968,7 +988,12 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
       }
       postedTagged_.clear();
       stagedTagged_.clear();
-      startCloser(pipes, tellPeers ? &e : nullptr);
+      std::optional<AbortNote> note;
+      if (tellPeers) {
+        note =
+            relay != nullptr ? *relay : AbortNote{rank_, e.code(), e.message()};
+      }
+      startCloser(pipes, note);
     }
     cv_.notifyAll();
     for (auto& cb : cbs) {
@@ -983,19 +1008,19 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   // writes are out or kAbortFlushTime has passed, on a thread of its own so
   // that no caller (the loop included) waits for it.
   void startCloser(std::vector<std::shared_ptr<tp::Pipe>> pipes,
-                   const Error* reason) TRELLIS_REQUIRES(mu_) {
+                   const std::optional<AbortNote>& note) TRELLIS_REQUIRES(mu_) {
     struct Flush {
       Mutex mu;
       CondVar cv;
       size_t left TRELLIS_GUARDED_BY(mu) = 0;
     };
     auto flush = std::make_shared<Flush>();
-    if (reason != nullptr) {
+    if (note.has_value()) {
       Header h;
       h.kind = Header::Kind::kAbort;
-      h.rank = rank_;
-      h.code = reason->code();
-      h.reason = reason->message();
+      h.rank = note->rank;
+      h.code = note->code;
+      h.reason = note->reason;
       const std::string descriptor = encode(h);
       {
         MutexLock lock(flush->mu);

@@ -23,7 +23,9 @@
 //    malformed message, a desync, a peer's abort or abort() fail every
 //    pending and later operation with the first error. abort() also tells
 //    every peer why, so they fail naming this rank and the reason instead
-//    of a bare "connection closed".
+//    of a bare "connection closed". A rank failed by a peer's abort relays
+//    it (naming the rank that gave up) to its other peers, so a rank that
+//    waits on it does not see it leave first and blame it.
 //  - Thread safety: every method may be called from any thread.
 #include <functional>
 #include <memory>

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <trellis/collectives/cpu/mesh.h>
 #include <trellis/collectives/cpu/message.h>
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
@@ -783,6 +784,76 @@ TEST(ProcessGroup, StrangersOnTheMeshListenerAreRefusedAndTheGroupForms) {
   for (const auto& t : ts) {
     EXPECT_TRUE(torch::equal(t, torch::full({1000}, 6, torch::kFloat)));
   }
+}
+
+// A rank failed by a peer's abort relays it to its other peers, naming the
+// rank that gave up. Rank 0 here is a stand-in that tells only rank 1:
+// rank 2, which never hears from rank 0 itself, still fails naming rank 0
+// and its reason (before the relay it could see rank 1 leave first and
+// blame rank 1, as in the two-hosts kill test).
+TEST(Mesh, AnAbortIsRelayedNamingTheRankThatGaveUp) {
+  auto store = std::make_shared<store::HashStore>();
+  detail::MeshOptions mo;
+  mo.groupId = "relay#1";
+  mo.description = "group 'relay'";
+  mo.localAddress = "127.0.0.1";
+  mo.timeout = 30s;
+  std::unique_ptr<detail::Mesh> m1;
+  std::unique_ptr<detail::Mesh> m2;
+  std::thread t1([&] { m1 = detail::Mesh::connect(*store, 1, 3, mo); });
+  std::thread t2([&] { m2 = detail::Mesh::connect(*store, 2, 3, mo); });
+  store->wait({"addr/1", "addr/2"}, 30s);
+  transport::ContextOptions co;
+  co.name = "stand-in rank 0";
+  co.tokenFromEnvironment = false;
+  auto ctx = transport::Context::create(co);
+  auto say = [](const std::shared_ptr<transport::Pipe>& pipe,
+                const detail::Header& h) {
+    transport::Message m;
+    m.descriptor = detail::encode(h);
+    pipe->write(std::move(m), [](const Error&) {});
+  };
+  detail::Header hello;
+  hello.kind = detail::Header::Kind::kHello;
+  hello.rank = 0;
+  hello.worldSize = 3;
+  hello.groupId = mo.groupId;
+  auto to1 = ctx->connect(store->getString("addr/1"));
+  auto to2 = ctx->connect(store->getString("addr/2"));
+  say(to1, hello);
+  say(to2, hello);
+  t1.join();
+  t2.join();
+  ASSERT_TRUE(m1 && m2);
+
+  detail::Header abort;
+  abort.kind = detail::Header::Kind::kAbort;
+  abort.rank = 0;
+  abort.code = Code::kUnavailable;
+  abort.reason = "rank 0 lost its device";
+  say(to1, abort);  // rank 2 is told nothing by rank 0
+  const auto until = Clock::now() + 20s;
+  while ((m1->error().ok() || m2->error().ok()) && Clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+  }
+  const Error e1 = m1->error();
+  const Error e2 = m2->error();
+  EXPECT_EQ(e1.code(), Code::kUnavailable) << e1.what();
+  EXPECT_NE(e1.message().find("group 'relay': rank 0 gave up on the group: "
+                              "rank 0 lost its device"),
+            std::string::npos)
+      << e1.what();
+  EXPECT_EQ(e2.code(), Code::kUnavailable) << e2.what();
+  EXPECT_NE(e2.message().find("group 'relay': rank 0 gave up (relayed by rank "
+                              "1) on the group: rank 0 lost its device"),
+            std::string::npos)
+      << e2.what();
+  m1.reset();
+  m2.reset();
+  to1->close();
+  to2->close();
+  ctx->close();
+  ASSERT_TRUE(ctx->join(30s));
 }
 
 // Both ranks of a 2-rank group in this process, each owned by the caller
