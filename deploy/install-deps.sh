@@ -16,8 +16,8 @@ PACKAGES=(
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
   libtensorpipe-dev libgloo-dev
-  # deploy/slurm's test: a one-node Slurm cluster (tests/deploy)
-  slurmctld slurmd slurm-client munge
+  # tests/deploy: a one-node Slurm cluster; Open MPI's mpirun
+  slurmctld slurmd slurm-client munge openmpi-bin
 )
 
 missing=()
