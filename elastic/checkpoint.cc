@@ -1,0 +1,294 @@
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <fstream>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include <trellis/core/error.h>
+#include <trellis/core/logging.h>
+#include <trellis/core/text.h>
+#include <trellis/elastic/checkpoint.h>
+
+namespace trellis::elastic {
+namespace {
+
+namespace fs = std::filesystem;
+
+// File layout (docs/elastic.md, "Checkpoints"), integers little-endian:
+//   magic "TRLSCKP1" (8) | step (8) | payload length (8) |
+//   SHA-256 of the payload (32) | payload (torch's archive, a zip)
+constexpr char kMagic[8] = {'T', 'R', 'L', 'S', 'C', 'K', 'P', '1'};
+constexpr size_t kHeaderBytes = 8 + 8 + 8 + 32;
+constexpr int kStepDigits = 12;
+constexpr int64_t kMaxStep = 999'999'999'999;  // 12 digits
+
+using Digest = std::array<uint8_t, 32>;
+
+Digest sha256(const char* data, size_t size) {
+  Digest d{};
+  unsigned int n = 0;
+  if (EVP_Digest(data, size, d.data(), &n, EVP_sha256(), nullptr) != 1 ||
+      n != d.size()) {
+    throwError(Error::internal("checkpoint: SHA-256 failed"));
+  }
+  return d;
+}
+
+void putU64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
+}
+
+uint64_t getU64(const std::string& in, size_t at) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) {
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(in[at + i])) << (8 * i);
+  }
+  return v;
+}
+
+[[noreturn]] void ioFailed(int err, const std::string& what) {
+  throwError(Error::fromErrno(err, "checkpoint: " + what));
+}
+
+// Flushes a directory's entries (the rename) to disk.
+void syncDir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    ioFailed(errno, "open directory " + dir.string());
+  }
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) {
+    ioFailed(err, "fsync directory " + dir.string());
+  }
+}
+
+// The step in "<prefix>-<12 digits>.ckpt", or nullopt for any other name.
+std::optional<int64_t> stepOf(const std::string& name,
+                              const std::string& prefix) {
+  const std::string head = prefix + "-";
+  const std::string tail = ".ckpt";
+  if (name.size() != head.size() + kStepDigits + tail.size() ||
+      name.compare(0, head.size(), head) != 0 ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
+    return std::nullopt;
+  }
+  const std::string digits = name.substr(head.size(), kStepDigits);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  return parseDecimal(digits);
+}
+
+// Why `bytes` (the file at `path`, named for `step`) is not a whole
+// checkpoint; empty when it is.
+std::string damage(const std::string& bytes, int64_t step) {
+  if (bytes.size() < kHeaderBytes) {
+    return "shorter (" + std::to_string(bytes.size()) +
+           " bytes) than a checkpoint header";
+  }
+  if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
+    return "not a Trellis checkpoint (bad magic)";
+  }
+  const uint64_t recorded = getU64(bytes, 8);
+  if (recorded != static_cast<uint64_t>(step)) {
+    return "records step " + std::to_string(recorded) +
+           " but is named for step " + std::to_string(step);
+  }
+  const uint64_t length = getU64(bytes, 16);
+  if (length != bytes.size() - kHeaderBytes) {
+    return "torn: the header announces " + std::to_string(length) +
+           " bytes of data, the file holds " +
+           std::to_string(bytes.size() - kHeaderBytes);
+  }
+  const Digest d =
+      sha256(bytes.data() + kHeaderBytes, bytes.size() - kHeaderBytes);
+  if (std::memcmp(d.data(), bytes.data() + 24, d.size()) != 0) {
+    return "corrupted: its SHA-256 does not match its contents";
+  }
+  return "";
+}
+
+}  // namespace
+
+Checkpoints::Checkpoints(CheckpointOptions options)
+    : options_(std::move(options)) {
+  if (options_.dir.empty()) {
+    throwError(Error::invalidArgument("checkpoint: dir is empty"));
+  }
+  if (options_.prefix.empty() || options_.prefix[0] == '.' ||
+      options_.prefix.find('/') != std::string::npos) {
+    throwError(Error::invalidArgument(
+        "checkpoint: prefix '" + options_.prefix +
+        "' must be non-empty, without '/', and not start with '.'"));
+  }
+  if (options_.keepLast < 1) {
+    throwError(Error::invalidArgument("checkpoint: keepLast is " +
+                                      std::to_string(options_.keepLast) +
+                                      "; at least 1 must be kept"));
+  }
+  std::error_code ec;
+  fs::create_directories(options_.dir, ec);
+  if (ec) {
+    ioFailed(ec.value(), "create directory " + options_.dir.string());
+  }
+}
+
+fs::path Checkpoints::pathOf(int64_t step) const {
+  std::string digits = std::to_string(step);
+  digits.insert(0, kStepDigits - digits.size(), '0');
+  return options_.dir / (options_.prefix + "-" + digits + ".ckpt");
+}
+
+fs::path Checkpoints::save(
+    int64_t step,
+    const std::function<void(torch::serialize::OutputArchive&)>& fill) {
+  if (step < 0 || step > kMaxStep) {
+    throwError(Error::invalidArgument("checkpoint: step " +
+                                      std::to_string(step) + " is outside 0.." +
+                                      std::to_string(kMaxStep)));
+  }
+  torch::serialize::OutputArchive archive;
+  fill(archive);
+  std::string payload;
+  archive.save_to([&payload](const void* data, size_t n) {
+    payload.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  std::string header(kMagic, sizeof kMagic);
+  putU64(header, static_cast<uint64_t>(step));
+  putU64(header, payload.size());
+  const Digest d = sha256(payload.data(), payload.size());
+  header.append(reinterpret_cast<const char*>(d.data()), d.size());
+
+  const fs::path final = pathOf(step);
+  // Hidden, and named for this process: never a candidate for loading.
+  const fs::path tmp = options_.dir / ("." + final.filename().string() +
+                                       ".tmp." + std::to_string(::getpid()));
+  const int fd =
+      ::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    ioFailed(errno, "create " + tmp.string());
+  }
+  if (!writeAll(fd, header) || !writeAll(fd, payload) || ::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    ioFailed(err, "write " + tmp.string());
+  }
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    ioFailed(err, "close " + tmp.string());
+  }
+  if (::rename(tmp.c_str(), final.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    ioFailed(err, "rename " + tmp.string() + " to " + final.string());
+  }
+  syncDir(options_.dir);
+  prune();
+  return final;
+}
+
+std::vector<int64_t> Checkpoints::steps() const {
+  std::vector<int64_t> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(options_.dir, ec)) {
+    if (auto step = stepOf(entry.path().filename().string(), options_.prefix)) {
+      out.push_back(*step);
+    }
+  }
+  if (ec) {
+    ioFailed(ec.value(), "list " + options_.dir.string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void Checkpoints::prune() const {
+  const std::vector<int64_t> all = steps();
+  const size_t keep = static_cast<size_t>(options_.keepLast);
+  for (size_t i = 0; i + keep < all.size(); ++i) {
+    const fs::path old = pathOf(all[i]);
+    if (::unlink(old.c_str()) != 0 && errno != ENOENT) {
+      TRELLIS_LOG_WARN("checkpoint: could not remove {}: {}", old.string(),
+                       std::strerror(errno));
+    }
+  }
+}
+
+std::optional<Checkpoints::Loaded> Checkpoints::loadLatest(
+    std::optional<torch::Device> device) const {
+  const std::vector<int64_t> all = steps();
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    const fs::path path = pathOf(*it);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      TRELLIS_LOG_WARN("checkpoint {}: skipped: cannot be opened: {}",
+                       path.string(), std::strerror(errno));
+      continue;
+    }
+    std::string bytes((std::istreambuf_iterator<char>(in)),
+                      std::istreambuf_iterator<char>());
+    if (const std::string why = damage(bytes, *it); !why.empty()) {
+      TRELLIS_LOG_WARN("checkpoint {}: skipped: {}", path.string(), why);
+      continue;
+    }
+    Loaded loaded;
+    loaded.step = *it;
+    loaded.path = path;
+    try {
+      loaded.archive.load_from(
+          bytes.data() + kHeaderBytes, bytes.size() - kHeaderBytes,
+          device ? c10::optional<torch::Device>(*device) : c10::nullopt);
+    } catch (const std::exception& e) {
+      // Whole by its checksum, but not an archive torch reads (written by
+      // another libtorch, say): the same as damage.
+      TRELLIS_LOG_WARN("checkpoint {}: skipped: torch cannot read it: {}",
+                       path.string(), e.what());
+      continue;
+    }
+    return loaded;
+  }
+  return std::nullopt;
+}
+
+void saveModule(torch::serialize::OutputArchive& archive,
+                const std::string& key, const torch::nn::Module& module) {
+  torch::serialize::OutputArchive sub;
+  module.save(sub);
+  archive.write(key, sub);
+}
+
+void loadModule(torch::serialize::InputArchive& archive, const std::string& key,
+                torch::nn::Module& module) {
+  torch::serialize::InputArchive sub;
+  archive.read(key, sub);
+  module.load(sub);
+}
+
+void saveOptimizer(torch::serialize::OutputArchive& archive,
+                   const std::string& key,
+                   const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive sub;
+  optimizer.save(sub);
+  archive.write(key, sub);
+}
+
+void loadOptimizer(torch::serialize::InputArchive& archive,
+                   const std::string& key, torch::optim::Optimizer& optimizer) {
+  torch::serialize::InputArchive sub;
+  archive.read(key, sub);
+  optimizer.load(sub);
+}
+
+}  // namespace trellis::elastic
