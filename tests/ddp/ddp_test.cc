@@ -269,6 +269,70 @@ TEST(Ddp, BucketsRebuiltInGradientReadyOrder) {
   EXPECT_EQ(later[0], after[0]);  // once only
 }
 
+// Runs `onBackward` in its backward: placed on forward's input, its
+// backward is the last node of the pass, after every parameter's gradient
+// but the first layer's. CPU backward runs on the thread that called it,
+// so a thread_local carries the callback per rank.
+thread_local std::function<void()> onBackward;
+struct Probe : torch::autograd::Function<Probe> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*,
+                               torch::Tensor x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    onBackward();
+    return g;
+  }
+};
+
+// The last layer's bucket is averaged while backward still runs: seen from
+// inside backward (the probe), its .grad (a bucket view) reaches the
+// whole-batch gradient. Were buckets only sent at the end of backward,
+// the probe would wait out its bound.
+TEST(Ddp, AllreduceOverlapsBackward) {
+  at::set_num_threads(1);
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 8});
+  const auto y = torch::randn({kBatch, 4});
+  torch::manual_seed(100);
+  Mlp reference;
+  torch::mse_loss(reference(x), y).backward();
+  const auto want = reference->fc3->weight.grad().clone();
+  std::vector<Mlp> nets;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  std::vector<double> seenInBackward(2, INFINITY);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Mlp net = nets[rank];
+    DistributedDataParallel model(net, pg,
+                                  {.bucketCapMb = 1e-6,
+                                   .firstBucketCapMb = 1e-6,
+                                   .gradientAsBucketView = true});
+    onBackward = [&] {
+      const auto end = std::chrono::steady_clock::now() + 10s;
+      double diff = INFINITY;
+      while (std::chrono::steady_clock::now() < end) {
+        diff = (net->fc3->weight.grad() - want).abs().max().item<double>();
+        if (diff <= kTol) {
+          break;
+        }
+        std::this_thread::sleep_for(1ms);
+      }
+      seenInBackward[rank] = diff;
+    };
+    auto in = shard(x, rank, 2).clone().requires_grad_(true);
+    torch::mse_loss(model(Probe::apply(in)), shard(y, rank, 2)).backward();
+    onBackward = nullptr;
+    EXPECT_LE(maxDiff({net->fc3->weight.grad()}, {want}), kTol);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LE(seenInBackward[r], kTol) << "rank " << r;
+  }
+}
+
 // noSync for k steps, then a synced step: the averaged sum of all
 // micro-batches' gradients, as one process accumulating over them.
 class NoSync : public ::testing::TestWithParam<bool> {};
