@@ -316,14 +316,7 @@ void Reducer::onGradReady(size_t index) {
   }
   if (!hooksFired_) {
     hooksFired_ = true;
-    // Runs once the whole backward pass is done, on the thread that
-    // finishes it; what it throws is thrown by backward().
-    std::weak_ptr<Reducer> self = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([self] {
-      if (auto r = self.lock()) {
-        r->finalize();
-      }
-    });
+    queueFinalize();
     for (size_t i : walkUnused_) {
       markReady(i, /*local=*/false);
     }
@@ -343,6 +336,18 @@ void Reducer::onGradReady(size_t index) {
                    "backward, or two backward passes after one forward)")));
   }
   markReady(index, /*local=*/true);
+}
+
+void Reducer::queueFinalize() {
+  // Runs once the whole backward pass is done, on the thread that finishes
+  // it; what it throws is thrown by backward(). Only the weak reference:
+  // the engine may outlive this Reducer.
+  std::weak_ptr<Reducer> self = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto r = self.lock()) {
+      r->finalize();
+    }
+  });
 }
 
 void Reducer::markReady(size_t index, bool local) {

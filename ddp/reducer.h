@@ -93,6 +93,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launchReadyBuckets() TRELLIS_REQUIRES(mu_);
   // The end of backward (a callback queued on the autograd engine).
   void finalize();
+  // Queues finalize on the engine. A function of its own (not inlined) so
+  // that ThreadSanitizer's suppression can name it
+  // (tests/tsan_suppressions.cc).
+  [[gnu::noinline]] void queueFinalize() TRELLIS_REQUIRES(mu_);
   std::vector<size_t> orderForRebuild() const TRELLIS_REQUIRES(mu_);
 
   const std::shared_ptr<collectives::ProcessGroup> group_;
