@@ -333,6 +333,40 @@ TEST(Ddp, AllreduceOverlapsBackward) {
   }
 }
 
+// A backward that fails midway (after some buckets went) never reaches its
+// end-of-backward step: the next forward says so, on every rank, instead
+// of going on with the ranks' collectives possibly out of step.
+TEST(Ddp, ABackwardThatFailedMidwayFailsTheNextForward) {
+  at::set_num_threads(1);
+  std::vector<Mlp> nets(2);
+  std::vector<std::string> backwardErrors(2), forwardErrors(2);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    DistributedDataParallel model(
+        nets[rank], pg, {.bucketCapMb = 1e-6, .firstBucketCapMb = 1e-6});
+    const auto x = torch::randn({4, 8});
+    onBackward = [] { throw std::runtime_error("probe failed"); };
+    try {
+      model(Probe::apply(x.clone().requires_grad_(true))).sum().backward();
+    } catch (const std::exception& e) {
+      backwardErrors[rank] = e.what();
+    }
+    onBackward = nullptr;
+    try {
+      (void)model(x);
+    } catch (const FailedPreconditionError& e) {
+      forwardErrors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(backwardErrors[r].find("probe failed"), std::string::npos)
+        << backwardErrors[r];
+    EXPECT_NE(forwardErrors[r].find("ended before its gradient reduction "
+                                    "finished"),
+              std::string::npos)
+        << "rank " << r << ": " << forwardErrors[r];
+  }
+}
+
 // noSync for k steps, then a synced step: the averaged sum of all
 // micro-batches' gradients, as one process accumulating over them.
 class NoSync : public ::testing::TestWithParam<bool> {};
