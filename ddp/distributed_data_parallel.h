@@ -37,12 +37,15 @@
 //    produced one and it has no .grad, its .grad stays undefined).
 //  - Failures of the group (a lost rank, a timeout) are thrown by the
 //    backward (or by forward's broadcasts) as the collectives' typed errors.
+//    A backward that failed midway (before its end-of-backward step) makes
+//    the next forward throw FailedPreconditionError: the ranks'
+//    collectives may be out of step.
 //  - Parameters must be dense tensors of the group's device; those with
 //    requires_grad == false are left out of the reduction.
 //  - Thread safety: one thread drives forward and backward at a time (as
 //    with any module); the reducer's hooks may run on autograd's threads.
-//    Not copyable or movable: autograd hooks point at it. Destroy it only
-//    when no backward through the module runs.
+//    Not copyable or movable (one wrapper owns the module's hooks).
+//    Destroy it only when no backward through the module runs.
 #include <ATen/core/Tensor.h>
 #include <cstddef>
 #include <memory>

@@ -46,8 +46,8 @@ std::vector<std::vector<size_t>> assignBuckets(
     at::Device device;
     std::vector<size_t> members;
     size_t bytes = 0;
-    bool closedOne =
-        false;  // a bucket of this kind was closed: cap is capBytes
+    // A bucket of this dtype and device was closed: the cap is capBytes.
+    bool closedOne = false;
   };
   std::vector<Open> open;
   std::vector<std::vector<size_t>> out;
