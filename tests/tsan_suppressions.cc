@@ -14,6 +14,17 @@ extern "C" const char* __tsan_default_suppressions() {
       // use-after-free.
       "called_from_lib:libtorch_cpu.so\n"
       "called_from_lib:libc10.so\n"
+      // oneDNN, which libtorch's CPU convolutions call (ddp_test's CNN with
+      // ranks as threads), is not built with TSan either: its primitive
+      // cache, shared by the threads, is read (memcmp of the keys) under a
+      // lock TSan cannot see.
+      "called_from_lib:libdnnl.so\n"
+      // The same library, seen from a mutex: Engine::queue_callback locks
+      // the graph task's callback mutex and unlocks it; TSan reports the
+      // unlock as one of an unlocked mutex, and without libtorch's frames
+      // (no frame pointers there) the report lands on our caller, which
+      // does nothing else (ddp/reducer.cc).
+      "mutex:trellis::ddp::detail::Reducer::queueFinalize\n"
       // This libtsan does not intercept memfd_create: the shm transport's
       // memfd gets an fd number TSan still attributes to an earlier,
       // closed socket of another loop thread, and closing it looks like a

@@ -1,0 +1,499 @@
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <sstream>
+#include <unordered_set>
+#include <utility>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <trellis/core/error.h>
+#include <trellis/ddp/reducer.h>
+
+namespace trellis::ddp::detail {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// A tensor of `sizes` over `flat`'s memory from element `offset`. Not an
+// autograd view (narrow().view() would be one): libtorch 1.13's C++
+// Optimizer::zero_grad() calls detach_() on every .grad, which throws for
+// views; gradients never require grad, so nothing is lost.
+at::Tensor aliasInto(const at::Tensor& flat, int64_t offset,
+                     at::IntArrayRef sizes) {
+  return at::empty({0}, flat.options())
+      .set_(flat.storage(), flat.storage_offset() + offset, sizes);
+}
+
+size_t bytesOf(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * t.element_size();
+}
+
+}  // namespace
+
+std::vector<std::vector<size_t>> assignBuckets(
+    const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
+    size_t firstCapBytes, size_t capBytes) {
+  struct Open {
+    at::ScalarType dtype;
+    at::Device device;
+    std::vector<size_t> members;
+    size_t bytes = 0;
+    // A bucket of this dtype and device was closed: the cap is capBytes.
+    bool closedOne = false;
+  };
+  std::vector<Open> open;
+  std::vector<std::vector<size_t>> out;
+  for (size_t i : order) {
+    const at::Tensor& p = params[i];
+    auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) {
+      return o.dtype == p.scalar_type() && o.device == p.device();
+    });
+    if (it == open.end()) {
+      open.push_back(Open{p.scalar_type(), p.device(), {}, 0, false});
+      it = open.end() - 1;
+    }
+    it->members.push_back(i);
+    it->bytes += bytesOf(p);
+    if (it->bytes >= (it->closedOne ? capBytes : firstCapBytes)) {
+      out.push_back(std::move(it->members));
+      it->members.clear();
+      it->bytes = 0;
+      it->closedOne = true;
+    }
+  }
+  for (auto& o : open) {
+    if (!o.members.empty()) {
+      out.push_back(std::move(o.members));
+    }
+  }
+  // Launch order: the bucket whose first parameter comes first in `order`
+  // (is ready first) goes first.
+  std::vector<size_t> position(params.size(), 0);
+  for (size_t k = 0; k < order.size(); ++k) {
+    position[order[k]] = k;
+  }
+  std::stable_sort(out.begin(), out.end(), [&](const auto& a, const auto& b) {
+    return position[a.front()] < position[b.front()];
+  });
+  return out;
+}
+
+// Why a post-hook on the grad accumulator (AccumulateGrad) and not
+// Tensor::register_hook: a tensor hook runs before accumulation and sees
+// only the incoming gradient, while the bucket needs what ends up in .grad
+// (the sum over noSync steps, or the in-place sum into a bucket view); a
+// post-hook runs once .grad holds it. Node::add_post_hook/del_post_hook,
+// FunctionPostHook's signature and impl::grad_accumulator are the same in
+// libtorch 1.13 and 2.x (register_post_accumulate_grad_hook, the 2.1+
+// public form of this, does not exist in 1.13). The accumulator is held
+// here, since a parameter only keeps a weak reference to it and would get
+// a fresh one, without the hook, in the next forward.
+class Reducer::ReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(std::weak_ptr<Reducer> reducer, size_t index)
+      : reducer_(std::move(reducer)), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    // The Reducer may be gone while a graph built before still runs.
+    if (auto r = reducer_.lock()) {
+      r->onGradReady(index_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Reducer> reducer_;
+  size_t index_;
+};
+
+Reducer::Reducer(std::shared_ptr<collectives::ProcessGroup> group,
+                 Options options, std::vector<Param> params)
+    : group_(std::move(group)), options_(options), params_(std::move(params)) {
+  std::vector<size_t> order(params_.size());
+  std::iota(order.rbegin(), order.rend(), size_t{0});  // reverse registration
+  MutexLock lock(mu_);
+  buildBuckets(order);
+  resetIteration();
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    (void)accumulators_[i]->del_post_hook(hookKeys_[i]);
+  }
+}
+
+void Reducer::install() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i].tensor);
+    if (!acc) {
+      throwError(Error::invalidArgument("DistributedDataParallel: parameter '" +
+                                        params_[i].name +
+                                        "' is not a leaf that requires grad"));
+    }
+    hookKeys_.push_back(
+        acc->add_post_hook(std::make_unique<ReadyHook>(weak_from_this(), i)));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void Reducer::buildBuckets(const std::vector<size_t>& order) {
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(params_.size());
+  for (const auto& p : params_) {
+    tensors.push_back(p.tensor);
+  }
+  const auto firstCap =
+      static_cast<size_t>(std::max(0.0, options_.firstBucketCapMb) * kMiB);
+  const auto cap =
+      static_cast<size_t>(std::max(0.0, options_.bucketCapMb) * kMiB);
+  auto assignment = assignBuckets(tensors, order, firstCap, cap);
+
+  at::NoGradGuard noGrad;
+  std::vector<Slot> slots(params_.size());
+  std::vector<Bucket> buckets;
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket bucket;
+    bucket.params = std::move(assignment[b]);
+    int64_t numel = 0;
+    for (size_t i : bucket.params) {
+      numel += params_[i].tensor.numel();
+    }
+    const bool last = b + 1 == assignment.size();
+    const int64_t flags = last ? static_cast<int64_t>(params_.size()) : 0;
+    const at::Tensor& first = params_[bucket.params.front()].tensor;
+    bucket.flat = at::zeros({numel + flags}, first.options());
+    int64_t offset = 0;
+    for (size_t i : bucket.params) {
+      const at::Tensor& p = params_[i].tensor;
+      slots[i].bucket = b;
+      slots[i].view = aliasInto(bucket.flat, offset, p.sizes());
+      offset += p.numel();
+      if (options_.gradientAsBucketView) {
+        // Keep what .grad holds; from now on it lives in the bucket.
+        const at::Tensor& grad = p.grad();
+        if (grad.defined()) {
+          slots[i].view.copy_(grad);
+          p.mutable_grad() = slots[i].view;
+        }
+      }
+    }
+    if (last) {
+      flags_ = bucket.flat.narrow(0, numel, flags);
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  if (buckets.empty()) {
+    flags_ = at::Tensor();
+  }
+  buckets_ = std::move(buckets);
+  slots_ = std::move(slots);
+}
+
+void Reducer::resetIteration() {
+  nextBucket_ = 0;
+  ready_.assign(params_.size(), 0);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.work.reset();
+  }
+  if (flags_.defined()) {
+    at::NoGradGuard noGrad;
+    flags_.zero_();
+  }
+  walkUnused_.clear();
+  armed_ = false;
+  hooksFired_ = false;
+}
+
+std::vector<size_t> Reducer::orderForRebuild() const {
+  std::vector<size_t> order = readyOrder_;
+  std::vector<char> seen(params_.size(), 0);
+  for (size_t i : order) {
+    seen[i] = 1;
+  }
+  // Parameters that were never ready keep their current relative order.
+  for (const auto& b : buckets_) {
+    for (size_t i : b.params) {
+      if (!seen[i]) {
+        order.push_back(i);
+      }
+    }
+  }
+  return order;
+}
+
+void Reducer::beginIteration(bool armed) {
+  MutexLock lock(mu_);
+  if (armed_ && hooksFired_) {
+    // A backward started reducing and never reached its end (it threw
+    // midway): some ranks may have issued allreduces this one did not.
+    resetIteration();
+    throwError(Error(Code::kFailedPrecondition,
+                     "DistributedDataParallel: the previous backward pass "
+                     "ended before its gradient reduction finished (it "
+                     "failed midway); the ranks' collectives may be out of "
+                     "step: create a new ProcessGroup and model wrapper"));
+  }
+  if (rebuildPending_) {
+    rebuildPending_ = false;
+    if (!params_.empty()) {
+      // Every rank takes rank 0's order, so all build the same buckets.
+      const std::vector<size_t> mine = orderForRebuild();
+      at::Tensor order = at::empty({static_cast<int64_t>(mine.size())},
+                                   at::TensorOptions().dtype(at::kLong));
+      for (size_t k = 0; k < mine.size(); ++k) {
+        order.data_ptr<int64_t>()[k] = static_cast<int64_t>(mine[k]);
+      }
+      const at::Device device = params_.front().tensor.device();
+      at::Tensor onDevice = order.to(device);
+      group_->broadcast(onDevice, 0).wait();
+      order = onDevice.cpu();
+      std::vector<size_t> chosen(mine.size());
+      std::vector<char> seen(params_.size(), 0);
+      for (size_t k = 0; k < chosen.size(); ++k) {
+        const int64_t v = order.data_ptr<int64_t>()[k];
+        if (v < 0 || static_cast<size_t>(v) >= params_.size() || seen[v]) {
+          throwError(Error::internal(
+              "DistributedDataParallel: rank 0's bucket order is not a "
+              "permutation of the parameters"));
+        }
+        seen[v] = 1;
+        chosen[k] = static_cast<size_t>(v);
+      }
+      buildBuckets(chosen);
+    }
+  }
+  resetIteration();
+  armed_ = armed && !params_.empty();
+}
+
+void Reducer::findUnused(const std::vector<at::Tensor>& outputs) {
+  MutexLock lock(mu_);
+  if (!armed_) {
+    return;
+  }
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) {
+      continue;
+    }
+    auto fn = torch::autograd::impl::gradient_edge(t).function;
+    if (fn && seen.insert(fn.get()).second) {
+      stack.push_back(fn.get());
+    }
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  walkUnused_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen.count(accumulators_[i].get())) {
+      walkUnused_.push_back(i);
+    }
+  }
+}
+
+void Reducer::onGradReady(size_t index) {
+  MutexLock lock(mu_);
+  if (!armed_) {
+    return;  // noSync, no grad mode at forward, or after this step's end
+  }
+  if (!hooksFired_) {
+    hooksFired_ = true;
+    queueFinalize();
+    for (size_t i : walkUnused_) {
+      markReady(i, /*local=*/false);
+    }
+  }
+  if (ready_[index]) {
+    const bool fromWalk = std::find(walkUnused_.begin(), walkUnused_.end(),
+                                    index) != walkUnused_.end();
+    throwError(Error(
+        Code::kFailedPrecondition,
+        "DistributedDataParallel: parameter '" + params_[index].name + "' " +
+            (fromWalk
+                 ? "got a gradient although the autograd graph from "
+                   "forward's outputs does not reach it "
+                   "(findUnusedParameters): the loss must depend on "
+                   "forward's outputs only"
+                 : "got its gradient twice in one backward pass (reentrant "
+                   "backward, or two backward passes after one forward)")));
+  }
+  markReady(index, /*local=*/true);
+}
+
+void Reducer::queueFinalize() {
+  // Runs once the whole backward pass is done, on the thread that finishes
+  // it; what it throws is thrown by backward(). Only the weak reference:
+  // the engine may outlive this Reducer.
+  std::weak_ptr<Reducer> self = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto r = self.lock()) {
+      r->finalize();
+    }
+  });
+}
+
+void Reducer::markReady(size_t index, bool local) {
+  at::NoGradGuard noGrad;
+  ready_[index] = 1;
+  if (recording_) {
+    readyOrder_.push_back(index);
+  }
+  const at::Tensor& param = params_[index].tensor;
+  const at::Tensor& grad = param.grad();
+  at::Tensor& view = slots_[index].view;
+  if (grad.defined() && grad.is_sparse()) {
+    throwError(Error(Code::kUnimplemented,
+                     "DistributedDataParallel: parameter '" +
+                         params_[index].name +
+                         "' has a sparse gradient; only dense ones are "
+                         "reduced"));
+  }
+  if (options_.gradientAsBucketView) {
+    if (!grad.defined()) {
+      view.zero_();
+    } else if (!grad.is_alias_of(view) || grad.data_ptr() != view.data_ptr()) {
+      // .grad was replaced (zero_grad to none, or set by the program):
+      // one copy, and it is a view again.
+      view.copy_(grad);
+      param.mutable_grad() = view;
+    }
+  } else if (grad.defined()) {
+    view.copy_(grad);
+  } else {
+    view.zero_();
+  }
+  if (!local) {
+    flags_[static_cast<int64_t>(index)].fill_(1);
+  }
+  Bucket& bucket = buckets_[slots_[index].bucket];
+  if (--bucket.pending == 0) {
+    launchReadyBuckets();
+  }
+}
+
+void Reducer::launchReadyBuckets() {
+  // Strictly in bucket order: every rank issues the same sequence of
+  // allreduces whatever order its gradients come in.
+  while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
+    Bucket& b = buckets_[nextBucket_++];
+    b.work = group_->allreduce(b.flat, collectives::ReduceOp::kAvg);
+  }
+}
+
+void Reducer::finalize() {
+  MutexLock lock(mu_);
+  if (!armed_) {
+    return;
+  }
+  // Parameters without a gradient in this backward: their contribution is
+  // their .grad (zero without one), and they are flagged.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) {
+      markReady(i, /*local=*/false);
+    }
+  }
+  for (auto& b : buckets_) {
+    try {
+      // Bounded by the group's timeout (work.h).
+      b.work->wait();
+    } catch (...) {
+      resetIteration();
+      throw;
+    }
+  }
+  // Each flag is now the fraction of ranks without a gradient for that
+  // parameter (the allreduce averaged it): 0 none, 1 all of them.
+  at::NoGradGuard noGrad;
+  const at::Tensor missing = flags_.to(at::kDouble).cpu();
+  const double* fraction = missing.data_ptr<double>();
+  const int worldSize = group_->size();
+  std::vector<std::string> unused;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& param = params_[i].tensor;
+    const at::Tensor& grad = param.grad();
+    const at::Tensor& view = slots_[i].view;
+    if (fraction[i] != 0) {
+      const long ranks = std::lround(fraction[i] * worldSize);
+      unused.push_back(params_[i].name + " (" + std::to_string(ranks) + " of " +
+                       std::to_string(worldSize) + " ranks)");
+      if (fraction[i] == 1 && !grad.defined()) {
+        continue;  // no rank has a gradient: none is made up
+      }
+    }
+    if (options_.gradientAsBucketView) {
+      if (!grad.defined() || grad.data_ptr() != view.data_ptr()) {
+        param.mutable_grad() = view;
+      }
+    } else if (grad.defined()) {
+      grad.copy_(view);
+    } else {
+      param.mutable_grad() = view.clone();
+    }
+  }
+  if (recording_) {
+    recording_ = false;
+    rebuildPending_ = true;
+  }
+  resetIteration();
+  if (!unused.empty() && !options_.findUnusedParameters) {
+    std::ostringstream msg;
+    msg << "DistributedDataParallel: parameters that got no gradient in this "
+           "backward pass: ";
+    for (size_t k = 0; k < unused.size(); ++k) {
+      msg << (k ? ", " : "") << unused[k];
+    }
+    msg << ". Forward did not use them (a branch not taken?) or the loss does "
+           "not depend on all of forward's outputs. Set "
+           "Options::findUnusedParameters if some parameters may go unused, "
+           "or take them out of the module";
+    throwError(Error(Code::kFailedPrecondition, msg.str()));
+  }
+}
+
+void Reducer::enterNoSync() {
+  MutexLock lock(mu_);
+  ++noSyncDepth_;
+}
+
+void Reducer::exitNoSync() {
+  MutexLock lock(mu_);
+  --noSyncDepth_;
+}
+
+bool Reducer::syncing() const {
+  MutexLock lock(mu_);
+  return noSyncDepth_ == 0;
+}
+
+std::vector<std::vector<std::string>> Reducer::bucketNames() const {
+  MutexLock lock(mu_);
+  std::vector<std::vector<std::string>> out;
+  for (const auto& b : buckets_) {
+    std::vector<std::string> names;
+    for (size_t i : b.params) {
+      names.push_back(params_[i].name);
+    }
+    out.push_back(std::move(names));
+  }
+  return out;
+}
+
+}  // namespace trellis::ddp::detail

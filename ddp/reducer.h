@@ -1,0 +1,125 @@
+#pragma once
+// The reducer behind DistributedDataParallel (not installed): gradient
+// buckets, the per-parameter autograd hooks that fill them, and the
+// end-of-backward step that waits for them (docs/ddp.md, "Buckets").
+//
+// Threads: forward-side calls come from the thread that runs the module;
+// onGradReady and finalize from autograd (the thread that called backward
+// for CPU tensors, a device thread for CUDA ones). mu_ orders them.
+#include <ATen/core/Tensor.h>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <trellis/collectives/process_group.h>
+#include <trellis/collectives/work.h>
+#include <trellis/core/mutex.h>
+#include <trellis/ddp/distributed_data_parallel.h>
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace trellis::ddp::detail {
+
+// Which parameters go together, in launch order: buckets of one dtype and
+// device each, filled in `order` and closed once they hold at least
+// `firstCapBytes` (the first bucket of each dtype and device) or
+// `capBytes` (the others); then sorted by where their first parameter
+// stands in `order`. Pure: tested on its own.
+std::vector<std::vector<size_t>> assignBuckets(
+    const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
+    size_t firstCapBytes, size_t capBytes);
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  struct Param {
+    std::string name;  // module path, e.g. "branch.weight"
+    at::Tensor tensor;
+  };
+  // Builds the first buckets (reverse registration order). install() must
+  // follow, once the Reducer is owned by a shared_ptr.
+  Reducer(std::shared_ptr<collectives::ProcessGroup> group, Options options,
+          std::vector<Param> params);
+  // Removes the hooks.
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Registers the hooks (a post-hook on each parameter's grad accumulator).
+  void install();
+
+  // From forward, before the module runs: rebuilds the buckets once (after
+  // the first armed backward, in rank 0's gradient-ready order) and arms
+  // the reducer when `armed`. Throws when the previous armed backward ended
+  // before its reduction did (it failed midway).
+  void beginIteration(bool armed);
+  // From forward, after the module ran (findUnusedParameters): the
+  // parameters the autograd graph from `outputs` does not reach.
+  void findUnused(const std::vector<at::Tensor>& outputs);
+
+  void enterNoSync();
+  void exitNoSync();
+  bool syncing() const;
+
+  std::vector<std::vector<std::string>> bucketNames() const;
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;
+    // The parameters' slots, then (last bucket only) one flag per
+    // parameter: 1 where this rank had no gradient for it.
+    at::Tensor flat;
+    size_t pending = 0;
+    std::optional<collectives::Work> work;
+  };
+  struct Slot {
+    size_t bucket = 0;
+    // The parameter-shaped part of the bucket's flat tensor (shares its
+    // memory; not an autograd view).
+    at::Tensor view;
+  };
+  class ReadyHook;
+
+  void buildBuckets(const std::vector<size_t>& order) TRELLIS_REQUIRES(mu_);
+  void resetIteration() TRELLIS_REQUIRES(mu_);
+  void onGradReady(size_t index);
+  // `local`: the parameter's autograd hook fired. Otherwise it is counted
+  // ready without a gradient (the walk, or the end of backward).
+  void markReady(size_t index, bool local) TRELLIS_REQUIRES(mu_);
+  void launchReadyBuckets() TRELLIS_REQUIRES(mu_);
+  // The end of backward (a callback queued on the autograd engine).
+  void finalize();
+  // Queues finalize on the engine. A function of its own (not inlined) so
+  // that ThreadSanitizer's suppression can name it
+  // (tests/tsan_suppressions.cc).
+  [[gnu::noinline]] void queueFinalize() TRELLIS_REQUIRES(mu_);
+  std::vector<size_t> orderForRebuild() const TRELLIS_REQUIRES(mu_);
+
+  const std::shared_ptr<collectives::ProcessGroup> group_;
+  const Options options_;
+  const std::vector<Param> params_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hookKeys_;
+
+  mutable Mutex mu_;
+  std::vector<Bucket> buckets_ TRELLIS_GUARDED_BY(mu_);
+  std::vector<Slot> slots_ TRELLIS_GUARDED_BY(mu_);
+  at::Tensor flags_ TRELLIS_GUARDED_BY(mu_);  // tail of the last bucket
+  size_t nextBucket_ TRELLIS_GUARDED_BY(mu_) = 0;
+  std::vector<char> ready_ TRELLIS_GUARDED_BY(mu_);
+  std::vector<size_t> walkUnused_ TRELLIS_GUARDED_BY(mu_);
+  bool armed_ TRELLIS_GUARDED_BY(mu_) = false;
+  bool hooksFired_ TRELLIS_GUARDED_BY(mu_) = false;
+  int noSyncDepth_ TRELLIS_GUARDED_BY(mu_) = 0;
+  // Gradient-ready order of the first armed backward, and whether the
+  // buckets are still to be rebuilt from it.
+  bool recording_ TRELLIS_GUARDED_BY(mu_) = true;
+  bool rebuildPending_ TRELLIS_GUARDED_BY(mu_) = false;
+  std::vector<size_t> readyOrder_ TRELLIS_GUARDED_BY(mu_);
+};
+
+}  // namespace trellis::ddp::detail

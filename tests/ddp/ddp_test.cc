@@ -1,0 +1,656 @@
+// DistributedDataParallel: ranks as threads of this process, each with its
+// own ProcessGroup (cpu backend) over one HashStore, checked against one
+// process training on the whole batch; and two tests with real processes
+// (ddp_worker). Every rank's model starts from a different seed, so the
+// construction broadcast is checked by every comparison.
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "../rpc/worker_job.h"
+#include "models.h"
+#include <trellis/collectives/process_group.h>
+#include <trellis/core/error.h>
+#include <trellis/ddp/distributed_data_parallel.h>
+#include <trellis/ddp/reducer.h>  // assignBuckets (internal)
+#include <trellis/store/hash_store.h>
+
+namespace trellis::ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using collectives::ProcessGroup;
+using testing::Cnn;
+using testing::Mlp;
+using testing::Reordered;
+
+constexpr double kTol = 1e-6;
+constexpr int64_t kBatch = 12;  // divisible by 2 and 3 ranks
+
+// Runs fn(rank, group) on n threads; an exception on any rank fails the
+// test naming the rank.
+void runRanks(
+    int n, const std::function<void(int, std::shared_ptr<ProcessGroup>)>& fn) {
+  auto store = std::make_shared<store::HashStore>();
+  collectives::ProcessGroupOptions options;
+  options.timeout = 60s;
+  // The ranks share this process: a failed group must not end it.
+  options.watchdogMode = collectives::WatchdogMode::kFail;
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, ProcessGroup::create("cpu", store, r, n, options));
+      } catch (const std::exception& e) {
+        failures[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(failures[static_cast<size_t>(r)], "") << "rank " << r;
+  }
+}
+
+double maxDiff(const std::vector<torch::Tensor>& a,
+               const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (!a[i].defined() || !b[i].defined()) {
+      return a[i].defined() == b[i].defined() ? m : INFINITY;
+    }
+    m = std::max(m, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return m;
+}
+
+std::vector<torch::Tensor> gradsOf(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) {
+    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> valuesOf(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+torch::Tensor shard(const torch::Tensor& t, int rank, int n) {
+  const int64_t rows = t.size(0) / n;
+  return t.narrow(0, rank * rows, rows);
+}
+
+torch::optim::SGD sgd(const std::vector<torch::Tensor>& params) {
+  return torch::optim::SGD(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+struct Case {
+  std::string name;
+  int ranks;
+  Options options;
+  bool cnn = false;
+  // Sets every .grad to none before each backward, as libtorch 2.x's
+  // zero_grad() does by default (1.13's zeroes in place).
+  bool gradsToNone = false;
+};
+
+// gtest prints a parameter by name, not as bytes.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class GradientEquality : public ::testing::TestWithParam<Case> {};
+
+// Four SGD steps (momentum): every rank's averaged gradients and then its
+// parameters match one process on the whole batch after every step, the
+// bucket rebuild after the first included.
+template <typename Net>
+void trainAndCompare(const Case& c, const torch::Tensor& x,
+                     const torch::Tensor& y) {
+  constexpr int kIters = 4;
+  torch::manual_seed(100);
+  Net reference;
+  auto refOpt = sgd(reference->parameters());
+  std::vector<std::vector<torch::Tensor>> refGrads, refParams;
+  for (int it = 0; it < kIters; ++it) {
+    refOpt.zero_grad();
+    torch::mse_loss(reference(x), y).backward();
+    refGrads.push_back(gradsOf(*reference));
+    refOpt.step();
+    refParams.push_back(valuesOf(*reference));
+  }
+  std::vector<Net> nets;
+  for (int r = 0; r < c.ranks; ++r) {
+    torch::manual_seed(100 + r);  // only rank 0 starts like the reference
+    nets.emplace_back();
+  }
+  runRanks(c.ranks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Net net = nets[rank];
+    DistributedDataParallel model(net, pg, c.options);
+    auto opt = sgd(net->parameters());
+    const auto xs = shard(x, rank, c.ranks);
+    const auto ys = shard(y, rank, c.ranks);
+    for (int it = 0; it < kIters; ++it) {
+      opt.zero_grad();
+      if (c.gradsToNone) {
+        for (auto& p : net->parameters()) {
+          p.mutable_grad() = torch::Tensor();
+        }
+      }
+      torch::mse_loss(model(xs), ys).backward();
+      EXPECT_LE(maxDiff(gradsOf(*net), refGrads[it]), kTol)
+          << "rank " << rank << " iteration " << it;
+      opt.step();
+      EXPECT_LE(maxDiff(valuesOf(*net), refParams[it]), kTol)
+          << "rank " << rank << " iteration " << it;
+    }
+    // gradientAsBucketView: the grads live in the buckets (one storage per
+    // bucket); otherwise each has its own.
+    const auto params = net->parameters();
+    const auto buckets = model.bucketParameterNames();
+    size_t inBuckets = 0;
+    for (const auto& b : buckets) {
+      inBuckets += b.size();
+    }
+    EXPECT_EQ(inBuckets, params.size());
+    std::set<const void*> storages;
+    for (const auto& p : params) {
+      storages.insert(p.grad().storage().data());
+    }
+    EXPECT_EQ(storages.size(),
+              c.options.gradientAsBucketView ? buckets.size() : params.size())
+        << "rank " << rank;
+  });
+}
+
+TEST_P(GradientEquality, MatchesOneProcessOnTheWholeBatch) {
+  at::set_num_threads(1);
+  const Case& c = GetParam();
+  torch::manual_seed(7);
+  if (c.cnn) {
+    const auto x = torch::randn({kBatch, 1, 8, 8});
+    const auto y = torch::randn({kBatch, 4});
+    trainAndCompare<Cnn>(c, x, y);
+  } else {
+    const auto x = torch::randn({kBatch, 8});
+    const auto y = torch::randn({kBatch, 4});
+    trainAndCompare<Mlp>(c, x, y);
+  }
+}
+
+// Tiny caps: one parameter per bucket (the MLP's largest is 1 KiB), or a
+// few per bucket.
+INSTANTIATE_TEST_SUITE_P(
+    Ddp, GradientEquality,
+    ::testing::Values(Case{"TwoRanks", 2, {}}, Case{"ThreeRanks", 3, {}},
+                      Case{"TwoRanksView", 2, {.gradientAsBucketView = true}},
+                      Case{"ThreeRanksViewGradsToNone",
+                           3,
+                           {.gradientAsBucketView = true},
+                           false,
+                           true},
+                      Case{"TwoRanksOneParamPerBucket",
+                           2,
+                           {.bucketCapMb = 1e-6, .firstBucketCapMb = 1e-6}},
+                      Case{"ThreeRanksOneParamPerBucketView",
+                           3,
+                           {.bucketCapMb = 1e-6,
+                            .firstBucketCapMb = 1e-6,
+                            .gradientAsBucketView = true}},
+                      Case{"ThreeRanksSmallBuckets",
+                           3,
+                           {.bucketCapMb = 0.001, .firstBucketCapMb = 0.0002}},
+                      Case{"TwoRanksCnn", 2, {}, true},
+                      Case{"ThreeRanksCnnSmallBucketsView",
+                           3,
+                           {.bucketCapMb = 0.0005,
+                            .firstBucketCapMb = 0.0001,
+                            .gradientAsBucketView = true},
+                           true}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(Ddp, AssignBucketsByCapAndDtype) {
+  // Sizes in bytes: float32 params of 100, 100, 300 and 40 elements, one
+  // float64 of 10; order 4 3 2 1 0 (reverse registration).
+  std::vector<at::Tensor> params = {torch::zeros({100}), torch::zeros({100}),
+                                    torch::zeros({300}), torch::zeros({40}),
+                                    torch::zeros({10}, torch::kDouble)};
+  const auto buckets = detail::assignBuckets(params, {4, 3, 2, 1, 0},
+                                             /*firstCapBytes=*/200,
+                                             /*capBytes=*/800);
+  // float32: {3, 2} passes the first cap (1360 B), {1, 0} reaches the
+  // second (800 B); float64 {4} stays open to the end but leads the order.
+  const std::vector<std::vector<size_t>> want = {{4}, {3, 2}, {1, 0}};
+  EXPECT_EQ(buckets, want);
+}
+
+// The buckets are rebuilt once, after the first backward, in the order the
+// gradients became ready (rank 0's), identically on every rank.
+TEST(Ddp, BucketsRebuiltInGradientReadyOrder) {
+  at::set_num_threads(1);
+  std::vector<Reordered> nets(2);
+  std::vector<std::vector<std::vector<std::string>>> before(2), after(2),
+      later(2);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    DistributedDataParallel model(
+        nets[rank], pg, {.bucketCapMb = 1e-6, .firstBucketCapMb = 1e-6});
+    const auto x = torch::randn({4, 8});
+    before[rank] = model.bucketParameterNames();
+    model(x).sum().backward();
+    model(x).sum().backward();  // rebuilt at this forward
+    after[rank] = model.bucketParameterNames();
+    model(x).sum().backward();
+    later[rank] = model.bucketParameterNames();
+  });
+  // Registration: out.weight out.bias in.weight in.bias; reversed.
+  ASSERT_EQ(before[0].size(), 4u);
+  EXPECT_EQ(before[0][0], std::vector<std::string>{"in.bias"});
+  ASSERT_EQ(after[0].size(), 4u);
+  // The last layer's gradients are ready first.
+  EXPECT_EQ(after[0][0][0].substr(0, 4), "out.") << after[0][0][0];
+  EXPECT_EQ(after[0][3][0].substr(0, 3), "in.") << after[0][3][0];
+  EXPECT_EQ(after[0], after[1]);
+  EXPECT_EQ(later[0], after[0]);  // once only
+}
+
+// Runs `onBackward` in its backward: placed on forward's input, its
+// backward is the last node of the pass, after every parameter's gradient
+// but the first layer's. CPU backward runs on the thread that called it,
+// so a thread_local carries the callback per rank.
+thread_local std::function<void()> onBackward;
+struct Probe : torch::autograd::Function<Probe> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*,
+                               torch::Tensor x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    onBackward();
+    return g;
+  }
+};
+
+// The last layer's bucket is averaged while backward still runs: seen from
+// inside backward (the probe), its .grad (a bucket view) reaches the
+// whole-batch gradient. Were buckets only sent at the end of backward,
+// the probe would wait out its bound.
+TEST(Ddp, AllreduceOverlapsBackward) {
+  at::set_num_threads(1);
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 8});
+  const auto y = torch::randn({kBatch, 4});
+  torch::manual_seed(100);
+  Mlp reference;
+  torch::mse_loss(reference(x), y).backward();
+  const auto want = reference->fc3->weight.grad().clone();
+  std::vector<Mlp> nets;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  std::vector<double> seenInBackward(2, INFINITY);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Mlp net = nets[rank];
+    DistributedDataParallel model(net, pg,
+                                  {.bucketCapMb = 1e-6,
+                                   .firstBucketCapMb = 1e-6,
+                                   .gradientAsBucketView = true});
+    onBackward = [&] {
+      const auto end = std::chrono::steady_clock::now() + 10s;
+      double diff = INFINITY;
+      while (std::chrono::steady_clock::now() < end) {
+        diff = (net->fc3->weight.grad() - want).abs().max().item<double>();
+        if (diff <= kTol) {
+          break;
+        }
+        std::this_thread::sleep_for(1ms);
+      }
+      seenInBackward[rank] = diff;
+    };
+    auto in = shard(x, rank, 2).clone().requires_grad_(true);
+    torch::mse_loss(model(Probe::apply(in)), shard(y, rank, 2)).backward();
+    onBackward = nullptr;
+    EXPECT_LE(maxDiff({net->fc3->weight.grad()}, {want}), kTol);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LE(seenInBackward[r], kTol) << "rank " << r;
+  }
+}
+
+// A backward that fails midway (after some buckets went) never reaches its
+// end-of-backward step: the next forward says so, on every rank, instead
+// of going on with the ranks' collectives possibly out of step.
+TEST(Ddp, ABackwardThatFailedMidwayFailsTheNextForward) {
+  at::set_num_threads(1);
+  std::vector<Mlp> nets(2);
+  std::vector<std::string> backwardErrors(2), forwardErrors(2);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    DistributedDataParallel model(
+        nets[rank], pg, {.bucketCapMb = 1e-6, .firstBucketCapMb = 1e-6});
+    const auto x = torch::randn({4, 8});
+    onBackward = [] { throw std::runtime_error("probe failed"); };
+    try {
+      model(Probe::apply(x.clone().requires_grad_(true))).sum().backward();
+    } catch (const std::exception& e) {
+      backwardErrors[rank] = e.what();
+    }
+    onBackward = nullptr;
+    try {
+      (void)model(x);
+    } catch (const FailedPreconditionError& e) {
+      forwardErrors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(backwardErrors[r].find("probe failed"), std::string::npos)
+        << backwardErrors[r];
+    EXPECT_NE(forwardErrors[r].find("ended before its gradient reduction "
+                                    "finished"),
+              std::string::npos)
+        << "rank " << r << ": " << forwardErrors[r];
+  }
+}
+
+// noSync for k steps, then a synced step: the averaged sum of all
+// micro-batches' gradients, as one process accumulating over them.
+class NoSync : public ::testing::TestWithParam<bool> {};
+
+TEST_P(NoSync, AccumulatesLocallyThenReducesTheSum) {
+  at::set_num_threads(1);
+  constexpr int kRanks = 2;
+  constexpr int kMicro = 4;  // 3 under noSync, 1 synced
+  torch::manual_seed(7);
+  std::vector<torch::Tensor> xs, ys;
+  for (int k = 0; k < kMicro; ++k) {
+    xs.push_back(torch::randn({kBatch, 8}));
+    ys.push_back(torch::randn({kBatch, 4}));
+  }
+  torch::manual_seed(100);
+  Mlp reference;
+  for (int k = 0; k < kMicro; ++k) {
+    torch::mse_loss(reference(xs[k]), ys[k]).backward();
+  }
+  const auto want = gradsOf(*reference);
+  std::vector<Mlp> nets;
+  for (int r = 0; r < kRanks; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  runRanks(kRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    DistributedDataParallel model(nets[rank], pg,
+                                  {.bucketCapMb = 0.001,
+                                   .firstBucketCapMb = 0.0002,
+                                   .gradientAsBucketView = GetParam()});
+    std::vector<torch::Tensor> local;
+    {
+      auto guard = model.noSync();
+      for (int k = 0; k < kMicro - 1; ++k) {
+        torch::mse_loss(model(shard(xs[k], rank, kRanks)),
+                        shard(ys[k], rank, kRanks))
+            .backward();
+      }
+      local = gradsOf(*nets[rank]);
+    }
+    torch::mse_loss(model(shard(xs[kMicro - 1], rank, kRanks)),
+                    shard(ys[kMicro - 1], rank, kRanks))
+        .backward();
+    EXPECT_LE(maxDiff(gradsOf(*nets[rank]), want), kTol) << "rank " << rank;
+    // Under noSync each rank only had its own shards' sum, far from the
+    // average.
+    EXPECT_GT(maxDiff(local, want), 1e-3)
+        << "rank " << rank << ": reduced under noSync";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ddp, NoSync, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "View" : "Copy";
+                         });
+
+// Without findUnusedParameters, a parameter without a gradient fails the
+// backward on every rank, naming it, whichever rank skipped it; the next
+// iteration works.
+TEST(Ddp, UnusedParameterErrorNamesThemOnEveryRank) {
+  at::set_num_threads(1);
+  for (int skipper : {-1, 1}) {  // -1: every rank skips the branch
+    SCOPED_TRACE("skipper " + std::to_string(skipper));
+    std::vector<Mlp> nets;
+    for (int r = 0; r < 2; ++r) {
+      nets.emplace_back(/*withBranch=*/true);
+    }
+    std::vector<std::string> errors(2);
+    runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      DistributedDataParallel model(
+          nets[rank], pg, {.bucketCapMb = 1e-6, .firstBucketCapMb = 1e-6});
+      const auto x = torch::randn({4, 8});
+      const bool skip = skipper < 0 || rank == skipper;
+      try {
+        model(x, !skip).sum().backward();
+      } catch (const FailedPreconditionError& e) {
+        errors[rank] = e.what();
+      }
+      // Using every parameter again works, and agrees across ranks.
+      model(x, true).sum().backward();
+    });
+    const std::string ranks = skipper < 0 ? "(2 of 2 ranks)" : "(1 of 2 ranks)";
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(errors[r].find("branch.weight " + ranks), std::string::npos)
+          << "rank " << r << ": " << errors[r];
+      EXPECT_NE(errors[r].find("branch.bias " + ranks), std::string::npos)
+          << errors[r];
+      EXPECT_EQ(errors[r].find("fc1"), std::string::npos) << errors[r];
+      EXPECT_NE(errors[r].find("findUnusedParameters"), std::string::npos)
+          << errors[r];
+    }
+    EXPECT_EQ(errors[0], errors[1]);
+  }
+}
+
+// findUnusedParameters: a branch taken on some ranks only (or none)
+// matches one process where exactly those rows take it; a branch no rank
+// took keeps no gradient.
+TEST(Ddp, FindUnusedParametersMatchesReference) {
+  at::set_num_threads(1);
+  constexpr int kRanks = 3;
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 8});
+  const auto y = torch::randn({kBatch, 4});
+  for (int taker : {-1, 1}) {  // -1: no rank takes the branch
+    SCOPED_TRACE("taker " + std::to_string(taker));
+    torch::manual_seed(100);
+    Mlp reference(/*withBranch=*/true);
+    std::vector<torch::Tensor> outs;
+    for (int r = 0; r < kRanks; ++r) {
+      outs.push_back(reference(shard(x, r, kRanks), r == taker));
+    }
+    torch::mse_loss(torch::cat(outs), y).backward();
+    const auto want = gradsOf(*reference);
+    std::vector<Mlp> nets;
+    for (int r = 0; r < kRanks; ++r) {
+      torch::manual_seed(100 + r);
+      nets.emplace_back(/*withBranch=*/true);
+    }
+    runRanks(kRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      DistributedDataParallel model(nets[rank], pg,
+                                    {.bucketCapMb = 1e-6,
+                                     .firstBucketCapMb = 1e-6,
+                                     .findUnusedParameters = true});
+      for (int it = 0; it < 2; ++it) {  // before and after the rebuild
+        for (auto& p : nets[rank]->parameters()) {
+          p.mutable_grad() = torch::Tensor();
+        }
+        torch::mse_loss(model(shard(x, rank, kRanks), rank == taker),
+                        shard(y, rank, kRanks))
+            .backward();
+        EXPECT_LE(maxDiff(gradsOf(*nets[rank]), want), kTol)
+            << "rank " << rank << " iteration " << it;
+      }
+      if (taker < 0) {
+        EXPECT_FALSE(nets[rank]->branch->weight.grad().defined());
+      }
+    });
+  }
+}
+
+// Modules that differ fail construction on every rank, naming the first
+// difference and which ranks have what.
+TEST(Ddp, MismatchedModelsFailOnEveryRank) {
+  at::set_num_threads(1);
+  struct Variant {
+    std::function<std::shared_ptr<torch::nn::Module>(int)> make;
+    std::string expect;
+  };
+  const std::vector<Variant> variants = {
+      {[](int rank) -> std::shared_ptr<torch::nn::Module> {
+         auto m = std::make_shared<torch::nn::Module>();
+         m->register_module("fc1", torch::nn::Linear(8, 16));
+         m->register_module("fc2", torch::nn::Linear(rank == 2 ? 12 : 16, 16));
+         return m;
+       },
+       "entry #2 of their parameters and buffers: ranks 0, 1 have parameter "
+       "fc2.weight float32[16, 16]; rank 2 has parameter fc2.weight "
+       "float32[16, 12]"},
+      {[](int rank) -> std::shared_ptr<torch::nn::Module> {
+         auto m = std::make_shared<torch::nn::Module>();
+         m->register_module("fc1", torch::nn::Linear(8, 16));
+         if (rank == 1) {
+           m->register_module("extra", torch::nn::Linear(2, 2));
+         }
+         return m;
+       },
+       "entry #2 of their parameters and buffers: ranks 0, 2 have nothing "
+       "(fewer parameters and buffers); rank 1 has parameter extra.weight "
+       "float32[2, 2]"},
+  };
+  for (const auto& v : variants) {
+    std::vector<std::string> errors(3);
+    runRanks(3, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      try {
+        DistributedDataParallel<torch::nn::Module> model(v.make(rank), pg);
+      } catch (const InvalidArgumentError& e) {
+        errors[rank] = e.what();
+      }
+    });
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_NE(errors[r].find(v.expect), std::string::npos)
+          << "rank " << r << ": " << errors[r];
+    }
+  }
+}
+
+// A module with a buffer (a running mean, say) that each rank changes.
+struct WithBufferImpl : torch::nn::Module {
+  WithBufferImpl() {
+    fc = register_module("fc", torch::nn::Linear(2, 2));
+    scale = register_buffer("scale", torch::ones({2}));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x) * scale; }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(WithBuffer);
+
+TEST(Ddp, BuffersFollowRankZeroBeforeEachForward) {
+  at::set_num_threads(1);
+  for (bool broadcastBuffers : {true, false}) {
+    std::vector<WithBuffer> nets(2);
+    std::vector<float> seen(2);
+    runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      WithBuffer net = nets[rank];
+      {
+        torch::NoGradGuard g;
+        net->scale.fill_(10 + rank);  // before construction
+      }
+      DistributedDataParallel model(net, pg,
+                                    {.broadcastBuffers = broadcastBuffers});
+      EXPECT_EQ(net->scale[0].item<float>(), 10) << "rank " << rank;
+      {
+        torch::NoGradGuard g;
+        net->scale.fill_(20 + rank);
+      }
+      model(torch::ones({1, 2})).sum().backward();
+      seen[rank] = net->scale[0].item<float>();
+    });
+    EXPECT_EQ(seen[0], 20);
+    EXPECT_EQ(seen[1], broadcastBuffers ? 20 : 21);
+  }
+}
+
+// Real processes over a TCPStore on loopback: a 2-rank training loop ends
+// with every rank's parameters equal to one process on the whole batch.
+TEST(DdpProcess, TwoProcessesTrainLikeOneOnTheWholeBatch) {
+  at::set_num_threads(1);
+  rpc::testing::Job job(DDP_WORKER_PATH, "train", 2);
+  torch::manual_seed(7);
+  const auto x = torch::randn({12, 8});
+  const auto y = torch::randn({12, 4});
+  torch::manual_seed(100);
+  Mlp reference;
+  auto opt = sgd(reference->parameters());
+  for (int it = 0; it < 5; ++it) {
+    opt.zero_grad();
+    torch::mse_loss(reference(x), y).backward();
+    opt.step();
+  }
+  std::vector<float> want;
+  for (const auto& p : reference->parameters()) {
+    auto flat = p.detach().reshape({-1});
+    for (int64_t k = 0; k < flat.numel(); ++k) {
+      want.push_back(flat[k].item<float>());
+    }
+  }
+  for (int r = 0; r < 2; ++r) {
+    const std::string line =
+        rpc::testing::lineStartingWith(job[r], "params", 60000);
+    ASSERT_FALSE(line.empty()) << "rank " << r << ":\n" << job.stderrOf(r);
+    std::istringstream in(line.substr(6));
+    std::vector<float> got;
+    for (std::string tok; in >> tok;) {
+      got.push_back(std::strtof(tok.c_str(), nullptr));
+    }
+    ASSERT_EQ(got.size(), want.size()) << "rank " << r;
+    double diff = 0;
+    for (size_t k = 0; k < got.size(); ++k) {
+      diff = std::max(diff, static_cast<double>(std::abs(got[k] - want[k])));
+    }
+    EXPECT_LE(diff, kTol) << "rank " << r;
+  }
+  for (int status : job.waitAll(30s)) {
+    EXPECT_TRUE(rpc::testing::exitedZero(status)) << status;
+  }
+}
+
+TEST(DdpProcess, UnusedParameterErrorOnEveryProcess) {
+  rpc::testing::Job job(DDP_WORKER_PATH, "unused", 2);
+  for (int r = 0; r < 2; ++r) {
+    const std::string line =
+        rpc::testing::lineStartingWith(job[r], "error: ", 60000);
+    EXPECT_NE(line.find("branch.weight (1 of 2 ranks), branch.bias (1 of 2 "
+                        "ranks)"),
+              std::string::npos)
+        << "rank " << r << ": " << line << "\n"
+        << job.stderrOf(r);
+  }
+  for (int status : job.waitAll(30s)) {
+    EXPECT_TRUE(rpc::testing::exitedZero(status)) << status;
+  }
+}
+
+}  // namespace
+}  // namespace trellis::ddp
