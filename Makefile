@@ -73,9 +73,12 @@ test-fuzz: deps
 test: build tsa test-asan test-tsan test-fuzz
 	ctest --preset dev -j $(JOBS)
 
-# The parameter-server job (docs/examples.md): one server, two trainers.
-run: build
-	build/dev/examples/trellis-launch --nproc 3 -- build/dev/examples/parameter_server
+# The parameter-server job (docs/examples.md): one server, two trainers,
+# started by elastic-run. Builds only what the job needs, not the tests.
+run: deps
+	cmake --preset dev
+	cmake --build --preset dev -j $(JOBS) --target elastic-run parameter_server
+	build/dev/elastic/elastic-run --standalone --nproc-per-node 3 build/dev/examples/parameter_server
 
 clean:
 	rm -rf build

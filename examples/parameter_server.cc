@@ -10,7 +10,8 @@
 // model, so the final AUC can be compared with both chance and the best
 // achievable.
 //
-//   trellis-launch --nproc 3 -- parameter_server --steps 800 --batch 128
+//   elastic-run --standalone --nproc-per-node 3 parameter_server --steps 800
+//   --batch 128
 
 #include <algorithm>
 #include <atomic>
@@ -349,7 +350,9 @@ int runTrainer(const Flags& f, int32_t rank) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Trellis parameter-server example (run under trellis-launch)"};
+  CLI::App app{
+      "Trellis parameter-server example (run under elastic-run, srun or "
+      "mpirun)"};
   Flags f;
   app.add_option("--steps", f.steps, "training steps per trainer")
       ->check(CLI::PositiveNumber);
@@ -378,10 +381,11 @@ int main(int argc, char** argv) {
   try {
     env = trellis::WorkerEnv::fromEnvironment();
   } catch (const std::exception& e) {
-    std::fprintf(stderr,
-                 "parameter_server: %s\n(start it with trellis-launch "
-                 "--nproc 3 -- %s)\n",
-                 e.what(), argv[0]);
+    std::fprintf(
+        stderr,
+        "parameter_server: %s\n(start it with elastic-run --standalone "
+        "--nproc-per-node 3 %s)\n",
+        e.what(), argv[0]);
     return 2;
   }
   const int32_t rank = env.rank;
