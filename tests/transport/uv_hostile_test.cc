@@ -163,6 +163,9 @@ TEST_F(UvHostileTest, HalfWrittenFrameThenCloseIsAConnectionError) {
     rawSend(fd, head);
     auto pipe = acceptOne(*listener_);
     auto r = readAsync(pipe);
+    // Deliberate delay, not a wait for a state: lets the half frame be
+    // read before the end of the stream arrives (the case under test).
+    // Shutting down sooner only takes the easier path to the same error.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     ::shutdown(fd, SHUT_RDWR);
     ASSERT_TRUE(r.waitFor(std::chrono::seconds(5)));
@@ -189,6 +192,8 @@ TEST_F(UvHostileTest, HalfWrittenFrameThenCloseIsAConnectionError) {
                [rp](const Error& e) mutable {
                  e.ok() ? rp.setValue() : rp.setError(e);
                });
+    // Deliberate delay, as above: the payload read is under way when the
+    // stream ends; sooner gives the same ConnectionError.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     ::shutdown(fd, SHUT_RDWR);
     EXPECT_THROW(rp.getFuture().wait(std::chrono::seconds(5)), ConnectionError);
