@@ -118,9 +118,17 @@ struct RunResult {
   std::string summary;
 };
 
-// Throws InvalidArgumentError (naming the flags) for what this step of
-// elastic-run cannot do yet: more than one node.
+// Throws InvalidArgumentError (naming the flags) for what elastic-run
+// cannot do yet: the etcd backends, a static rendezvous of several nodes.
 void checkSupported(const ElasticOptions& options);
+
+// Whether the agent runs the c10d rendezvous (not --standalone's one node).
+bool usesC10d(const ElasticOptions& options);
+
+// Several c10d nodes must share one job token: InvalidArgumentError when
+// `env` has no TRELLIS_JOB_TOKEN for such a run (docs/elastic.md,
+// "Authentication").
+void checkJobToken(const ElasticOptions& options, const Environment& env);
 
 // A TCP port nobody listens on at `host` right now (bound with port 0 and
 // released). Another process may take it before rank 0 binds it; the

@@ -70,10 +70,10 @@ int main(int argc, char** argv) {
       std::ofstream out(dir + "/env_" + tag + ".txt.tmp");
       for (const char* name :
            {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-            "TRELLIS_JOB_TOKEN", "ROLE_NAME"}) {
+            "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCHELASTIC_ERROR_FILE", "TRELLIS_JOB_TOKEN", "ROLE_NAME"}) {
         out << name << "=" << env(name) << "\n";
       }
     }
