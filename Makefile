@@ -25,7 +25,7 @@ test-dev: build
 # code paths in the sweeps' small sizes and in the 4 MiB allreduce tests.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder elastic_test elastic_run_test elastic_multinode_test elastic-run elastic_test_worker elastic_error_file_fuzz_replay
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder elastic_test elastic_run_test elastic_multinode_test elastic-run elastic_test_worker elastic_error_file_fuzz_replay elastic_round_record_fuzz_replay
 	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd|collectives|elastic' -E 'rpc_process|DistAutogradProcess.WorkerKilled|OpSweep.*_4MiB'
 
 # ThreadSanitizer pass over the components with threads and loops.
@@ -54,7 +54,8 @@ FUZZERS := wire:512 store_request:512 store_handshake:128 \
     transport_frame:1024 transport_handshake:1024 transport_record:512 \
     shm_ring:512 \
     rpc_envelope:1024 rpc_codec:1024 rpc_protocol:1024 \
-    collective_message:256 flight_records:4096 elastic_error_file:4096
+    collective_message:256 flight_records:4096 elastic_error_file:4096 \
+    elastic_round_record:2048
 
 test-fuzz: deps
 	cmake --preset fuzz

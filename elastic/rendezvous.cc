@@ -741,7 +741,12 @@ class C10dRendezvous final : public Rendezvous {
     }
   }
 
-  GroupEvent poll() override {
+  GroupEvent poll() override { return check(true); }
+
+  // What the round record and the heartbeats say. `scaleUp`: whether
+  // waiting nodes may open a new round (not once a node of this round has
+  // finished: its workers' work is done and must not run again for them).
+  GroupEvent check(bool scaleUp) {
     std::string text;
     const RoundRecord rec = readRaw(&text);
     const RoundRecord* r = &rec;
@@ -763,8 +768,9 @@ class C10dRendezvous final : public Rendezvous {
     for (const auto& w : r->waiting) {
       waitingAlive += liveness_.dead(w, now) ? 0 : 1;
     }
-    if (waitingAlive > 0 &&
-        static_cast<int32_t>(r->participants.size()) < params_.maxNodes) {
+    if (scaleUp && waitingAlive > 0 &&
+        static_cast<int32_t>(r->participants.size()) < params_.maxNodes &&
+        store_->add(roundKey(current_.round, "done"), 0) == 0) {
       log_(plural(waitingAlive, "node") +
            " waiting to join; opening a new round (scale up)");
       return propose(
@@ -807,7 +813,7 @@ class C10dRendezvous final : public Rendezvous {
         }
         return {};
       }
-      const GroupEvent ev = poll();
+      const GroupEvent ev = check(false);
       if (ev != GroupEvent::kNone) {
         return {ev, ev == GroupEvent::kJobFailed
                         ? note_

@@ -288,6 +288,33 @@ TEST(ElasticMultiNode, AKilledAgentIsDroppedAndTheOthersGoOn) {
       << job.allErr();
 }
 
+// shared/USERS.md 6: a round survives an agent that restarts. The new
+// agent (a new node id) waits until its old self is found dead, and the
+// next round takes all three again.
+TEST(ElasticMultiNode, AnAgentThatRestartsRejoinsTheJob) {
+  Job job;
+  const std::string ep = loopback();
+  auto flags = c10d(ep, "2:3", 1);
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, flags, worker);
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const int host = job.host(3);
+  ASSERT_GE(host, 0) << job.allErr();
+  const int victim = (host + 2) % 3;
+  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
+  job.wait(victim, 5s);
+  job.start(victim, flags, worker);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 1, 1);
+}
+
 TEST(ElasticMultiNode, ALatecomerIsTakenByTheNextRound) {
   Job job;
   const std::string ep = loopback();
