@@ -9,10 +9,15 @@
 //                            |                   or a signal to the agent)
 //                            \-> RESTARTING -> RENDEZVOUS -> RUNNING ...
 //
-// This step has one node only: RENDEZVOUS picks the workers' MASTER_PORT
-// (a free port for --standalone, --master-port for a static node) and keeps
-// the run id; TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts the
-// store). Multi-node configurations are refused by `checkSupported`.
+// RENDEZVOUS is a Rendezvous (rendezvous.h): on one node it picks the
+// workers' MASTER_PORT (a free port for --standalone, --master-port for a
+// static node) and counts restarts itself; with --rdzv-backend c10d it is a
+// round over the store, and the round record decides restarts for every
+// node. While RUNNING the agent polls it every --monitor-interval: a new
+// round (another node failed, died, or a node waits to join) stops the
+// workers and goes back to RENDEZVOUS; workers that all exit 0 wait at the
+// exit barrier. TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts the
+// workers' store).
 //
 // Workers: fork + execvp of ElasticOptions::workerArgv with the environment
 // of workerEnvironment(); each is the leader of its own process group, gets
@@ -144,7 +149,10 @@ class Agent {
 
   // Runs the job to its end (see the file comment). Never throws for what
   // workers or signals do; throws InvalidArgumentError for options that
-  // checkSupported refuses.
+  // checkSupported refuses or that the other nodes' round record
+  // contradicts (another --nproc-per-node or --rdzv-id), and what the c10d
+  // rendezvous throws while no worker runs (an unreachable endpoint, a join
+  // timeout, a garbled record).
   RunResult run();
 
   AgentState state() const { return state_; }
