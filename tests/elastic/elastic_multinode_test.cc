@@ -27,7 +27,9 @@
 #include <gtest/gtest.h>
 
 #include "../transport/peer_process.h"
+#include <trellis/core/auth.h>
 #include <trellis/elastic/agent.h>
+#include <trellis/store/tcp_store.h>
 
 using namespace std::chrono_literals;
 using trellis::transport::testing::Child;
@@ -75,8 +77,9 @@ class Job {
            ("trellis_elastic_mn_" + std::to_string(::getpid()) + "_" +
             std::to_string(counter++));
     std::filesystem::create_directories(dir_);
-    token_ = "TRELLIS_JOB_TOKEN=multinode-test-token-" +
-             std::to_string(::getpid()) + "-0123456789abcdef";
+    secret_ = "multinode-test-token-" + std::to_string(::getpid()) +
+              "-0123456789abcdef";
+    token_ = "TRELLIS_JOB_TOKEN=" + secret_;
   }
   ~Job() {
     agents_.clear();  // SIGKILLs and reaps the agents still there
@@ -121,6 +124,7 @@ class Job {
     return all;
   }
   std::filesystem::path dir() const { return dir_; }
+  const std::string& secret() const { return secret_; }
   std::map<std::string, std::string> env(int rank, int restart) const {
     return readEnvFile(dir_ / ("env_" + std::to_string(rank) + "_" +
                                std::to_string(restart) + ".txt"));
@@ -158,6 +162,7 @@ class Job {
     return dir_ / ("agent" + std::to_string(i) + ".err");
   }
   std::filesystem::path dir_;
+  std::string secret_;
   std::string token_;
   std::vector<std::unique_ptr<Child>> agents_;
 };
@@ -358,6 +363,26 @@ TEST(ElasticMultiNode, ANodeWithAnotherNprocIsRefusedByName) {
   EXPECT_NE(job.err(1).find("--nproc-per-node 3 does not match the job's 2"),
             std::string::npos)
       << job.err(1);
+}
+
+TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
+  Job job;
+  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  job.start(0, c10d(ep, "2", 1, "join_timeout=20"), {});
+  ASSERT_EQ(job.host(1), 0) << job.allErr();
+  // Another client of the store (it knows the token) writes junk.
+  trellis::store::TCPStoreOptions o;
+  o.port = port;
+  o.timeout = 5s;
+  o.jobToken = trellis::auth::JobToken::fromString(job.secret());
+  trellis::store::TCPStore store(o);
+  store.set("trellis/rdzv/round", std::string_view("round 7\nphase ???\n"));
+  EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
+  EXPECT_NE(job.err(0).find("rendezvous record 'trellis/rdzv/round' is not "
+                            "valid: expected 'trellis-rdzv-round 1' on line 1"),
+            std::string::npos)
+      << job.err(0);
 }
 
 // Hosts in network namespaces: one per node, each with a veth into a
