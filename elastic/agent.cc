@@ -291,6 +291,7 @@ void Agent::log(const std::string& line) const {
 
 RunResult Agent::run() {
   checkSupported(options_);
+  checkJobToken(options_, config_.env);
   if (options_.workerArgv.empty()) {
     throw InvalidArgumentError(Error::invalidArgument("no worker command"));
   }
