@@ -549,8 +549,7 @@ class C10dRendezvous final : public Rendezvous {
  public:
   C10dRendezvous(const ElasticOptions& options, std::string runLogDir,
                  auth::JobToken token, LogFn log)
-      : options_(options),
-        runLogDir_(std::move(runLogDir)),
+      : runLogDir_(std::move(runLogDir)),
         token_(std::move(token)),
         log_(std::move(log)),
         liveness_(options.rdzvConf.keepAliveInterval.value_or(
@@ -899,7 +898,6 @@ class C10dRendezvous final : public Rendezvous {
     }
   }
 
-  const ElasticOptions& options_;
   std::string runLogDir_;
   auth::JobToken token_;
   LogFn log_;
