@@ -16,6 +16,7 @@
 #include <trellis/core/error.h>
 #include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
+#include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/worker_env.h>
 
 namespace trellis::elastic {
@@ -23,6 +24,7 @@ namespace trellis::elastic {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
 
 // The self-pipe the signal handler writes to; one Agent runs at a time.
 int gSignalPipe[2] = {-1, -1};
@@ -203,14 +205,41 @@ std::string WorkerExit::describe() const {
   return "exited with code " + std::to_string(exitCode);
 }
 
+bool usesC10d(const ElasticOptions& options) {
+  return options.rdzvBackend == RdzvBackend::kC10d && !options.standalone;
+}
+
 void checkSupported(const ElasticOptions& options) {
-  if (options.maxNodes > 1 || options.minNodes > 1) {
+  if (options.rdzvBackend == RdzvBackend::kEtcd ||
+      options.rdzvBackend == RdzvBackend::kEtcdV2) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        "--rdzv-backend " + std::string(backendName(options.rdzvBackend)) +
+        ": the etcd rendezvous is not implemented yet; use c10d"));
+  }
+  if (options.rdzvBackend == RdzvBackend::kStatic &&
+      (options.maxNodes > 1 || options.minNodes > 1)) {
     throw InvalidArgumentError(Error::invalidArgument(
         "--nnodes " + std::to_string(options.minNodes) + ":" +
-        std::to_string(options.maxNodes) + " with --rdzv-backend " +
-        std::string(backendName(options.rdzvBackend)) +
-        ": this elastic-run runs a single node only (--standalone or "
-        "--nnodes 1); multi-node rendezvous is not implemented yet"));
+        std::to_string(options.maxNodes) +
+        " with --rdzv-backend static: a static rendezvous of several nodes "
+        "is not implemented yet; use --rdzv-backend c10d"));
+  }
+}
+
+void checkJobToken(const ElasticOptions& options, const Environment& env) {
+  if (!usesC10d(options) || options.maxNodes <= 1) {
+    return;
+  }
+  const auto it = env.find(auth::kTokenEnvVar);
+  if (it == env.end() || it->second.empty()) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        std::string("--rdzv-backend c10d with --nnodes ") +
+        std::to_string(options.minNodes) + ":" +
+        std::to_string(options.maxNodes) + " needs " + auth::kTokenEnvVar +
+        ": every node's agent must be given the same secret (e.g. export " +
+        auth::kTokenEnvVar +
+        "=$(openssl rand -hex 32) once, and pass it to every node); the "
+        "rendezvous store and the workers authenticate with it"));
   }
 }
 
@@ -262,6 +291,7 @@ void Agent::log(const std::string& line) const {
 
 RunResult Agent::run() {
   checkSupported(options_);
+  checkJobToken(options_, config_.env);
   if (options_.workerArgv.empty()) {
     throw InvalidArgumentError(Error::invalidArgument("no worker command"));
   }
@@ -275,19 +305,50 @@ RunResult Agent::run() {
   }
   const int32_t nproc = options_.nprocPerNode;
   int32_t restartCount = 0;
+  int agentSignal = 0;
+  // Drains the signal pipe between rendezvous moves; true once the agent
+  // got a signal other than SIGCHLD.
+  auto interrupted = [&] {
+    unsigned char sigs[64];
+    for (ssize_t n; (n = ::read(gSignalPipe[0], sigs, sizeof(sigs))) > 0;) {
+      for (ssize_t i = 0; i < n; ++i) {
+        if (sigs[i] != SIGCHLD && agentSignal == 0) {
+          agentSignal = sigs[i];
+        }
+      }
+    }
+    return agentSignal != 0;
+  };
+  auto fail = [&](int exitCode, std::string summary) {
+    setState(AgentState::kFailed);
+    result.state = state_;
+    result.exitCode = exitCode;
+    result.summary = std::move(summary);
+    return result;
+  };
+  auto signalled = [&](const char* when) {
+    result.agentSignal = agentSignal;
+    return fail(kExitSignalBase + agentSignal,
+                "stopped by " + signalName(agentSignal) + " " + when);
+  };
+  std::unique_ptr<Rendezvous> rdzv =
+      usesC10d(options_)
+          ? makeC10dRendezvous(options_, result.runLogDir, token,
+                               [this](const std::string& l) { log(l); })
+          : makeLocalRendezvous(options_, result.runLogDir, token);
 
   for (;;) {
-    // RENDEZVOUS: one node, nothing to agree on but the master port.
+    // RENDEZVOUS: a closed round this node is in (one node: the port).
     setState(AgentState::kRendezvous);
     RendezvousOutcome outcome;
-    outcome.worldSize = nproc;
-    outcome.masterAddr = options_.masterAddr;
-    outcome.masterPort = options_.standalone ? pickFreePort(options_.masterAddr)
-                                             : options_.masterPort;
-    outcome.restartCount = restartCount;
-    outcome.runId = options_.rdzvId;
-    outcome.runLogDir = result.runLogDir;
-    outcome.jobToken = token;
+    try {
+      outcome = rdzv->next(interrupted);
+    } catch (const Interrupted&) {
+      return signalled("during the rendezvous");
+    } catch (const JobFailed& f) {
+      return fail(kExitWorkerFailed, "the job failed: " + f.note);
+    }
+    restartCount = outcome.restartCount;
     result.masterPort = outcome.masterPort;
 
     // RUNNING: start the group.
@@ -306,6 +367,10 @@ RunResult Agent::run() {
       w.exit.localRank = lr;
       w.exit.rank = outcome.rankOffset + lr;
       w.exit.errorFile = env.at(kErrorFileEnvVar);
+      // A round that does not count as a restart reuses the attempt's
+      // folder: an old error file must not pass for a new failure.
+      std::error_code ignored;
+      std::filesystem::remove(w.exit.errorFile, ignored);
 
       ChildPlan plan;
       plan.argvStore = options_.workerArgv;
@@ -416,8 +481,13 @@ RunResult Agent::run() {
     // Monitor until every worker is reaped.
     std::optional<Clock::time_point> killAt;
     std::optional<Clock::time_point> giveUpAt;
-    int agentSignal = 0;
     bool stopping = false;
+    bool groupRestart = false;  // another node opened a new round
+    bool jobFailed = false;     // the round record says the job failed
+    std::optional<std::string> rdzvLost;
+    const auto pollEvery =
+        std::max<Clock::duration>(options_.monitorInterval, 10ms);
+    auto nextPollAt = Clock::now() + pollEvery;
     AttemptResult attempt;
     attempt.restartCount = restartCount;
     auto stopAll = [&](int sig) {
@@ -485,9 +555,12 @@ RunResult Agent::run() {
       const auto waitMs =
           std::chrono::duration_cast<std::chrono::milliseconds>(next - now)
               .count();
+      const auto pollMs =
+          std::chrono::duration_cast<std::chrono::milliseconds>(pollEvery)
+              .count();
       ::poll(fds.data(), fds.size(),
-             static_cast<int>(
-                 std::max<int64_t>(1, std::min<int64_t>(waitMs, 1000))));
+             static_cast<int>(std::max<int64_t>(
+                 1, std::min<int64_t>({waitMs, 1000, pollMs}))));
       if ((fds[0].revents & POLLIN) != 0) {
         unsigned char sigs[64];
         const ssize_t n = ::read(gSignalPipe[0], sigs, sizeof(sigs));
@@ -548,6 +621,28 @@ RunResult Agent::run() {
           beginStop(SIGTERM);
         }
       }
+      // The other nodes: a new round, a dead peer, the job given up.
+      if (!stopping && Clock::now() >= nextPollAt) {
+        nextPollAt = Clock::now() + pollEvery;
+        GroupEvent event = GroupEvent::kNone;
+        try {
+          event = rdzv->poll();
+        } catch (const std::exception& e) {
+          rdzvLost = e.what();
+          log(std::string("lost the rendezvous: ") + e.what() +
+              "; stopping the workers");
+          beginStop(SIGTERM);
+        }
+        if (event == GroupEvent::kRestart) {
+          log("a new rendezvous round opened; stopping the workers");
+          groupRestart = true;
+          beginStop(SIGTERM);
+        } else if (event == GroupEvent::kJobFailed) {
+          log("the job failed on another node; stopping the workers");
+          jobFailed = true;
+          beginStop(SIGTERM);
+        }
+      }
     }
     for (auto& w : workers) {
       for (Tee& t : w.tees) {
@@ -575,29 +670,68 @@ RunResult Agent::run() {
       return result;
     }
     if (agentSignal != 0) {
-      setState(AgentState::kFailed);
-      result.state = state_;
-      result.agentSignal = agentSignal;
-      result.exitCode = kExitSignalBase + agentSignal;
-      result.summary = "stopped by " + signalName(agentSignal) +
-                       "; the workers were stopped";
-      return result;
+      return signalled("; the workers were stopped");
+    }
+    if (rdzvLost) {
+      return fail(kExitWorkerFailed, "lost the rendezvous (" + *rdzvLost +
+                                         "); the workers were stopped");
+    }
+    if (jobFailed) {
+      return fail(kExitWorkerFailed, "the job failed: " + rdzv->failureNote());
+    }
+    if (groupRestart) {
+      setState(AgentState::kRestarting);
+      continue;
     }
     bool allOk = true;
     for (const auto& w : attempt.workers) {
       allOk = allOk && w.succeeded();
     }
     if (allOk) {
+      // The exit barrier: every node of the round finishes, or none does.
+      BarrierResult barrier;
+      try {
+        barrier = rdzv->finish(interrupted);
+      } catch (const Interrupted&) {
+        return signalled("at the exit barrier");
+      } catch (const std::exception& e) {
+        return fail(
+            kExitWorkerFailed,
+            std::string("exit barrier: lost the rendezvous: ") + e.what());
+      }
+      if (barrier.event == GroupEvent::kRestart) {
+        log("restarting the worker group: " + barrier.message);
+        setState(AgentState::kRestarting);
+        continue;
+      }
+      if (barrier.event == GroupEvent::kJobFailed) {
+        return fail(kExitWorkerFailed, barrier.message);
+      }
       setState(AgentState::kSucceeded);
       result.state = state_;
       result.exitCode = 0;
       return result;
     }
-    if (restartCount < options_.maxRestarts) {
+    GroupEvent next = GroupEvent::kJobFailed;
+    const std::string why =
+        attempt.firstFailure
+            ? "local rank " +
+                  std::to_string(
+                      attempt.workers[*attempt.firstFailure].localRank) +
+                  " (rank " +
+                  std::to_string(attempt.workers[*attempt.firstFailure].rank) +
+                  ") " + attempt.workers[*attempt.firstFailure].describe()
+            : "a worker failed";
+    try {
+      next = rdzv->reportFailure(why);
+    } catch (const std::exception& e) {
+      return fail(kExitWorkerFailed,
+                  std::string("lost the rendezvous: ") + e.what());
+    }
+    if (next == GroupEvent::kRestart) {
       setState(AgentState::kRestarting);
-      ++restartCount;
       log("restarting the worker group (restart " +
-          std::to_string(restartCount) + " of " +
+          std::to_string(restartCount + 1) + ", --max-restarts " +
           std::to_string(options_.maxRestarts) + ")");
       continue;
     }

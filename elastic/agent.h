@@ -9,10 +9,15 @@
 //                            |                   or a signal to the agent)
 //                            \-> RESTARTING -> RENDEZVOUS -> RUNNING ...
 //
-// This step has one node only: RENDEZVOUS picks the workers' MASTER_PORT
-// (a free port for --standalone, --master-port for a static node) and keeps
-// the run id; TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts the
-// store). Multi-node configurations are refused by `checkSupported`.
+// RENDEZVOUS is a Rendezvous (rendezvous.h): on one node it picks the
+// workers' MASTER_PORT (a free port for --standalone, --master-port for a
+// static node) and counts restarts itself; with --rdzv-backend c10d it is a
+// round over the store, and the round record decides restarts for every
+// node. While RUNNING the agent polls it every --monitor-interval: a new
+// round (another node failed, died, or a node waits to join) stops the
+// workers and goes back to RENDEZVOUS; workers that all exit 0 wait at the
+// exit barrier. TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts the
+// workers' store).
 //
 // Workers: fork + execvp of ElasticOptions::workerArgv with the environment
 // of workerEnvironment(); each is the leader of its own process group, gets
@@ -118,9 +123,17 @@ struct RunResult {
   std::string summary;
 };
 
-// Throws InvalidArgumentError (naming the flags) for what this step of
-// elastic-run cannot do yet: more than one node.
+// Throws InvalidArgumentError (naming the flags) for what elastic-run
+// cannot do yet: the etcd backends, a static rendezvous of several nodes.
 void checkSupported(const ElasticOptions& options);
+
+// Whether the agent runs the c10d rendezvous (not --standalone's one node).
+bool usesC10d(const ElasticOptions& options);
+
+// Several c10d nodes must share one job token: InvalidArgumentError when
+// `env` has no TRELLIS_JOB_TOKEN for such a run (docs/elastic.md,
+// "Authentication").
+void checkJobToken(const ElasticOptions& options, const Environment& env);
 
 // A TCP port nobody listens on at `host` right now (bound with port 0 and
 // released). Another process may take it before rank 0 binds it; the
@@ -136,7 +149,10 @@ class Agent {
 
   // Runs the job to its end (see the file comment). Never throws for what
   // workers or signals do; throws InvalidArgumentError for options that
-  // checkSupported refuses.
+  // checkSupported refuses or that the other nodes' round record
+  // contradicts (another --nproc-per-node or --rdzv-id), and what the c10d
+  // rendezvous throws while no worker runs (an unreachable endpoint, a join
+  // timeout, a garbled record).
   RunResult run();
 
   AgentState state() const { return state_; }

@@ -1,11 +1,12 @@
-// elastic-run: torchrun's command line, one node (docs/elastic.md).
+// elastic-run: torchrun's command line (docs/elastic.md).
 //
 //   elastic-run --standalone --nproc-per-node 2 ./train --epochs 3
 //
 // Exit status: 0 when every worker of the last attempt exited 0; 1 when
 // the workers failed and the restart budget is spent; 2 for a bad command
-// line; 127 when CMD cannot be executed; 128 + N when signal N stopped the
-// agent (143 for SIGTERM).
+// line or a rendezvous configuration that does not match the other nodes';
+// 127 when CMD cannot be executed; 128 + N when signal N stopped the agent
+// (143 for SIGTERM).
 
 #include <cstdio>
 #include <cstdlib>
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     el::checkSupported(options);
+    el::checkJobToken(options, context.env);
     config.env = context.env;
     config.stopGrace = stopGrace(context.env);
   } catch (const trellis::InvalidArgumentError& e) {

@@ -267,6 +267,13 @@ RdzvConf parseRdzvConf(const Raw& raw) {
       seconds(conf.readTimeout);
     } else if (key == "timeout") {
       seconds(conf.timeout);
+    } else if (key == "keep_alive_interval") {
+      seconds(conf.keepAliveInterval);
+    } else if (key == "keep_alive_max_attempt") {
+      conf.keepAliveMaxAttempt =
+          static_cast<int32_t>(intIn(raw, value, 1, 1000, key));
+    } else if (key == "exit_barrier_timeout") {
+      seconds(conf.exitBarrierTimeout);
     } else if (key == "is_host") {
       conf.isHost = parseBool(value);
       if (!conf.isHost) {
@@ -276,7 +283,9 @@ RdzvConf parseRdzvConf(const Raw& raw) {
     } else {
       fail(raw, "unknown key '" + key +
                     "' (known: join_timeout, last_call_timeout, "
-                    "close_timeout, read_timeout, is_host, timeout)");
+                    "close_timeout, read_timeout, keep_alive_interval, "
+                    "keep_alive_max_attempt, exit_barrier_timeout, is_host, "
+                    "timeout)");
     }
   }
   return conf;

@@ -67,6 +67,13 @@ struct RdzvConf {
   std::optional<std::chrono::seconds> closeTimeout;
   std::optional<std::chrono::seconds> readTimeout;
   std::optional<std::chrono::seconds> timeout;
+  // c10d keep-alive: a heartbeat every interval; a node whose heartbeat has
+  // not moved for interval * max_attempt is dead (torch's names).
+  std::optional<std::chrono::seconds> keepAliveInterval;
+  std::optional<int32_t> keepAliveMaxAttempt;
+  // Trellis's own: how long a node that finished waits for the others
+  // (torchrun's exit_barrier_timeout, an agent argument there).
+  std::optional<std::chrono::seconds> exitBarrierTimeout;
   std::optional<bool> isHost;
   friend bool operator==(const RdzvConf&, const RdzvConf&) = default;
 };
@@ -77,6 +84,9 @@ inline constexpr std::chrono::seconds kDefaultLastCallTimeout{30};
 inline constexpr std::chrono::seconds kDefaultCloseTimeout{30};
 inline constexpr std::chrono::seconds kDefaultReadTimeout{60};
 inline constexpr std::chrono::seconds kDefaultStaticTimeout{600};
+inline constexpr std::chrono::seconds kDefaultKeepAliveInterval{5};
+inline constexpr int32_t kDefaultKeepAliveMaxAttempt = 3;
+inline constexpr std::chrono::seconds kDefaultExitBarrierTimeout{300};
 inline constexpr uint16_t kDefaultC10dPort = 29400;
 inline constexpr uint16_t kDefaultEtcdPort = 2379;
 

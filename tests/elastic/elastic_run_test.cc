@@ -339,17 +339,28 @@ TEST(ElasticRun, CommandLineErrorsExit2) {
         << run.agentErr();
   }
   {
+    // Several c10d nodes need the job token they share.
     AgentRun run;
-    run.start({"--nnodes", "1:3", "--rdzv-backend", "c10d"}, {});
+    run.start({"--nnodes", "1:3", "--rdzv-backend", "c10d"}, {},
+              {"TRELLIS_JOB_TOKEN="});
     EXPECT_EQ(exitCode(run.wait(10s)), 2);
-    EXPECT_NE(run.agentErr().find("single node only"), std::string::npos)
+    EXPECT_NE(run.agentErr().find("needs TRELLIS_JOB_TOKEN"), std::string::npos)
         << run.agentErr();
   }
   {
     AgentRun run;
     run.start({"--nnodes", "2", "--node-rank", "0"}, {});
     EXPECT_EQ(exitCode(run.wait(10s)), 2);
-    EXPECT_NE(run.agentErr().find("multi-node rendezvous is not implemented"),
+    EXPECT_NE(run.agentErr().find("a static rendezvous of several nodes is "
+                                  "not implemented yet"),
+              std::string::npos)
+        << run.agentErr();
+  }
+  {
+    AgentRun run;
+    run.start({"--nnodes", "2", "--rdzv-backend", "etcd"}, {});
+    EXPECT_EQ(exitCode(run.wait(10s)), 2);
+    EXPECT_NE(run.agentErr().find("etcd rendezvous is not implemented yet"),
               std::string::npos)
         << run.agentErr();
   }

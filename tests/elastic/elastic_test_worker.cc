@@ -7,6 +7,7 @@
 //   --fail-restart N   ... only when TORCHELASTIC_RESTART_COUNT is N
 //                      (default: every attempt)
 //   --sleep-ms M       sleep M ms before exiting (0 by default)
+//   --sleep-first-ms M sleep M ms more when TORCHELASTIC_RESTART_COUNT is 0
 //   --ignore-signals   ignore SIGTERM, SIGINT, SIGHUP (needs SIGKILL)
 //   --print TEXT       print TEXT on stdout and stderr first
 
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   int failRank = -1;
   int failRestart = -1;
   long sleepMs = 0;
+  long sleepFirstMs = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const char* next = i + 1 < argc ? argv[i + 1] : "";
@@ -50,6 +52,9 @@ int main(int argc, char** argv) {
       ++i;
     } else if (a == "--sleep-ms") {
       sleepMs = std::atol(next);
+      ++i;
+    } else if (a == "--sleep-first-ms") {
+      sleepFirstMs = std::atol(next);
       ++i;
     } else if (a == "--ignore-signals") {
       for (int s : {SIGTERM, SIGINT, SIGHUP}) {
@@ -70,10 +75,10 @@ int main(int argc, char** argv) {
       std::ofstream out(dir + "/env_" + tag + ".txt.tmp");
       for (const char* name :
            {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-            "TRELLIS_JOB_TOKEN", "ROLE_NAME"}) {
+            "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCHELASTIC_ERROR_FILE", "TRELLIS_JOB_TOKEN", "ROLE_NAME"}) {
         out << name << "=" << env(name) << "\n";
       }
     }
@@ -91,6 +96,9 @@ int main(int argc, char** argv) {
       (void)trellis::elastic::recordCurrentException();  // exits 3 anyway
     }
     return 3;
+  }
+  if (restart == "0") {
+    sleepMs += sleepFirstMs;
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(sleepMs));
   return 0;

@@ -411,6 +411,14 @@ TEST(ElasticOptions, RdzvConf) {
   EXPECT_EQ(o.rdzvConf.timeout, std::chrono::seconds(30));
   EXPECT_EQ(o.rdzvConf.isHost, true);
   EXPECT_EQ(parse({"--rdzv-conf", "", "./t"}).rdzvConf, RdzvConf{});
+  const ElasticOptions k =
+      parse({"--rdzv-conf",
+             "keep_alive_interval=2,keep_alive_max_attempt=4,"
+             "exit_barrier_timeout=60",
+             "./t"});
+  EXPECT_EQ(k.rdzvConf.keepAliveInterval, std::chrono::seconds(2));
+  EXPECT_EQ(k.rdzvConf.keepAliveMaxAttempt, 4);
+  EXPECT_EQ(k.rdzvConf.exitBarrierTimeout, std::chrono::seconds(60));
 
   const std::string unknown = errorOf({"--rdzv-conf", "keep_alive=3", "./t"});
   EXPECT_THAT(unknown, HasSubstr("--rdzv-conf 'keep_alive=3'"));
@@ -418,7 +426,8 @@ TEST(ElasticOptions, RdzvConf) {
   for (const char* bad :
        {"join_timeout=0", "join_timeout=-5", "join_timeout=1.5",
         "read_timeout=abc", "is_host=maybe", "timeout", "=3",
-        "timeout=", "timeout=1,timeout=2"}) {
+        "timeout=", "timeout=1,timeout=2", "keep_alive_max_attempt=0",
+        "keep_alive_interval=0", "exit_barrier_timeout=x"}) {
     SCOPED_TRACE(bad);
     EXPECT_THAT(errorOf({"--rdzv-conf", bad, "./t"}),
                 HasSubstr("--rdzv-conf '" + std::string(bad) + "'"));

@@ -1,0 +1,270 @@
+#pragma once
+
+// Rendezvous: how the agents of a job agree, round after round, on who is
+// in the worker group and with which ranks (docs/elastic.md, "Rendezvous").
+//
+// The agent talks to a `Rendezvous` (below); `static` (one node) and `c10d`
+// (a Trellis TCPStore hosted by one of the agents) implement it, `etcd` will
+// be another.
+//
+// c10d rounds live in one store key, the ROUND RECORD (kRoundKey), that
+// every node changes only with compareSet, so two nodes never both win a
+// move. One node's view of a round is an explicit state machine, RoundJoin:
+//
+//          +-----------------------------------------------+
+//          v                                               | the round
+//   START --read--> JOINED (in an open round) --closed--> READY
+//          |             |  MAX joined: closed at once       |
+//          |             |  MIN joined: closed after the     | (new round:
+//          |             |  last call, by whoever sees it    |  a failure,
+//          |             |  expire first                     |  a death, or
+//          |             v                                   |  a scale-up)
+//          +--> WAITING (the round was closed: on its        |
+//                        waiting list until a new round)     |
+//                                                            v
+//                                                    JOB_FAILED (budget)
+//
+// Timers are each node's own steady clock (no wall-clock time is stored),
+// so skewed clocks across hosts cannot close a round early or late.
+//
+// Liveness: every node adds 1 to its heartbeat key every keep-alive
+// interval (a thread with a store connection of its own). Observers
+// remember when each counter last moved by their own clock; a node whose
+// counter has not moved for interval * max_attempt is dead. A dead node in
+// an open round is struck from it; a dead node in a closed round ends that
+// round: a new one opens, counted as a restart.
+//
+// Thread safety: RoundRecord and its codec are values; RoundJoin,
+// Liveness and the Rendezvous objects belong to the agent's thread.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <trellis/core/error.h>
+#include <trellis/elastic/options.h>
+#include <trellis/elastic/worker_env.h>
+
+namespace trellis::store {
+class Store;
+}
+
+namespace trellis::elastic {
+
+using RdzvClock = std::chrono::steady_clock;
+
+// ---- The round record ------------------------------------------------------
+
+// The store keys, all under kKeyPrefix.
+inline constexpr const char* kKeyPrefix = "trellis/rdzv/";
+inline constexpr const char* kRoundKey = "trellis/rdzv/round";
+// Limits the decoder enforces (a record is read from the network).
+inline constexpr size_t kMaxRecordNodes = 4096;
+inline constexpr size_t kMaxRecordField = 512;
+
+enum class RoundPhase : uint8_t {
+  kJoining,  // open: nodes join until MAX, or MIN and the last call
+  kClosed,   // the group is fixed; latecomers go to the waiting list
+  kFailed,   // the restart budget is spent: every node gives up
+};
+const char* roundPhaseName(RoundPhase phase);
+
+struct RoundNode {
+  std::string id;    // unique per agent process (host:pid:random)
+  std::string addr;  // where this node's workers can be reached
+  friend bool operator==(const RoundNode&, const RoundNode&) = default;
+};
+
+struct RoundRecord {
+  std::string runId;  // --rdzv-id of the node that created the record
+  int32_t nproc = 0;  // --nproc-per-node every node must have
+  int64_t round = 0;
+  RoundPhase phase = RoundPhase::kJoining;
+  // Failure restarts so far: TORCHELASTIC_RESTART_COUNT of this round.
+  int32_t restarts = 0;
+  std::vector<RoundNode> participants;  // join order = group rank
+  std::vector<std::string> waiting;     // node ids that came after close
+  std::string note;  // why the round opened or the job failed (one line)
+  friend bool operator==(const RoundRecord&, const RoundRecord&) = default;
+};
+
+// Text, one field per line:
+//   trellis-rdzv-round 1
+//   run <id>
+//   nproc <n>
+//   round <n>
+//   phase joining|closed|failed
+//   restarts <n>
+//   node <id> <addr>        (one per participant, in order)
+//   waiting <id>            (one per waiting node)
+//   note <text to the end of the line>
+// Ids, addresses and the run id are 1..kMaxRecordField printable ASCII
+// characters without spaces; encode() throws InvalidArgumentError for one
+// that is not (the agent checks its own first); control characters in the
+// note become '?'.
+std::string encodeRoundRecord(const RoundRecord& record);
+// An error naming kRoundKey and what was wrong; never throws.
+Error decodeRoundRecord(std::string_view text, RoundRecord* out);
+// Whether `s` can be an id, an address or a run id in a record.
+bool isRecordToken(std::string_view s);
+
+// ---- Liveness ---------------------------------------------------------------
+
+std::string heartbeatKey(const std::string& nodeId);
+
+// What one node has seen of the others' heartbeats.
+class Liveness {
+ public:
+  explicit Liveness(RdzvClock::duration bound) : bound_(bound) {}
+  // Reads the heartbeat counters of `ids` (absent ones count as not
+  // moving) and remembers when each last moved.
+  void observe(store::Store& store, const std::vector<std::string>& ids,
+               RdzvClock::time_point now);
+  // Records a counter value directly (observe() calls it; tests too).
+  void note(const std::string& id, int64_t counter, RdzvClock::time_point now);
+  // Not moved for longer than the bound since first seen or last moved.
+  bool dead(const std::string& id, RdzvClock::time_point now) const;
+  RdzvClock::duration bound() const { return bound_; }
+
+ private:
+  struct Seen {
+    int64_t counter = -1;
+    RdzvClock::time_point since{};
+  };
+  RdzvClock::duration bound_;
+  std::map<std::string, Seen> seen_;
+};
+
+// ---- One node's way into a closed round -------------------------------------
+
+struct RoundParams {
+  std::string runId;
+  int32_t nproc = 1;
+  int32_t minNodes = 1;
+  int32_t maxNodes = 1;
+  RdzvClock::duration lastCall = kDefaultLastCallTimeout;
+  int32_t maxRestarts = 0;
+};
+
+// Opens round `from.round + 1` after `from`: counted (a failure or a death:
+// restarts + 1, or kFailed when that passes the budget) or not (scale-up).
+RoundRecord nextRound(const RoundRecord& from, const RoundParams& params,
+                      bool counted, std::string note);
+
+class RoundJoin {
+ public:
+  enum class State : uint8_t { kStart, kJoined, kWaiting, kReady, kJobFailed };
+
+  // `isDead` answers for a participant id (Liveness::dead at `now`).
+  RoundJoin(store::Store& store, RoundParams params, RoundNode self,
+            std::function<bool(const std::string&)> isDead);
+
+  // One move: reads the record and, where there is something to do,
+  // compareSets it. Throws InvalidArgumentError for a record of another run
+  // or another --nproc-per-node, ProtocolError for a record that does not
+  // decode (both name the key); what the store throws otherwise.
+  State step(RdzvClock::time_point now);
+
+  State state() const { return state_; }
+  // The record as last read (the closed round when kReady).
+  const RoundRecord& record() const { return record_; }
+  // kReady: this node's place in record().participants.
+  int32_t groupRank() const;
+  // "2 of 2..3 nodes in round 4 (joining)" for logs and timeouts.
+  std::string describe() const;
+
+ private:
+  // Reads the record; false when absent.
+  bool read();
+  // compareSet from the last read text to `next`; true when it won.
+  bool swap(const RoundRecord& next);
+
+  store::Store& store_;
+  RoundParams params_;
+  RoundNode self_;
+  std::function<bool(const std::string&)> isDead_;
+  State state_ = State::kStart;
+  RoundRecord record_;
+  std::string recordText_;
+  int64_t joinedRound_ = -1;
+  std::optional<RdzvClock::time_point> lastCallSince_;
+};
+const char* roundJoinStateName(RoundJoin::State state);
+
+// Reads and decodes the record: nullopt when absent; throws as
+// RoundJoin::step for garbage.
+std::optional<RoundRecord> readRoundRecord(store::Store& store);
+
+// ---- The interface the agent uses -------------------------------------------
+
+// What the agent should do with its running (or finished) workers.
+enum class GroupEvent : uint8_t {
+  kNone,       // carry on
+  kRestart,    // a new round opened: stop the workers and rendezvous again
+  kJobFailed,  // the restart budget is spent (kFailed): stop and give up
+};
+
+// How a node's exit barrier ended.
+struct BarrierResult {
+  GroupEvent event = GroupEvent::kNone;  // kNone: every node finished
+  std::string message;                   // why not, when not
+};
+
+class Rendezvous {
+ public:
+  virtual ~Rendezvous();
+  // Blocks until this node is in a closed round (bounded by the join
+  // timeout) and returns its workers' outcome (ranks, master, restart
+  // count). `interrupted` is asked between moves; true makes it throw
+  // Interrupted. Throws TimeoutError naming the round's state at the
+  // deadline; kJobFailed surfaces as JobFailed.
+  virtual RendezvousOutcome next(const std::function<bool()>& interrupted) = 0;
+  // Called every monitor interval while the workers run.
+  virtual GroupEvent poll() = 0;
+  // This node's workers failed: a new round, counted. kRestart, or
+  // kJobFailed when the budget is spent.
+  virtual GroupEvent reportFailure(const std::string& why) = 0;
+  // This node's workers all exited 0: waits for every node of the round
+  // (the exit barrier), or a reason not to.
+  virtual BarrierResult finish(const std::function<bool()>& interrupted) = 0;
+  // Why the job failed, when a move said kJobFailed.
+  virtual std::string failureNote() const = 0;
+};
+
+// Thrown by Rendezvous::next when the agent was signalled meanwhile.
+struct Interrupted {};
+// Thrown by Rendezvous::next when the round record says the job failed.
+struct JobFailed {
+  std::string note;
+};
+
+// One node, nothing to agree on (--standalone, static with one node): the
+// master port, and restarts counted here.
+std::unique_ptr<Rendezvous> makeLocalRendezvous(const ElasticOptions& options,
+                                                std::string runLogDir,
+                                                auth::JobToken token);
+
+// Where a c10d agent's messages go.
+using LogFn = std::function<void(const std::string&)>;
+
+// The c10d rendezvous: hosts the store (if it binds the endpoint, or
+// is_host=true) or connects to it (bounded by join_timeout), starts the
+// heartbeat thread, and runs rounds as above. Throws ConnectionError naming
+// the endpoint when it cannot be reached, InvalidArgumentError for a bad
+// configuration (the message names the flag).
+std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
+                                               std::string runLogDir,
+                                               auth::JobToken token, LogFn log);
+
+// The address the workers of this node announce: --local-addr, else the
+// local address of the route towards `endpointHost` (so a multi-homed host
+// names the interface its peers reach it on).
+std::string localAddressToward(const std::string& endpointHost);
+
+}  // namespace trellis::elastic

@@ -1,0 +1,494 @@
+// elastic-run with several nodes over the c10d rendezvous, each node an
+// agent process of its own: on 127.0.0.1, and in network namespaces this
+// test creates (one per node, a veth into a bridge, an address each).
+// Checked: ranks that are complete and consistent across nodes, a worker
+// crash that restarts every node, a SIGKILLed agent whose peers go on
+// without it (scale down), a latecomer taken by the next round (scale up),
+// an unreachable endpoint, a node with another --nproc-per-node, a
+// partitioned node. Every wait is bounded; the test ends only the
+// processes it started (by pid) and removes its namespaces even when it
+// fails.
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "../transport/peer_process.h"
+#include <trellis/core/auth.h>
+#include <trellis/elastic/agent.h>
+#include <trellis/store/tcp_store.h>
+
+using namespace std::chrono_literals;
+using trellis::transport::testing::Child;
+using trellis::transport::testing::spawnHelper;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string readFile(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::map<std::string, std::string> readEnvFile(
+    const std::filesystem::path& path) {
+  std::map<std::string, std::string> env;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto eq = line.find('=');
+    if (eq != std::string::npos) {
+      env[line.substr(0, eq)] = line.substr(eq + 1);
+    }
+  }
+  return env;
+}
+
+int exitCode(int status) {
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Short timeouts so that every test takes seconds (docs/elastic.md,
+// "--rdzv-conf"): a dead node is noticed within 2 s.
+const std::string kConf =
+    "join_timeout=20,last_call_timeout=1,read_timeout=10,"
+    "keep_alive_interval=1,keep_alive_max_attempt=2,exit_barrier_timeout=20";
+
+// One job: a folder its workers share, and its agents.
+class Job {
+ public:
+  Job() {
+    static int counter = 0;
+    dir_ = std::filesystem::temp_directory_path() /
+           ("trellis_elastic_mn_" + std::to_string(::getpid()) + "_" +
+            std::to_string(counter++));
+    std::filesystem::create_directories(dir_);
+    secret_ = "multinode-test-token-" + std::to_string(::getpid()) +
+              "-0123456789abcdef";
+    token_ = "TRELLIS_JOB_TOKEN=" + secret_;
+  }
+  ~Job() {
+    agents_.clear();  // SIGKILLs and reaps the agents still there
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  // Starts agent `i` (its stderr in <dir>/agent<i>.err); `netns`, when
+  // set, runs it inside that namespace.
+  void start(int i, std::vector<std::string> flags,
+             const std::vector<std::string>& workerArgs,
+             const std::string& netns = "") {
+    flags.push_back("--log-dir");
+    flags.push_back(dir_ / ("logs" + std::to_string(i)));
+    flags.push_back(ELASTIC_TEST_WORKER);
+    flags.push_back("--dir");
+    flags.push_back(dir_);
+    flags.insert(flags.end(), workerArgs.begin(), workerArgs.end());
+    std::string program = ELASTIC_RUN;
+    if (!netns.empty()) {
+      flags.insert(flags.begin(), {"netns", "exec", netns, ELASTIC_RUN});
+      program = "/usr/sbin/ip";
+    }
+    if (agents_.size() <= static_cast<size_t>(i)) {
+      agents_.resize(static_cast<size_t>(i) + 1);
+    }
+    agents_[static_cast<size_t>(i)] =
+        spawnHelper(program, flags, {"OMP_NUM_THREADS=1", token_}, errPath(i));
+  }
+  int wait(int i, std::chrono::milliseconds bound = 40s) {
+    return agents_[static_cast<size_t>(i)]->wait(
+        static_cast<int>(bound.count()));
+  }
+  Child& agent(int i) { return *agents_[static_cast<size_t>(i)]; }
+  std::string err(int i) const { return readFile(errPath(i)); }
+  std::string allErr() const {
+    std::string all;
+    for (size_t i = 0; i < agents_.size(); ++i) {
+      all +=
+          "--- agent " + std::to_string(i) + ":\n" + err(static_cast<int>(i));
+    }
+    return all;
+  }
+  std::filesystem::path dir() const { return dir_; }
+  const std::string& secret() const { return secret_; }
+  std::map<std::string, std::string> env(int rank, int restart) const {
+    return readEnvFile(dir_ / ("env_" + std::to_string(rank) + "_" +
+                               std::to_string(restart) + ".txt"));
+  }
+  // Waits (bounded) until `rank` of `restart` has written its environment.
+  bool waitEnv(int rank, int restart, std::chrono::milliseconds bound) const {
+    const auto path = dir_ / ("env_" + std::to_string(rank) + "_" +
+                              std::to_string(restart) + ".txt");
+    const auto end = Clock::now() + bound;
+    while (!std::filesystem::exists(path)) {
+      if (Clock::now() >= end) {
+        return false;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return true;
+  }
+  // Which agent hosts the store (said on its stderr), waiting for it.
+  int host(int n, std::chrono::milliseconds bound = 10s) const {
+    const auto end = Clock::now() + bound;
+    while (Clock::now() < end) {
+      for (int i = 0; i < n; ++i) {
+        if (err(i).find("hosting the c10d rendezvous store") !=
+            std::string::npos) {
+          return i;
+        }
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return -1;
+  }
+
+ private:
+  std::filesystem::path errPath(int i) const {
+    return dir_ / ("agent" + std::to_string(i) + ".err");
+  }
+  std::filesystem::path dir_;
+  std::string secret_;
+  std::string token_;
+  std::vector<std::unique_ptr<Child>> agents_;
+};
+
+std::vector<std::string> c10d(const std::string& endpoint,
+                              const std::string& nnodes, int nproc,
+                              const std::string& conf = kConf) {
+  return {
+      "--nnodes",           nnodes,  "--nproc-per-node", std::to_string(nproc),
+      "--rdzv-backend",     "c10d",  "--rdzv-endpoint",  endpoint,
+      "--rdzv-id",          "mnjob", "--rdzv-conf",      conf,
+      "--monitor-interval", "0.05"};
+}
+
+std::string loopback() {
+  return "127.0.0.1:" +
+         std::to_string(trellis::elastic::pickFreePort("127.0.0.1"));
+}
+
+// Every rank 0..nodes*nproc-1 of `restart` wrote an environment that
+// agrees with the others'.
+void expectConsistentRanks(const Job& job, int nodes, int nproc, int restart) {
+  std::set<std::string> ports;
+  std::set<std::string> addrs;
+  for (int rank = 0; rank < nodes * nproc; ++rank) {
+    const auto e = job.env(rank, restart);
+    ASSERT_FALSE(e.empty())
+        << "rank " << rank << " of restart " << restart << " wrote nothing\n"
+        << job.allErr();
+    EXPECT_EQ(e.at("RANK"), std::to_string(rank));
+    EXPECT_EQ(e.at("LOCAL_RANK"), std::to_string(rank % nproc));
+    EXPECT_EQ(e.at("GROUP_RANK"), std::to_string(rank / nproc));
+    EXPECT_EQ(e.at("GROUP_WORLD_SIZE"), std::to_string(nodes));
+    EXPECT_EQ(e.at("WORLD_SIZE"), std::to_string(nodes * nproc));
+    EXPECT_EQ(e.at("LOCAL_WORLD_SIZE"), std::to_string(nproc));
+    EXPECT_EQ(e.at("TORCHELASTIC_RUN_ID"), "mnjob");
+    EXPECT_EQ(e.at("TORCHELASTIC_RESTART_COUNT"), std::to_string(restart));
+    ports.insert(e.at("MASTER_PORT"));
+    addrs.insert(e.at("MASTER_ADDR"));
+  }
+  EXPECT_EQ(ports.size(), 1u);
+  EXPECT_EQ(addrs.size(), 1u);
+}
+
+TEST(ElasticMultiNode, ThreeNodesAgreeOnEveryRank) {
+  Job job;
+  const std::string ep = loopback();
+  // MAX joined closes the round at once: the long last call never runs.
+  const std::string conf =
+      "join_timeout=20,last_call_timeout=30,keep_alive_interval=1";
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, c10d(ep, "2:3", 2, conf), {"--sleep-ms", "200"});
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 2, 0);
+  EXPECT_EQ(job.env(0, 0).at("MASTER_ADDR"), "127.0.0.1");
+}
+
+TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
+  Job job;
+  const std::string ep = loopback();
+  auto flags = c10d(ep, "2", 2);
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, flags,
+              {"--fail-rank", "3", "--fail-restart", "0", "--sleep-first-ms",
+               "3000"});
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 2, 2, 1);
+  const std::string all = job.allErr();
+  EXPECT_NE(all.find("restarting the worker group (restart 1"),
+            std::string::npos)
+      << all;
+  EXPECT_NE(all.find("a new rendezvous round opened; stopping the workers"),
+            std::string::npos)
+      << all;
+}
+
+TEST(ElasticMultiNode, TheBudgetSpentOnOneNodeFailsEveryNode) {
+  Job job;
+  const std::string ep = loopback();
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, c10d(ep, "2", 1), {"--fail-rank", "1", "--sleep-ms", "3000"});
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 1) << job.allErr();
+  }
+  const std::string all = job.allErr();
+  EXPECT_NE(all.find("the job failed"), std::string::npos) << all;
+}
+
+TEST(ElasticMultiNode, AKilledAgentIsDroppedAndTheOthersGoOn) {
+  Job job;
+  const std::string ep = loopback();
+  auto flags = c10d(ep, "2:3", 1,
+                    "join_timeout=20,last_call_timeout=1,read_timeout=10,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=2");
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, flags, worker);
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const int host = job.host(3);
+  ASSERT_GE(host, 0) << job.allErr();
+  const int victim = (host + 1) % 3;
+  const auto killedAt = Clock::now();
+  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
+  job.wait(victim, 5s);
+  // Noticed within the heartbeat bound (2 s), then a 1 s last call.
+  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
+  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
+  EXPECT_LT(Clock::now() - killedAt, 10s);
+  for (int i = 0; i < 3; ++i) {
+    if (i != victim) {
+      EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+    }
+  }
+  expectConsistentRanks(job, 2, 1, 1);
+  EXPECT_NE(job.allErr().find("sent no heartbeat"), std::string::npos)
+      << job.allErr();
+}
+
+// shared/USERS.md 6: a round survives an agent that restarts. The new
+// agent (a new node id) waits until its old self is found dead, and the
+// next round takes all three again.
+TEST(ElasticMultiNode, AnAgentThatRestartsRejoinsTheJob) {
+  Job job;
+  const std::string ep = loopback();
+  auto flags = c10d(ep, "2:3", 1);
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, flags, worker);
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const int host = job.host(3);
+  ASSERT_GE(host, 0) << job.allErr();
+  const int victim = (host + 2) % 3;
+  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
+  job.wait(victim, 5s);
+  job.start(victim, flags, worker);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 1, 1);
+}
+
+TEST(ElasticMultiNode, ALatecomerIsTakenByTheNextRound) {
+  Job job;
+  const std::string ep = loopback();
+  const auto flags = c10d(ep, "2:3", 1);
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, flags, {"--sleep-ms", "2500"});
+  }
+  ASSERT_TRUE(job.waitEnv(1, 0, 20s)) << job.allErr();
+  EXPECT_EQ(job.env(1, 0).at("WORLD_SIZE"), "2");
+  job.start(2, flags, {"--sleep-ms", "2500"});
+  // Scale up: a new round (not a restart) with all three.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 1, 0);
+  EXPECT_NE(job.allErr().find("on its waiting list"), std::string::npos)
+      << job.allErr();
+  EXPECT_NE(job.allErr().find("(scale up)"), std::string::npos) << job.allErr();
+}
+
+TEST(ElasticMultiNode, AnUnreachableEndpointIsNamedWithinTheJoinTimeout) {
+  Job job;
+  const std::string ep = loopback();  // nobody listens there
+  const auto start = Clock::now();
+  job.start(0, c10d(ep, "2", 1, "join_timeout=1,is_host=false"), {});
+  EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_NE(job.err(0).find("cannot reach the c10d rendezvous endpoint " + ep +
+                            " (--rdzv-endpoint) within join_timeout 1s"),
+            std::string::npos)
+      << job.err(0);
+}
+
+TEST(ElasticMultiNode, ANodeWithAnotherNprocIsRefusedByName) {
+  Job job;
+  const std::string ep = loopback();
+  job.start(0, c10d(ep, "2", 2, "join_timeout=10"), {});
+  ASSERT_EQ(job.host(1), 0) << job.allErr();
+  job.start(1, c10d(ep, "2", 3, "join_timeout=10"), {});
+  EXPECT_EQ(exitCode(job.wait(1, 15s)), 2) << job.err(1);
+  EXPECT_NE(job.err(1).find("--nproc-per-node 3 does not match the job's 2"),
+            std::string::npos)
+      << job.err(1);
+}
+
+TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
+  Job job;
+  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  job.start(0, c10d(ep, "2", 1, "join_timeout=20"), {});
+  ASSERT_EQ(job.host(1), 0) << job.allErr();
+  // Another client of the store (it knows the token) writes junk.
+  trellis::store::TCPStoreOptions o;
+  o.port = port;
+  o.timeout = 5s;
+  o.jobToken = trellis::auth::JobToken::fromString(job.secret());
+  trellis::store::TCPStore store(o);
+  store.set("trellis/rdzv/round", std::string_view("round 7\nphase ???\n"));
+  EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
+  EXPECT_NE(job.err(0).find("rendezvous record 'trellis/rdzv/round' is not "
+                            "valid: expected 'trellis-rdzv-round 1' on line 1"),
+            std::string::npos)
+      << job.err(0);
+}
+
+// Hosts in network namespaces: one per node, each with a veth into a
+// bridge in one more namespace and an address of its own. Removed, with
+// everything in them, when the test ends (also when it fails).
+class Hosts {
+ public:
+  explicit Hosts(int n) : prefix_("trle" + std::to_string(::getpid()) + "x") {
+    subnet_ = "10.78." + std::to_string(::getpid() % 250) + ".";
+    ok_ = ::geteuid() == 0 && run("ip netns add " + ns("sw")) &&
+          run("ip -n " + ns("sw") + " link add br0 type bridge") &&
+          run("ip -n " + ns("sw") + " link set br0 up");
+    for (int i = 0; ok_ && i < n; ++i) {
+      const std::string h = ns("h" + std::to_string(i));
+      ok_ = run("ip netns add " + h);
+      made_ = i + 1;
+      ok_ =
+          ok_ &&
+          run("ip link add v netns " + h + " type veth peer name p" +
+              std::to_string(i) + " netns " + ns("sw")) &&
+          run("ip -n " + h + " addr add " + address(i) + "/24 dev v") &&
+          run("ip -n " + h + " link set v up") &&
+          run("ip -n " + h + " link set lo up") &&
+          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) +
+              " master br0") &&
+          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) + " up");
+    }
+  }
+  ~Hosts() {
+    for (int i = 0; i < made_; ++i) {
+      run("ip netns del " + ns("h" + std::to_string(i)));
+    }
+    run("ip netns del " + ns("sw"));
+  }
+  bool ok() const { return ok_; }
+  std::string ns(const std::string& name) const { return prefix_ + name; }
+  std::string host(int i) const { return ns("h" + std::to_string(i)); }
+  std::string address(int i) const { return subnet_ + std::to_string(i + 1); }
+  // Cuts host i off the bridge (its side of the link goes down).
+  bool partition(int i) const {
+    return run("ip -n " + ns("sw") + " link set p" + std::to_string(i) +
+               " down");
+  }
+
+ private:
+  static bool run(const std::string& cmd) {
+    return std::system((cmd + " 2>/dev/null").c_str()) == 0;
+  }
+  std::string prefix_, subnet_;
+  bool ok_ = false;
+  int made_ = 0;
+};
+
+TEST(ElasticMultiNodeNetns, TwoHostsRendezvousAcrossTheirOwnAddresses) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root to create network namespaces";
+  }
+  Hosts hosts(2);
+  ASSERT_TRUE(hosts.ok()) << "could not create the namespaces";
+  Job job;
+  const std::string ep = hosts.address(0) + ":29400";
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, c10d(ep, "2", 2), {"--sleep-ms", "200"}, hosts.host(i));
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 2, 2, 0);
+  // The store's host is group rank 0 (it joined first) or not; either
+  // way the master is a node's own address on the bridge.
+  const std::string master = job.env(0, 0).at("MASTER_ADDR");
+  EXPECT_TRUE(master == hosts.address(0) || master == hosts.address(1))
+      << master;
+  EXPECT_NE(job.err(0).find("hosting the c10d rendezvous store on " + ep),
+            std::string::npos)
+      << job.allErr();
+}
+
+TEST(ElasticMultiNodeNetns, APartitionedHostIsDroppedAfterTheHeartbeatBound) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root to create network namespaces";
+  }
+  Hosts hosts(3);
+  ASSERT_TRUE(hosts.ok()) << "could not create the namespaces";
+  Job job;
+  const std::string ep = hosts.address(0) + ":29400";
+  auto flags = c10d(ep, "2:3", 1,
+                    "join_timeout=20,last_call_timeout=1,read_timeout=4,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=2");
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, flags, {"--sleep-first-ms", "30000"}, hosts.host(i));
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  ASSERT_TRUE(hosts.partition(2));
+  // Node 2 (not the store's host) vanishes from the others' view.
+  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
+  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 2, 1, 1);
+  // The cut-off node gives up on its own (its store calls time out).
+  EXPECT_NE(exitCode(job.wait(2, 20s)), 0) << job.allErr();
+}
+
+}  // namespace
