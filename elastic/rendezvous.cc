@@ -1,10 +1,4 @@
 #include <algorithm>
-#include <arpa/inet.h>
-#include <condition_variable>
-#include <mutex>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <thread>
 #include <unistd.h>
 
 #include <trellis/core/auth.h>
@@ -12,13 +6,32 @@
 #include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/elastic/rendezvous.h>
-#include <trellis/store/tcp_store.h>
+#include <trellis/store/store.h>
 
 namespace trellis::elastic {
+
+using namespace detail;
 
 namespace {
 
 constexpr std::string_view kMagic = "trellis-rdzv-round 1";
+
+bool contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+int64_t participantIndex(const RoundRecord& r, const std::string& id) {
+  for (size_t i = 0; i < r.participants.size(); ++i) {
+    if (r.participants[i].id == id) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+namespace detail {
 
 std::string roundKey(int64_t round, std::string_view leaf) {
   return std::string(kKeyPrefix) + "r" + std::to_string(round) + "/" +
@@ -40,24 +53,11 @@ void checkToken(std::string_view what, std::string_view s) {
   }
 }
 
-bool contains(const std::vector<std::string>& v, const std::string& s) {
-  return std::find(v.begin(), v.end(), s) != v.end();
-}
-
-int64_t participantIndex(const RoundRecord& r, const std::string& id) {
-  for (size_t i = 0; i < r.participants.size(); ++i) {
-    if (r.participants[i].id == id) {
-      return static_cast<int64_t>(i);
-    }
-  }
-  return -1;
-}
-
 std::string plural(size_t n, const char* what) {
   return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
 }
 
-}  // namespace
+}  // namespace detail
 
 const char* roundPhaseName(RoundPhase phase) {
   switch (phase) {
@@ -524,402 +524,6 @@ class LocalRendezvous final : public Rendezvous {
   std::string note_;
 };
 
-// ---- c10d -------------------------------------------------------------------
-
-std::string hostName() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0 || buf[0] == '\0') {
-    return "node";
-  }
-  std::string s(buf);
-  for (char& c : s) {
-    if (!isRecordToken(std::string_view(&c, 1))) {
-      c = '_';
-    }
-  }
-  return s.substr(0, 200);
-}
-
-template <class Rep, class Period>
-std::string secs(std::chrono::duration<Rep, Period> d) {
-  return formatDuration(std::chrono::duration_cast<Duration>(d));
-}
-
-class C10dRendezvous final : public Rendezvous {
- public:
-  C10dRendezvous(const ElasticOptions& options, std::string runLogDir,
-                 auth::JobToken token, LogFn log)
-      : runLogDir_(std::move(runLogDir)),
-        token_(std::move(token)),
-        log_(std::move(log)),
-        liveness_(options.rdzvConf.keepAliveInterval.value_or(
-                      kDefaultKeepAliveInterval) *
-                  options.rdzvConf.keepAliveMaxAttempt.value_or(
-                      kDefaultKeepAliveMaxAttempt)) {
-    checkToken("--rdzv-id", options.rdzvId);
-    const RdzvConf& conf = options.rdzvConf;
-    joinTimeout_ = conf.joinTimeout.value_or(kDefaultJoinTimeout);
-    readTimeout_ = conf.readTimeout.value_or(kDefaultReadTimeout);
-    barrierTimeout_ =
-        conf.exitBarrierTimeout.value_or(kDefaultExitBarrierTimeout);
-    keepAlive_ = conf.keepAliveInterval.value_or(kDefaultKeepAliveInterval);
-    params_.runId = options.rdzvId;
-    params_.nproc = options.nprocPerNode;
-    params_.minNodes = options.minNodes;
-    params_.maxNodes = options.maxNodes;
-    params_.lastCall = conf.lastCallTimeout.value_or(kDefaultLastCallTimeout);
-    params_.maxRestarts = options.maxRestarts;
-    const Endpoint& ep = options.rdzvEndpoint;
-    endpointText_ = ep.toString();
-
-    // Host: bind the endpoint if we may and can; else connect.
-    if (conf.isHost.value_or(true)) {
-      try {
-        store::TCPStoreServerOptions so;
-        so.host = ep.host;
-        so.port = ep.port;
-        so.jobToken = token_;
-        server_ = std::make_unique<store::TCPStoreServer>(so);
-        log_("hosting the c10d rendezvous store on " + endpointText_);
-      } catch (const Exception& e) {
-        if (conf.isHost.value_or(false)) {
-          throw ConnectionError(Error::connection(
-              "is_host=true but the rendezvous endpoint " + endpointText_ +
-              " cannot be bound: " + e.error().message()));
-        }
-      }
-    }
-    store::TCPStoreOptions co;
-    co.host = ep.host;
-    co.port = ep.port;
-    co.timeout = readTimeout_;
-    co.connectTimeout = joinTimeout_;
-    co.jobToken = token_;
-    try {
-      store_ = std::make_unique<store::TCPStore>(co);
-    } catch (const ConnectionError& e) {
-      throw ConnectionError(Error::connection(
-          "cannot reach the c10d rendezvous endpoint " + endpointText_ +
-          " (--rdzv-endpoint) within join_timeout " + secs(joinTimeout_) +
-          ": " + e.error().message()));
-    }
-    self_.addr =
-        options.localAddr ? *options.localAddr : localAddressToward(ep.host);
-    checkToken("--local-addr", self_.addr);
-    const auto nonce = auth::randomNonce();
-    self_.id = hostName() + ":" + std::to_string(::getpid()) + ":" +
-               toHex(std::span(nonce.data(), 4));
-    // The first heartbeat before anyone can see us; then a thread.
-    (void)store_->add(heartbeatKey(self_.id), 1);
-    heartbeatStore_ = store_->clone(readTimeout_);
-    heartbeat_ = std::thread([this] { beat(); });
-  }
-
-  ~C10dRendezvous() override {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (heartbeat_.joinable()) {
-      heartbeat_.join();
-    }
-    heartbeatStore_.reset();
-    store_.reset();
-    if (server_) {
-      server_->stop();
-    }
-  }
-
-  RendezvousOutcome next(const std::function<bool()>& interrupted) override {
-    const auto deadline = RdzvClock::now() + joinTimeout_;
-    for (;;) {
-      RoundJoin join(*store_, params_, self_, [this](const std::string& id) {
-        return id != self_.id && liveness_.dead(id, RdzvClock::now());
-      });
-      RoundJoin::State state = RoundJoin::State::kStart;
-      RoundJoin::State logged = state;
-      while (state != RoundJoin::State::kReady) {
-        if (interrupted()) {
-          throw Interrupted{};
-        }
-        const auto now = RdzvClock::now();
-        state = join.step(now);
-        observe(join.record());
-        if (state == RoundJoin::State::kJobFailed) {
-          note_ = join.record().note;
-          throw JobFailed{note_};
-        }
-        if (state != logged && state == RoundJoin::State::kWaiting) {
-          log_("round " + std::to_string(join.record().round) +
-               " is closed; on its waiting list until the next round");
-        }
-        logged = state;
-        if (state == RoundJoin::State::kReady) {
-          break;
-        }
-        if (now >= deadline) {
-          throw TimeoutError(Error::timeout(
-              "rendezvous '" + params_.runId + "' at " + endpointText_ +
-              " did not complete within join_timeout " + secs(joinTimeout_) +
-              ": " + join.describe()));
-        }
-        std::this_thread::sleep_for(kStepPause);
-      }
-      current_ = join.record();
-      const int32_t g = join.groupRank();
-      const auto n = static_cast<int32_t>(current_.participants.size());
-      const std::string masterKey = roundKey(current_.round, "master");
-      RendezvousOutcome o;
-      o.groupRank = g;
-      o.groupWorldSize = n;
-      o.rankOffset = g * params_.nproc;
-      o.worldSize = n * params_.nproc;
-      o.restartCount = current_.restarts;
-      o.runId = params_.runId;
-      o.runLogDir = runLogDir_;
-      o.jobToken = token_;
-      if (g == 0) {
-        o.masterAddr = self_.addr;
-        o.masterPort = pickFreePort(self_.addr);
-        store_->set(masterKey,
-                    o.masterAddr + " " + std::to_string(o.masterPort));
-      } else {
-        // Group rank 0 publishes the workers' master; if the round moves on
-        // meanwhile (it died), join the next one.
-        const auto readDeadline = RdzvClock::now() + readTimeout_;
-        bool moved = false;
-        while (!store_->check({masterKey})) {
-          if (interrupted()) {
-            throw Interrupted{};
-          }
-          std::string text;
-          const RoundRecord r = readRaw(&text);
-          if (r.round != current_.round) {
-            moved = true;
-            break;
-          }
-          observe(r);
-          if (liveness_.dead(current_.participants[0].id, RdzvClock::now())) {
-            (void)propose(text,
-                          nextRound(r, params_, true,
-                                    "node " + current_.participants[0].id +
-                                        " stopped heartbeating"));
-          }
-          if (RdzvClock::now() >= readDeadline) {
-            throw TimeoutError(Error::timeout(
-                "group rank 0 of round " + std::to_string(current_.round) +
-                " (" + current_.participants[0].addr +
-                ") published no master address within read_timeout " +
-                secs(readTimeout_)));
-          }
-          std::this_thread::sleep_for(kStepPause);
-        }
-        if (moved) {
-          continue;
-        }
-        const std::string m = store_->getString(masterKey);
-        const size_t sp = m.rfind(' ');
-        const auto port =
-            sp == std::string::npos
-                ? std::nullopt
-                : parseDecimal(std::string_view(m).substr(sp + 1));
-        if (!port || *port <= 0 || *port > 65535) {
-          throwError(Error::protocol("rendezvous key '" + masterKey +
-                                     "' is not 'ADDR PORT'"));
-        }
-        o.masterAddr = m.substr(0, sp);
-        o.masterPort = static_cast<uint16_t>(*port);
-      }
-      log_("round " + std::to_string(current_.round) + ": group rank " +
-           std::to_string(g) + " of " + std::to_string(n) + " nodes, world " +
-           std::to_string(o.worldSize) + ", restart " +
-           std::to_string(current_.restarts) + ", master " + o.masterAddr +
-           ":" + std::to_string(o.masterPort));
-      return o;
-    }
-  }
-
-  GroupEvent poll() override { return check(true); }
-
-  // What the round record and the heartbeats say. `scaleUp`: whether
-  // waiting nodes may open a new round (not once a node of this round has
-  // finished: its workers' work is done and must not run again for them).
-  GroupEvent check(bool scaleUp) {
-    std::string text;
-    const RoundRecord rec = readRaw(&text);
-    const RoundRecord* r = &rec;
-    if (r->round != current_.round) {
-      return eventOf(*r);
-    }
-    observe(*r);
-    const auto now = RdzvClock::now();
-    for (const auto& p : r->participants) {
-      if (p.id != self_.id && liveness_.dead(p.id, now)) {
-        log_("node " + p.id + " (" + p.addr + ") sent no heartbeat for " +
-             secs(liveness_.bound()) + "; opening a new round");
-        return propose(text,
-                       nextRound(*r, params_, true,
-                                 "node " + p.id + " stopped heartbeating"));
-      }
-    }
-    size_t waitingAlive = 0;
-    for (const auto& w : r->waiting) {
-      waitingAlive += liveness_.dead(w, now) ? 0 : 1;
-    }
-    if (scaleUp && waitingAlive > 0 &&
-        static_cast<int32_t>(r->participants.size()) < params_.maxNodes &&
-        store_->add(roundKey(current_.round, "done"), 0) == 0) {
-      log_(plural(waitingAlive, "node") +
-           " waiting to join; opening a new round (scale up)");
-      return propose(
-          text,
-          nextRound(*r, params_, false,
-                    "scale up: " + plural(waitingAlive, "node") + " waiting"));
-    }
-    return GroupEvent::kNone;
-  }
-
-  GroupEvent reportFailure(const std::string& why) override {
-    std::string text;
-    const RoundRecord r = readRaw(&text);
-    if (r.round != current_.round) {
-      return eventOf(r);
-    }
-    return propose(text, nextRound(r, params_, true, why));
-  }
-
-  BarrierResult finish(const std::function<bool()>& interrupted) override {
-    const std::string doneKey = roundKey(current_.round, "done");
-    const std::string leftKey = roundKey(current_.round, "left");
-    const auto n = static_cast<int64_t>(current_.participants.size());
-    (void)store_->add(doneKey, 1);
-    const auto deadline = RdzvClock::now() + barrierTimeout_;
-    for (;;) {
-      if (interrupted()) {
-        throw Interrupted{};
-      }
-      const int64_t done = store_->add(doneKey, 0);
-      if (done >= n) {
-        (void)store_->add(leftKey, 1);
-        if (server_) {
-          // The host serves the store until every node has seen the
-          // barrier pass (bounded: a node may die right after).
-          const auto until = RdzvClock::now() + keepAlive_ * 2;
-          while (store_->add(leftKey, 0) < n && RdzvClock::now() < until) {
-            std::this_thread::sleep_for(kStepPause);
-          }
-        }
-        return {};
-      }
-      const GroupEvent ev = check(false);
-      if (ev != GroupEvent::kNone) {
-        return {ev, ev == GroupEvent::kJobFailed
-                        ? note_
-                        : "a new round opened at the exit barrier"};
-      }
-      if (RdzvClock::now() >= deadline) {
-        return {GroupEvent::kJobFailed,
-                "exit barrier: " + std::to_string(done) + " of " +
-                    std::to_string(n) +
-                    " nodes finished within exit_barrier_timeout " +
-                    secs(barrierTimeout_)};
-      }
-      std::this_thread::sleep_for(kStepPause);
-    }
-  }
-
-  std::string failureNote() const override { return note_; }
-
- private:
-  static constexpr std::chrono::milliseconds kStepPause{50};
-
-  void observe(const RoundRecord& r) {
-    std::vector<std::string> ids;
-    for (const auto& p : r.participants) {
-      if (p.id != self_.id) {
-        ids.push_back(p.id);
-      }
-    }
-    for (const auto& w : r.waiting) {
-      if (w != self_.id) {
-        ids.push_back(w);
-      }
-    }
-    liveness_.observe(*store_, ids, RdzvClock::now());
-  }
-
-  GroupEvent eventOf(const RoundRecord& r) {
-    if (r.phase == RoundPhase::kFailed) {
-      note_ = r.note;
-      return GroupEvent::kJobFailed;
-    }
-    if (r.round != current_.round) {
-      return GroupEvent::kRestart;
-    }
-    return GroupEvent::kNone;
-  }
-
-  // Reads the record and its exact text (the compareSet's expectation).
-  RoundRecord readRaw(std::string* text) {
-    if (!store_->check({kRoundKey})) {
-      throwError(garbage("it disappeared"));
-    }
-    *text = store_->getString(kRoundKey);
-    RoundRecord r;
-    throwIfError(decodeRoundRecord(*text, &r));
-    return r;
-  }
-
-  // compareSets the record read as `expected` to `next`; the event of
-  // whatever record is there afterwards (ours, or the one that beat us).
-  GroupEvent propose(const std::string& expected, const RoundRecord& next) {
-    const std::string now =
-        store_->compareSet(kRoundKey, expected, encodeRoundRecord(next));
-    RoundRecord after;
-    throwIfError(decodeRoundRecord(now, &after));
-    return eventOf(after);
-  }
-
-  void beat() {
-    std::unique_lock lock(mu_);
-    while (!stop_) {
-      if (cv_.wait_for(lock, keepAlive_, [this] { return stop_; })) {
-        return;
-      }
-      lock.unlock();
-      try {
-        (void)heartbeatStore_->add(heartbeatKey(self_.id), 1);
-      } catch (const std::exception& e) {
-        log_(std::string("heartbeat failed; the store is gone? ") + e.what());
-        return;
-      }
-      lock.lock();
-    }
-  }
-
-  std::string runLogDir_;
-  auth::JobToken token_;
-  LogFn log_;
-  Liveness liveness_;
-  RoundParams params_;
-  RoundNode self_;
-  std::string endpointText_;
-  std::chrono::seconds joinTimeout_{};
-  std::chrono::seconds readTimeout_{};
-  std::chrono::seconds barrierTimeout_{};
-  std::chrono::seconds keepAlive_{};
-  std::unique_ptr<store::TCPStoreServer> server_;
-  std::unique_ptr<store::TCPStore> store_;
-  std::unique_ptr<store::Store> heartbeatStore_;
-  RoundRecord current_;
-  std::string note_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread heartbeat_;
-};
-
 }  // namespace
 
 std::unique_ptr<Rendezvous> makeLocalRendezvous(const ElasticOptions& options,
@@ -927,52 +531,6 @@ std::unique_ptr<Rendezvous> makeLocalRendezvous(const ElasticOptions& options,
                                                 auth::JobToken token) {
   return std::make_unique<LocalRendezvous>(options, std::move(runLogDir),
                                            std::move(token));
-}
-
-std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
-                                               std::string runLogDir,
-                                               auth::JobToken token,
-                                               LogFn log) {
-  return std::make_unique<C10dRendezvous>(options, std::move(runLogDir),
-                                          std::move(token), std::move(log));
-}
-
-std::string localAddressToward(const std::string& endpointHost) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(endpointHost.c_str(), "9", &hints, &res) != 0) {
-    return "127.0.0.1";
-  }
-  std::string out = "127.0.0.1";
-  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      continue;
-    }
-    sockaddr_storage local{};
-    socklen_t len = sizeof(local);
-    // A UDP connect sends nothing; it only picks the route.
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      char buf[INET6_ADDRSTRLEN] = {};
-      const void* src =
-          local.ss_family == AF_INET6
-              ? static_cast<const void*>(
-                    &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
-              : static_cast<const void*>(
-                    &reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
-      if (::inet_ntop(local.ss_family, src, buf, sizeof(buf)) != nullptr) {
-        out = buf;
-        ::close(fd);
-        break;
-      }
-    }
-    ::close(fd);
-  }
-  ::freeaddrinfo(res);
-  return out;
 }
 
 }  // namespace trellis::elastic

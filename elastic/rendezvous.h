@@ -262,9 +262,17 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
                                                auth::JobToken token, LogFn log);
 
-// The address the workers of this node announce: --local-addr, else the
-// local address of the route towards `endpointHost` (so a multi-homed host
-// names the interface its peers reach it on).
-std::string localAddressToward(const std::string& endpointHost);
+namespace detail {
+// Shared by rendezvous.cc and c10d_rendezvous.cc.
+// "trellis/rdzv/r<round>/<leaf>".
+std::string roundKey(int64_t round, std::string_view leaf);
+// A ProtocolError naming the round record and `why`.
+Error garbage(const std::string& why);
+// Throws InvalidArgumentError naming `what` unless `s` can be a record
+// field.
+void checkToken(std::string_view what, std::string_view s);
+// "1 node", "3 nodes".
+std::string plural(size_t n, const char* what);
+}  // namespace detail
 
 }  // namespace trellis::elastic
