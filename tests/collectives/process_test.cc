@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../netns_hosts.h"
 #include "../rpc/worker_job.h"
 
 namespace trellis::collectives {
@@ -253,45 +254,8 @@ TEST(CollectivesProcess,
 // and only through them (each rank listens on its own address,
 // TRELLIS_LOCAL_ADDR; rank 0's namespace hosts the store). Removed, with
 // everything in them, when the test ends.
-class Hosts {
- public:
-  explicit Hosts(int n) : prefix_("trl" + std::to_string(::getpid()) + "x") {
-    subnet_ = "10.77." + std::to_string(::getpid() % 250) + ".";
-    ok_ = ::geteuid() == 0 && run("ip netns add " + ns("sw")) &&
-          run("ip -n " + ns("sw") + " link add br0 type bridge") &&
-          run("ip -n " + ns("sw") + " link set br0 up");
-    for (int i = 0; ok_ && i < n; ++i) {
-      const std::string h = ns("h" + std::to_string(i));
-      ok_ =
-          run("ip netns add " + h) &&
-          run("ip link add v netns " + h + " type veth peer name p" +
-              std::to_string(i) + " netns " + ns("sw")) &&
-          run("ip -n " + h + " addr add " + address(i) + "/24 dev v") &&
-          run("ip -n " + h + " link set v up") &&
-          run("ip -n " + h + " link set lo up") &&
-          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) +
-              " master br0") &&
-          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) + " up");
-      made_ = i + 1;
-    }
-  }
-  ~Hosts() {
-    for (int i = 0; i < made_; ++i) {
-      run("ip netns del " + ns("h" + std::to_string(i)));
-    }
-    run("ip netns del " + ns("sw"));
-  }
-  bool ok() const { return ok_; }
-  std::string ns(const std::string& name) const { return prefix_ + name; }
-  std::string address(int i) const { return subnet_ + std::to_string(i + 1); }
-
- private:
-  static bool run(const std::string& cmd) {
-    return std::system((cmd + " 2>/dev/null").c_str()) == 0;
-  }
-  std::string prefix_, subnet_;
-  bool ok_ = false;
-  int made_ = 0;
+struct Hosts : trellis::testing::NetnsHosts {
+  explicit Hosts(int n) : NetnsHosts(n, "trl", 77) {}
 };
 
 TEST(CollectivesProcess, RanksOnThreeNetworkHostsRunAndALostHostIsNamed) {

@@ -26,7 +26,9 @@
 
 #include <gtest/gtest.h>
 
+#include "../netns_hosts.h"
 #include "../transport/peer_process.h"
+#include "elastic_test_util.h"
 #include <trellis/core/auth.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/store/tcp_store.h>
@@ -36,31 +38,9 @@ using trellis::transport::testing::Child;
 using trellis::transport::testing::spawnHelper;
 using Clock = std::chrono::steady_clock;
 
+using namespace trellis::elastic::testing;
+
 namespace {
-
-std::string readFile(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::map<std::string, std::string> readEnvFile(
-    const std::filesystem::path& path) {
-  std::map<std::string, std::string> env;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    const auto eq = line.find('=');
-    if (eq != std::string::npos) {
-      env[line.substr(0, eq)] = line.substr(eq + 1);
-    }
-  }
-  return env;
-}
-
-int exitCode(int status) {
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 // Short timeouts so that every test takes seconds (docs/elastic.md,
 // "--rdzv-conf"): a dead node is noticed within 2 s.
@@ -388,52 +368,8 @@ TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
 // Hosts in network namespaces: one per node, each with a veth into a
 // bridge in one more namespace and an address of its own. Removed, with
 // everything in them, when the test ends (also when it fails).
-class Hosts {
- public:
-  explicit Hosts(int n) : prefix_("trle" + std::to_string(::getpid()) + "x") {
-    subnet_ = "10.78." + std::to_string(::getpid() % 250) + ".";
-    ok_ = ::geteuid() == 0 && run("ip netns add " + ns("sw")) &&
-          run("ip -n " + ns("sw") + " link add br0 type bridge") &&
-          run("ip -n " + ns("sw") + " link set br0 up");
-    for (int i = 0; ok_ && i < n; ++i) {
-      const std::string h = ns("h" + std::to_string(i));
-      ok_ = run("ip netns add " + h);
-      made_ = i + 1;
-      ok_ =
-          ok_ &&
-          run("ip link add v netns " + h + " type veth peer name p" +
-              std::to_string(i) + " netns " + ns("sw")) &&
-          run("ip -n " + h + " addr add " + address(i) + "/24 dev v") &&
-          run("ip -n " + h + " link set v up") &&
-          run("ip -n " + h + " link set lo up") &&
-          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) +
-              " master br0") &&
-          run("ip -n " + ns("sw") + " link set p" + std::to_string(i) + " up");
-    }
-  }
-  ~Hosts() {
-    for (int i = 0; i < made_; ++i) {
-      run("ip netns del " + ns("h" + std::to_string(i)));
-    }
-    run("ip netns del " + ns("sw"));
-  }
-  bool ok() const { return ok_; }
-  std::string ns(const std::string& name) const { return prefix_ + name; }
-  std::string host(int i) const { return ns("h" + std::to_string(i)); }
-  std::string address(int i) const { return subnet_ + std::to_string(i + 1); }
-  // Cuts host i off the bridge (its side of the link goes down).
-  bool partition(int i) const {
-    return run("ip -n " + ns("sw") + " link set p" + std::to_string(i) +
-               " down");
-  }
-
- private:
-  static bool run(const std::string& cmd) {
-    return std::system((cmd + " 2>/dev/null").c_str()) == 0;
-  }
-  std::string prefix_, subnet_;
-  bool ok_ = false;
-  int made_ = 0;
+struct Hosts : trellis::testing::NetnsHosts {
+  explicit Hosts(int n) : NetnsHosts(n, "trle", 78) {}
 };
 
 TEST(ElasticMultiNodeNetns, TwoHostsRendezvousAcrossTheirOwnAddresses) {

@@ -19,33 +19,16 @@
 #include <gtest/gtest.h>
 
 #include "../transport/peer_process.h"
+#include "elastic_test_util.h"
 
 using namespace std::chrono_literals;
 using trellis::transport::testing::Child;
 using trellis::transport::testing::spawnHelper;
 using Clock = std::chrono::steady_clock;
 
+using namespace trellis::elastic::testing;
+
 namespace {
-
-std::string readFile(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::map<std::string, std::string> readEnvFile(
-    const std::filesystem::path& path) {
-  std::map<std::string, std::string> env;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    const auto eq = line.find('=');
-    if (eq != std::string::npos) {
-      env[line.substr(0, eq)] = line.substr(eq + 1);
-    }
-  }
-  return env;
-}
 
 // Gone: no /proc entry, or a zombie nobody reaped yet (it runs no code).
 bool processGone(pid_t pid) {
@@ -146,10 +129,6 @@ class AgentRun {
   std::unique_ptr<Child> child_;
   std::vector<pid_t> workerPids_;
 };
-
-int exitCode(int status) {
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 TEST(ElasticRun, TwoWorkersSucceedWithTorchrunsEnvironment) {
   AgentRun run;
