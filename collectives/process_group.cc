@@ -274,6 +274,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   if (timeout <= Duration::zero()) {
     bad("ProcessGroup::create: the timeout must be positive");
   }
+  const Duration initTimeout = options.initTimeout.value_or(timeout);
+  if (initTimeout <= Duration::zero()) {
+    bad("ProcessGroup::create: the initTimeout must be positive");
+  }
   const std::string name = options.name.empty() ? "default" : options.name;
   bool known = backend == "cpu";
 #ifdef TRELLIS_HAVE_NCCL
@@ -300,6 +304,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
   mo.token = options.token;
   mo.localAddress = options.localAddress;
   mo.timeout = timeout;
+  mo.initTimeout = initTimeout;
   // Environment knobs are checked before any connection is made.
   const WatchdogMode mode =
       options.watchdogMode.value_or(detail::watchdogModeFromEnvironment());
@@ -353,6 +358,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::fromEnvironment(
   }
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
       options.timeout.value_or(kDefaultTimeout));
+  const auto initTimeout =
+      std::chrono::duration_cast<std::chrono::milliseconds>(
+          options.initTimeout.value_or(timeout));
   std::shared_ptr<store::TCPStoreServer> server;
   if (env.rank == 0) {
     store::TCPStoreServerOptions so;
@@ -366,7 +374,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::fromEnvironment(
   co.port = env.master.port;
   co.jobToken = options.token;
   co.timeout = timeout;
-  co.connectTimeout = timeout;
+  co.connectTimeout = initTimeout;
   auto client = std::make_shared<store::TCPStore>(co);
   // The group's store keeps the server (rank 0) alive as long as it lives.
   std::shared_ptr<store::Store> s(client.get(), [client, server](auto*) {});
@@ -416,6 +424,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(
   options.name += "-" + std::string(digest, 8);
   if (!options.timeout) {
     options.timeout = timeout_;
+  }
+  if (!options.initTimeout) {
+    options.initTimeout = options_.initTimeout;
   }
   if (!options.token) {
     options.token = options_.token;

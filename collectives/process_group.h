@@ -70,6 +70,12 @@ struct ProcessGroupOptions {
   // Bound on every op, from when it starts running; unset: 10 minutes,
   // like torch.distributed.
   std::optional<Duration> timeout;
+  // Bound on forming the group: connecting to the store (fromEnvironment),
+  // the connections between ranks, the hosts' shared-memory setup. Unset:
+  // `timeout`, as torch's init_process_group. Set it apart when ops get a
+  // short timeout (fast failure detection) but ranks may start seconds
+  // apart (a loaded machine, a slow file system loading libraries).
+  std::optional<Duration> initTimeout;
   // Names the group in errors and logs; unset: "default" for create(),
   // "<parent>.<n>" for newGroup().
   std::string name;

@@ -216,6 +216,7 @@ class CpuBackend final : public Backend {
 std::unique_ptr<Backend> createCpuBackend(store::Store& store, int rank,
                                           int size, MeshOptions options) {
   const Duration timeout = options.timeout;
+  const Duration initTimeout = options.initTimeout;
   // Both read the environment: a bad value fails before any connection.
   const AllreduceAlgo algo = allreduceAlgoFromEnvironment();
   const std::string hostKey = HostLayout::hostKey(rank);
@@ -223,10 +224,11 @@ std::unique_ptr<Backend> createCpuBackend(store::Store& store, int rank,
   std::optional<HostLayout> hosts;
   std::unique_ptr<HostShm> shm;
   if (size > 1) {
-    HostLayout layout = HostLayout::exchange(store, *mesh, hostKey, timeout);
+    HostLayout layout =
+        HostLayout::exchange(store, *mesh, hostKey, initTimeout);
     bool everyHost = false;
     if (layout.anyShared()) {
-      shm = HostShm::create(store, *mesh, layout, timeout, &everyHost);
+      shm = HostShm::create(store, *mesh, layout, initTimeout, &everyHost);
     }
     if (everyHost) {
       hosts = std::move(layout);

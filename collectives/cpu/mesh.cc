@@ -72,7 +72,7 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
     co.name = "pg" + std::to_string(rank_);
     co.token = options_.token;
     co.tokenFromEnvironment = !options_.token.has_value();
-    co.handshakeTimeout = options_.timeout;
+    co.handshakeTimeout = options_.initTimeout;
     ctx_ = tp::Context::create(co);
     const std::string host = net::chooseLocalAddress(
         options_.localAddress, masterFromEnvironment().addr);
@@ -90,16 +90,16 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
     }
     if (!keys.empty()) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-          options_.timeout);
+          options_.initTimeout);
       // In slices, so that a peer that already refused this rank (a world
       // size that disagrees) ends the wait with its reason.
       waitForKeys(
-          store, keys, Deadline::fromTimeout(options_.timeout),
+          store, keys, Deadline::fromTimeout(options_.initTimeout),
           [this] { return error(); },
           [&] {
-            return Error::timeout(
-                description() + ": ranks " + missingPublishers(store, keys) +
-                " did not publish their address within " + formatDuration(ms));
+            return Error::timeout(description() + ": " +
+                                  missingPublishers(store, keys) + " within " +
+                                  formatDuration(ms));
           });
       const auto addresses = store.multiGet(keys);
       for (int peer = rank_ + 1; peer < size_; ++peer) {
@@ -133,10 +133,10 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
           missing += (missing.empty() ? "" : ", ") + std::to_string(peer);
         }
       }
-      throwError(Error::timeout(description() + ": rank " +
-                                std::to_string(rank_) +
-                                " heard nothing from ranks " + missing +
-                                " within " + formatDuration(options_.timeout)));
+      throwError(
+          Error::timeout(description() + ": rank " + std::to_string(rank_) +
+                         " heard nothing from ranks " + missing + " within " +
+                         formatDuration(options_.initTimeout)));
     }
   }
 
@@ -371,12 +371,19 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
   std::string missingPublishers(store::Store& store,
                                 const std::vector<std::string>& keys) {
     std::string out;
+    int missing = 0;
     for (int peer = rank_ + 1; peer < size_; ++peer) {
       if (!store.check({addressKey(peer)})) {
         out += (out.empty() ? "" : ", ") + std::to_string(peer);
+        ++missing;
       }
     }
-    return out.empty() ? "(none missing now)" : out;
+    if (missing == 0) {
+      return "the higher ranks (none missing now) did not publish their "
+             "addresses";
+    }
+    return missing == 1 ? "rank " + out + " did not publish its address"
+                        : "ranks " + out + " did not publish their addresses";
   }
 
   Header hello() const {
@@ -1097,7 +1104,7 @@ void waitForKeys(store::Store& store, const std::vector<std::string>& keys,
 
 std::unique_ptr<Mesh> Mesh::connect(store::Store& store, int rank,
                                     int worldSize, MeshOptions options) {
-  const Deadline deadline = Deadline::fromTimeout(options.timeout);
+  const Deadline deadline = Deadline::fromTimeout(options.initTimeout);
   auto impl = std::make_shared<Impl>(rank, worldSize, std::move(options));
   std::unique_ptr<Mesh> mesh(new Mesh(impl));
   impl->start(store);

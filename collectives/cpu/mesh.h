@@ -52,7 +52,11 @@ struct MeshOptions {
   std::optional<auth::JobToken> token;
   // Empty: net::chooseLocalAddress's rules.
   std::string localAddress;
+  // The group's op timeout.
   Duration timeout = std::chrono::minutes(10);
+  // Bound on forming the mesh (connections, hellos) and, in the cpu
+  // backend, the hosts' shared-memory setup.
+  Duration initTimeout = std::chrono::minutes(10);
 };
 
 // Waits until every one of `keys` exists in `store`, in short slices:

@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
   const std::string scenario = argv[1];
   ProcessGroupOptions o;
   o.timeout = 2000ms;
+  // The ops' timeouts are short so the watchdog fires fast; forming the
+  // group is not held to them: under a sanitizer on a loaded machine the
+  // ranks may start seconds apart.
+  o.initTimeout = 60s;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("timeout_ms=", 0) == 0) {

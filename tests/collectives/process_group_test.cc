@@ -955,6 +955,45 @@ TEST(ProcessGroup, UnknownBackendAndBadRankAreClearErrors) {
   unsetenv("TRELLIS_COLLECTIVES_RANKS_PER_HOST");
 }
 
+// initTimeout bounds forming the group, apart from the ops' timeout: a
+// rank that arrives 1.5 s late joins a group whose ops time out after
+// 500 ms; without it, the early rank gives up at 500 ms, as torch does.
+TEST(ProcessGroup, InitTimeoutBoundsFormingTheGroupApartFromTheOps) {
+  auto formed = [](std::optional<Duration> initTimeout) {
+    auto store = std::make_shared<store::HashStore>();
+    ProcessGroupOptions o = sharedProcessOptions(500ms);
+    o.initTimeout = initTimeout;
+    std::string late;
+    std::thread t([&] {
+      std::this_thread::sleep_for(1500ms);  // the late rank's start
+      try {
+        auto pg = ProcessGroup::create("cpu", store, 1, 2, o);
+        auto x = torch::ones({4});
+        pg->allreduce(x).wait(10s);
+      } catch (const std::exception& e) {
+        late = e.what();
+      }
+    });
+    std::string early;
+    try {
+      auto pg = ProcessGroup::create("cpu", store, 0, 2, o);
+      auto x = torch::ones({4});
+      pg->allreduce(x).wait(10s);
+      EXPECT_EQ(x[0].item<float>(), 2.0f);
+    } catch (const std::exception& e) {
+      early = e.what();
+    }
+    t.join();
+    return early;
+  };
+  EXPECT_EQ(formed(10s), "");
+  const std::string e = formed(std::nullopt);
+  EXPECT_NE(e.find("DEADLINE_EXCEEDED"), std::string::npos) << e;
+  EXPECT_NE(e.find("rank 1 did not publish its address within 500 ms"),
+            std::string::npos)
+      << e;
+}
+
 TEST(ProcessGroup, ARankThatNeverComesTimesOutNamingItAndTheOp) {
   ProcessGroupOptions o;
   o.timeout = 1s;
