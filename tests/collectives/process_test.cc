@@ -141,7 +141,8 @@ TEST(CollectivesProcess, AKilledRankFailsTheOthersWithinTwoSecondsNamingIt) {
 
 TEST(CollectivesProcess, ARankThatNeverCallsIsNamedAndEveryRankExits) {
   Job job(kWorker, "never", 3, {"timeout_ms=1500"});
-  ASSERT_EQ(lineStartingWith(job[2], "skipping", 30000), "skipping");
+  ASSERT_EQ(lineStartingWith(job[2], "skipping", 30000), "skipping")
+      << job.stderrOf(2);
   for (int r : {0, 1}) {
     const std::string line = lineStartingWith(job[r], "error: ", 10000);
     EXPECT_NE(line.find("likely culprit: rank 2; rank 2 never entered seq 5; "
