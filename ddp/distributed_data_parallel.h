@@ -60,6 +60,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <trellis/collectives/process_group.h>
+#include <trellis/ddp/join.h>
 
 namespace trellis::ddp {
 
@@ -133,12 +134,20 @@ class [[nodiscard]] NoSyncGuard {
 };
 
 // The module-type independent part: checks, broadcasts, buckets, hooks.
-class DistributedDataParallelBase {
+// A Joinable (ddp/join.h): under a Join, each forward calls Join::notify
+// first (so list the model first among the Join's Joinables); a joined
+// rank shadows one iteration per round (the buffer broadcast, the one-time
+// bucket rebuild broadcast when due, one allreduce of zeros per bucket)
+// and, once all have joined, every rank takes the parameters and buffers
+// of the last rank to join. Under an enabled Join every forward must arm
+// the reducer (gradients enabled, outside noSync()): a joined rank cannot
+// know which iterations skip the reduction.
+class DistributedDataParallelBase : public Joinable {
  public:
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                               std::shared_ptr<collectives::ProcessGroup> group,
                               Options options);
-  ~DistributedDataParallelBase();
+  ~DistributedDataParallelBase() override;
   DistributedDataParallelBase(const DistributedDataParallelBase&) = delete;
   DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) =
       delete;
@@ -153,6 +162,13 @@ class DistributedDataParallelBase {
   // after the first armed backward (rebuilt in gradient-ready order).
   std::vector<std::vector<std::string>> bucketParameterNames() const;
 
+  // Joinable.
+  JoinHook joinHook(const JoinOptions& options) override;
+  at::Device joinDevice() const override { return device_; }
+  std::shared_ptr<collectives::ProcessGroup> joinProcessGroup() const override {
+    return group_;
+  }
+
  protected:
   // Around module->forward: broadcasts buffers, rebuilds buckets once,
   // arms the reducer; then, with findUnusedParameters, walks the graph
@@ -165,6 +181,7 @@ class DistributedDataParallelBase {
   std::shared_ptr<collectives::ProcessGroup> group_;
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::Reducer> reducer_;
+  at::Device device_{at::kCPU};  // of the first parameter or buffer
 };
 
 // M: the module's type (a torch::nn::Module subclass, usually the Impl of

@@ -231,7 +231,48 @@ std::vector<size_t> Reducer::orderForRebuild() const {
   return order;
 }
 
-void Reducer::beginIteration(bool armed) {
+void Reducer::rebuildIfPending() {
+  if (!rebuildPending_) {
+    return;
+  }
+  rebuildPending_ = false;
+  if (params_.empty()) {
+    return;
+  }
+  // Every rank takes rank 0's order, so all build the same buckets.
+  const std::vector<size_t> mine = orderForRebuild();
+  at::Tensor order = at::empty({static_cast<int64_t>(mine.size())},
+                               at::TensorOptions().dtype(at::kLong));
+  for (size_t k = 0; k < mine.size(); ++k) {
+    order.data_ptr<int64_t>()[k] = static_cast<int64_t>(mine[k]);
+  }
+  const at::Device device = params_.front().tensor.device();
+  at::Tensor onDevice = order.to(device);
+  group_->broadcast(onDevice, 0).wait();
+  order = onDevice.cpu();
+  std::vector<size_t> chosen(mine.size());
+  std::vector<char> seen(params_.size(), 0);
+  for (size_t k = 0; k < chosen.size(); ++k) {
+    const int64_t v = order.data_ptr<int64_t>()[k];
+    if (v < 0 || static_cast<size_t>(v) >= params_.size() || seen[v]) {
+      throwError(Error::internal(
+          "DistributedDataParallel: rank 0's bucket order is not a "
+          "permutation of the parameters"));
+    }
+    seen[v] = 1;
+    chosen[k] = static_cast<size_t>(v);
+  }
+  buildBuckets(chosen);
+}
+
+void Reducer::endRecording() {
+  if (recording_) {
+    recording_ = false;
+    rebuildPending_ = true;
+  }
+}
+
+void Reducer::beginIteration(bool armed, double gradScale) {
   MutexLock lock(mu_);
   if (armed_ && hooksFired_) {
     // A backward started reducing and never reached its end (it threw
@@ -243,37 +284,32 @@ void Reducer::beginIteration(bool armed) {
                      "failed midway); the ranks' collectives may be out of "
                      "step: create a new ProcessGroup and model wrapper"));
   }
-  if (rebuildPending_) {
-    rebuildPending_ = false;
-    if (!params_.empty()) {
-      // Every rank takes rank 0's order, so all build the same buckets.
-      const std::vector<size_t> mine = orderForRebuild();
-      at::Tensor order = at::empty({static_cast<int64_t>(mine.size())},
-                                   at::TensorOptions().dtype(at::kLong));
-      for (size_t k = 0; k < mine.size(); ++k) {
-        order.data_ptr<int64_t>()[k] = static_cast<int64_t>(mine[k]);
-      }
-      const at::Device device = params_.front().tensor.device();
-      at::Tensor onDevice = order.to(device);
-      group_->broadcast(onDevice, 0).wait();
-      order = onDevice.cpu();
-      std::vector<size_t> chosen(mine.size());
-      std::vector<char> seen(params_.size(), 0);
-      for (size_t k = 0; k < chosen.size(); ++k) {
-        const int64_t v = order.data_ptr<int64_t>()[k];
-        if (v < 0 || static_cast<size_t>(v) >= params_.size() || seen[v]) {
-          throwError(Error::internal(
-              "DistributedDataParallel: rank 0's bucket order is not a "
-              "permutation of the parameters"));
-        }
-        seen[v] = 1;
-        chosen[k] = static_cast<size_t>(v);
-      }
-      buildBuckets(chosen);
-    }
-  }
+  rebuildIfPending();
   resetIteration();
   armed_ = armed && !params_.empty();
+  gradScale_ = gradScale;
+}
+
+void Reducer::shadowIteration() {
+  MutexLock lock(mu_);
+  rebuildIfPending();
+  resetIteration();
+  if (params_.empty()) {
+    return;
+  }
+  // Fresh zeros: the buckets' own memory may be this rank's .grad
+  // (gradientAsBucketView). All are issued before any wait, as an armed
+  // backward issues them.
+  std::vector<collectives::Work> works;
+  works.reserve(buckets_.size());
+  for (const auto& b : buckets_) {
+    works.push_back(
+        group_->allreduce(at::zeros_like(b.flat), collectives::ReduceOp::kAvg));
+  }
+  for (auto& w : works) {
+    w.wait();  // bounded by the group's timeout
+  }
+  endRecording();
 }
 
 void Reducer::findUnused(const std::vector<at::Tensor>& outputs) {
@@ -429,7 +465,10 @@ void Reducer::finalize() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].tensor;
     const at::Tensor& grad = param.grad();
-    const at::Tensor& view = slots_[i].view;
+    at::Tensor& view = slots_[i].view;
+    if (gradScale_ != 1.0) {
+      view.mul_(gradScale_);
+    }
     if (fraction[i] != 0) {
       const long ranks = std::lround(fraction[i] * worldSize);
       unused.push_back(params_[i].name + " (" + std::to_string(ranks) + " of " +
@@ -448,10 +487,7 @@ void Reducer::finalize() {
       param.mutable_grad() = view.clone();
     }
   }
-  if (recording_) {
-    recording_ = false;
-    rebuildPending_ = true;
-  }
+  endRecording();
   resetIteration();
   if (!unused.empty() && !options_.findUnusedParameters) {
     std::ostringstream msg;

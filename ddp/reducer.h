@@ -55,8 +55,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // From forward, before the module runs: rebuilds the buckets once (after
   // the first armed backward, in rank 0's gradient-ready order) and arms
   // the reducer when `armed`. Throws when the previous armed backward ended
-  // before its reduction did (it failed midway).
-  void beginIteration(bool armed);
+  // before its reduction did (it failed midway). The averaged gradients are
+  // multiplied by `gradScale` before they are written back (Join with
+  // divideByInitialWorldSize false: world size / ranks still training).
+  void beginIteration(bool armed, double gradScale = 1.0);
+  // A joined rank's part of one iteration of the others (Join's main
+  // hook): the one-time bucket rebuild broadcast when it is due, then one
+  // allreduce of zeros per bucket, same sizes and order (the flags tail
+  // included), as an armed backward issues them; waits for them.
+  void shadowIteration();
   // From forward, after the module ran (findUnusedParameters): the
   // parameters the autograd graph from `outputs` does not reach.
   void findUnused(const std::vector<at::Tensor>& outputs);
@@ -98,6 +105,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // (tests/tsan_suppressions.cc).
   [[gnu::noinline]] void queueFinalize() TRELLIS_REQUIRES(mu_);
   std::vector<size_t> orderForRebuild() const TRELLIS_REQUIRES(mu_);
+  // The one-time rebuild after the first armed backward (a broadcast of
+  // rank 0's order), when it is due.
+  void rebuildIfPending() TRELLIS_REQUIRES(mu_);
+  // An armed backward (or its shadow) ended: the rebuild is due next.
+  void endRecording() TRELLIS_REQUIRES(mu_);
 
   const std::shared_ptr<collectives::ProcessGroup> group_;
   const Options options_;
@@ -113,6 +125,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<char> ready_ TRELLIS_GUARDED_BY(mu_);
   std::vector<size_t> walkUnused_ TRELLIS_GUARDED_BY(mu_);
   bool armed_ TRELLIS_GUARDED_BY(mu_) = false;
+  double gradScale_ TRELLIS_GUARDED_BY(mu_) = 1.0;
   bool hooksFired_ TRELLIS_GUARDED_BY(mu_) = false;
   int noSyncDepth_ TRELLIS_GUARDED_BY(mu_) = 0;
   // Gradient-ready order of the first armed backward, and whether the

@@ -21,6 +21,7 @@
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
 #include <trellis/ddp/distributed_data_parallel.h>
+#include <trellis/ddp/join.h>
 #include <trellis/ddp/reducer.h>  // assignBuckets (internal)
 #include <trellis/store/hash_store.h>
 
@@ -649,6 +650,244 @@ TEST(DdpProcess, UnusedParameterErrorOnEveryProcess) {
   }
   for (int status : job.waitAll(30s)) {
     EXPECT_TRUE(rpc::testing::exitedZero(status)) << status;
+  }
+}
+
+// ---- Join: uneven inputs ----
+
+// Three ranks with 10, 7 and 3 batches of 4 rows.
+constexpr int kJoinRanks = 3;
+constexpr int kJoinBatches[kJoinRanks] = {10, 7, 3};
+constexpr int kJoinMaxBatches = 10;
+
+// An MLP with a buffer, so that a joined rank also shadows forward's
+// buffer broadcast; sized so that tiny caps make several buckets.
+struct JoinNetImpl : torch::nn::Module {
+  JoinNetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    scale = register_buffer("scale", torch::ones({4}));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::relu(fc1(x))) * scale;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(JoinNet);
+
+struct JoinData {
+  // [rank][iteration]
+  std::vector<std::vector<torch::Tensor>> x, y;
+};
+
+JoinData joinData() {
+  torch::manual_seed(11);
+  JoinData d;
+  for (int r = 0; r < kJoinRanks; ++r) {
+    d.x.emplace_back();
+    d.y.emplace_back();
+    for (int it = 0; it < kJoinBatches[r]; ++it) {
+      d.x[r].push_back(torch::randn({4, 8}));
+      d.y[r].push_back(torch::randn({4, 4}));
+    }
+  }
+  return d;
+}
+
+// One process with Join's semantics: iteration `it` averages the local
+// gradients of the ranks that still have a batch, over 3 ranks
+// (divideByInitialWorldSize) or over those ranks.
+std::vector<torch::Tensor> joinReference(const JoinData& d,
+                                         bool divideByInitialWorldSize) {
+  torch::manual_seed(100);
+  JoinNet reference;
+  auto opt = sgd(reference->parameters());
+  for (int it = 0; it < kJoinMaxBatches; ++it) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    int active = 0;
+    for (int r = 0; r < kJoinRanks; ++r) {
+      if (it < kJoinBatches[r]) {
+        auto l = torch::mse_loss(reference(d.x[r][it]), d.y[r][it]);
+        loss = loss.defined() ? loss + l : l;
+        ++active;
+      }
+    }
+    (loss / (divideByInitialWorldSize ? kJoinRanks : active)).backward();
+    opt.step();
+  }
+  return valuesOf(*reference);
+}
+
+struct JoinCase {
+  std::string name;
+  Options options;
+  bool divideByInitialWorldSize;
+};
+void PrintTo(const JoinCase& c, std::ostream* os) { *os << c.name; }
+
+class JoinUneven : public ::testing::TestWithParam<JoinCase> {};
+
+TEST_P(JoinUneven, FinishesAndEndsEqualToOneProcess) {
+  at::set_num_threads(1);
+  const JoinCase& c = GetParam();
+  const JoinData d = joinData();
+  const auto expected = joinReference(d, c.divideByInitialWorldSize);
+  std::vector<JoinNet> nets;
+  for (int r = 0; r < kJoinRanks; ++r) {
+    torch::manual_seed(100 + r);  // only rank 0 starts like the reference
+    nets.emplace_back();
+  }
+  std::vector<std::vector<torch::Tensor>> finals(kJoinRanks);
+  const auto start = std::chrono::steady_clock::now();
+  runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    JoinNet net = nets[rank];
+    DistributedDataParallel model(net, pg, c.options);
+    auto opt = sgd(net->parameters());
+    Join join({&model},
+              {.divideByInitialWorldSize = c.divideByInitialWorldSize});
+    for (int it = 0; it < kJoinBatches[rank]; ++it) {
+      opt.zero_grad();
+      torch::mse_loss(model(d.x[rank][it]), d.y[rank][it]).backward();
+      opt.step();
+    }
+    join.finish();
+    finals[rank] = valuesOf(*net);
+  });
+  // Far below the group's 60 s timeout: nobody waited one out.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+  for (int r = 0; r < kJoinRanks; ++r) {
+    EXPECT_LE(maxDiff(finals[r], expected), 1e-5) << "rank " << r;
+    EXPECT_EQ(maxDiff(finals[r], finals[0]), 0) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ddp, JoinUneven,
+    ::testing::Values(JoinCase{"initial_world_size", {}, true},
+                      JoinCase{"active_ranks", {}, false},
+                      JoinCase{"several_buckets_as_views",
+                               {.bucketCapMb = 0.0005,
+                                .firstBucketCapMb = 0.0001,
+                                .gradientAsBucketView = true},
+                               true},
+                      JoinCase{
+                          "several_buckets_active_ranks",
+                          {.bucketCapMb = 0.0005, .firstBucketCapMb = 0.0001},
+                          false}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(Ddp, JoinThrowOnEarlyTerminationRaisesOnEveryRank) {
+  at::set_num_threads(1);
+  const JoinData d = joinData();
+  std::vector<JoinNet> nets(kJoinRanks);
+  std::vector<std::string> errors(kJoinRanks);
+  std::vector<int> stoppedAt(kJoinRanks, -1);
+  runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    JoinNet net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    auto opt = sgd(net->parameters());
+    Join join({&model}, {.throwOnEarlyTermination = true});
+    int it = 0;
+    try {
+      for (; it < kJoinBatches[rank]; ++it) {
+        opt.zero_grad();
+        torch::mse_loss(model(d.x[rank][it]), d.y[rank][it]).backward();
+        opt.step();
+      }
+      join.finish();
+    } catch (const FailedPreconditionError& e) {
+      errors[rank] = e.what();
+      stoppedAt[rank] = it;
+    }
+  });
+  for (int r = 0; r < kJoinRanks; ++r) {
+    EXPECT_NE(errors[r].find("throwOnEarlyTermination"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_EQ(errors[r], errors[0]) << "rank " << r;
+    // Every rank stops at the iteration the shortest shard ends.
+    EXPECT_EQ(stoppedAt[r], 3) << "rank " << r;
+  }
+}
+
+// A user's own per-iteration collective: the sum of every rank's loss and
+// batch count, allreduced each iteration. A joined rank adds zeros.
+class LossMetrics : public Joinable {
+ public:
+  explicit LossMetrics(std::shared_ptr<ProcessGroup> pg) : pg_(std::move(pg)) {}
+  void add(double loss) {
+    Join::notify(*this);
+    allreduceInto(torch::tensor({loss, 1.0}, torch::kDouble));
+  }
+  JoinHook joinHook(const JoinOptions& /*options*/) override {
+    return {[this] {
+              allreduceInto(torch::zeros({2}, torch::kDouble));
+              ++shadowed;
+            },
+            [this](bool isLastJoiner) { lastJoiner = isLastJoiner; }};
+  }
+  at::Device joinDevice() const override { return at::kCPU; }
+  std::shared_ptr<ProcessGroup> joinProcessGroup() const override {
+    return pg_;
+  }
+
+  torch::Tensor total = torch::zeros({2}, torch::kDouble);
+  int shadowed = 0;
+  bool lastJoiner = false;
+
+ private:
+  void allreduceInto(torch::Tensor t) {
+    pg_->allreduce(t).wait();
+    total += t;
+  }
+  std::shared_ptr<ProcessGroup> pg_;
+};
+
+TEST(Ddp, JoinWithAUserJoinableAndDdp) {
+  at::set_num_threads(1);
+  const JoinData d = joinData();
+  const auto expected = joinReference(d, true);
+  std::vector<JoinNet> nets;
+  for (int r = 0; r < kJoinRanks; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  std::vector<std::vector<torch::Tensor>> finals(kJoinRanks);
+  std::vector<torch::Tensor> totals(kJoinRanks);
+  std::vector<double> localLoss(kJoinRanks, 0);
+  std::vector<int> shadowed(kJoinRanks);
+  std::vector<int> last(kJoinRanks);
+  runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    JoinNet net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    LossMetrics metrics(pg);
+    auto opt = sgd(net->parameters());
+    // The model first: its forward's notify is an iteration's first
+    // collective, then its backward's, then the metrics'.
+    Join join({&model, &metrics});
+    for (int it = 0; it < kJoinBatches[rank]; ++it) {
+      opt.zero_grad();
+      auto loss = torch::mse_loss(model(d.x[rank][it]), d.y[rank][it]);
+      loss.backward();
+      opt.step();
+      localLoss[rank] += loss.item<double>();
+      metrics.add(loss.item<double>());
+    }
+    join.finish();
+    finals[rank] = valuesOf(*net);
+    totals[rank] = metrics.total;
+    shadowed[rank] = metrics.shadowed;
+    last[rank] = metrics.lastJoiner;
+  });
+  const double allLoss = localLoss[0] + localLoss[1] + localLoss[2];
+  for (int r = 0; r < kJoinRanks; ++r) {
+    EXPECT_LE(maxDiff(finals[r], expected), 1e-5) << "rank " << r;
+    ASSERT_TRUE(totals[r].defined()) << "rank " << r;
+    EXPECT_EQ(totals[r][1].item<double>(), 20) << "rank " << r;
+    EXPECT_NEAR(totals[r][0].item<double>(), allLoss, 1e-9) << "rank " << r;
+    EXPECT_EQ(shadowed[r], kJoinMaxBatches - kJoinBatches[r]) << "rank " << r;
+    EXPECT_EQ(last[r], r == 0 ? 1 : 0) << "rank " << r;
   }
 }
 
