@@ -251,6 +251,49 @@ std::vector<at::Tensor> buffersOf(const torch::nn::Module& module) {
 
 }  // namespace
 
+namespace hooks {
+
+CommHook allreduce() {
+  return [](GradBucket& bucket) {
+    at::Tensor buffer = bucket.buffer;
+    return bucket.processGroup->allreduce(buffer, collectives::ReduceOp::kAvg)
+        .future()
+        .then([buffer](const std::vector<at::Tensor>& /*out*/) {
+          return buffer;
+        });
+  };
+}
+
+namespace {
+
+CommHook compress(at::ScalarType dtype) {
+  return [dtype](GradBucket& bucket) {
+    at::Tensor buffer = bucket.buffer;
+    // Divided before the sum: the sum of the ranks' values could overflow
+    // float16 where their average does not.
+    at::Tensor wire;
+    {
+      at::NoGradGuard noGrad;
+      wire = buffer.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+      wire.div_(bucket.processGroup->size());
+    }
+    return bucket.processGroup->allreduce(wire, collectives::ReduceOp::kSum)
+        .future()
+        .then([buffer, wire](const std::vector<at::Tensor>& /*out*/) {
+          at::NoGradGuard noGrad;
+          buffer.copy_(wire);
+          return buffer;
+        });
+  };
+}
+
+}  // namespace
+
+CommHook fp16Compress() { return compress(at::kHalf); }
+CommHook bf16Compress() { return compress(at::kBFloat16); }
+
+}  // namespace hooks
+
 NoSyncGuard::NoSyncGuard(std::shared_ptr<detail::Reducer> reducer)
     : reducer_(std::move(reducer)) {
   reducer_->enterNoSync();
@@ -313,6 +356,10 @@ DistributedDataParallelBase::DistributedDataParallelBase(
 }
 
 DistributedDataParallelBase::~DistributedDataParallelBase() = default;
+
+void DistributedDataParallelBase::registerCommHook(CommHook hook) {
+  reducer_->setCommHook(std::move(hook));
+}
 
 NoSyncGuard DistributedDataParallelBase::noSync() {
   return NoSyncGuard(reducer_);

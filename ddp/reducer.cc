@@ -167,6 +167,7 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
     for (size_t i : bucket.params) {
       numel += params_[i].tensor.numel();
     }
+    bucket.numel = numel;
     const bool last = b + 1 == assignment.size();
     const int64_t flags = last ? static_cast<int64_t>(params_.size()) : 0;
     const at::Tensor& first = params_[bucket.params.front()].tensor;
@@ -204,6 +205,8 @@ void Reducer::resetIteration() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
+    b.hooked.reset();
+    b.flagsWork.reset();
   }
   if (flags_.defined()) {
     at::NoGradGuard noGrad;
@@ -284,6 +287,7 @@ void Reducer::beginIteration(bool armed, double gradScale) {
                      "failed midway); the ranks' collectives may be out of "
                      "step: create a new ProcessGroup and model wrapper"));
   }
+  started_ = true;
   rebuildIfPending();
   resetIteration();
   armed_ = armed && !params_.empty();
@@ -299,16 +303,26 @@ void Reducer::shadowIteration() {
   }
   // Fresh zeros: the buckets' own memory may be this rank's .grad
   // (gradientAsBucketView). All are issued before any wait, as an armed
-  // backward issues them.
-  std::vector<collectives::Work> works;
-  works.reserve(buckets_.size());
-  for (const auto& b : buckets_) {
-    works.push_back(
-        group_->allreduce(at::zeros_like(b.flat), collectives::ReduceOp::kAvg));
+  // backward issues them; they go through the comm hook when there is one.
+  started_ = true;
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    Bucket& bucket = buckets_[k];
+    at::Tensor zeros = at::zeros_like(bucket.flat);
+    const bool last = k + 1 == buckets_.size();
+    launch(k, zeros,
+           last && flags_.defined()
+               ? zeros.narrow(0, bucket.numel, zeros.numel() - bucket.numel)
+               : at::Tensor());
   }
-  for (auto& w : works) {
-    w.wait();  // bounded by the group's timeout
+  try {
+    for (auto& bucket : buckets_) {
+      await(bucket);
+    }
+  } catch (...) {
+    resetIteration();
+    throw;
   }
+  resetIteration();
   endRecording();
 }
 
@@ -429,9 +443,74 @@ void Reducer::launchReadyBuckets() {
   // Strictly in bucket order: every rank issues the same sequence of
   // allreduces whatever order its gradients come in.
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
-    Bucket& b = buckets_[nextBucket_++];
-    b.work = group_->allreduce(b.flat, collectives::ReduceOp::kAvg);
+    const size_t k = nextBucket_++;
+    launch(k, buckets_[k].flat,
+           k + 1 == buckets_.size() ? flags_ : at::Tensor());
   }
+}
+
+void Reducer::launch(size_t k, const at::Tensor& flat,
+                     const at::Tensor& flags) {
+  Bucket& b = buckets_[k];
+  if (!hook_) {
+    b.work = group_->allreduce(flat, collectives::ReduceOp::kAvg);
+    return;
+  }
+  GradBucket view;
+  view.index = k;
+  view.buffer = flat.narrow(0, 0, b.numel);
+  for (size_t i : b.params) {
+    view.parameters.push_back(params_[i].tensor);
+    view.parameterNames.push_back(params_[i].name);
+  }
+  view.isLast = k + 1 == buckets_.size();
+  view.processGroup = group_;
+  at::Tensor buffer = view.buffer;
+  // The hook's reduced tensor is copied into the slots at the end.
+  b.hooked = hook_(view).then([buffer](const at::Tensor& out) {
+    if (!out.defined() || out.numel() != buffer.numel()) {
+      throwError(Error::invalidArgument(
+          "DistributedDataParallel: a comm hook's result has " +
+          std::to_string(out.defined() ? out.numel() : 0) +
+          " elements, its bucket " + std::to_string(buffer.numel())));
+    }
+    if (!out.is_same(buffer)) {
+      at::NoGradGuard noGrad;
+      buffer.copy_(out.reshape({-1}));
+    }
+    return buffer;
+  });
+  if (flags.defined()) {
+    b.flagsWork = group_->allreduce(flags, collectives::ReduceOp::kAvg);
+  }
+}
+
+void Reducer::await(Bucket& b) {
+  if (b.work) {
+    b.work->wait();  // bounded by the group's timeout (work.h)
+  }
+  if (b.hooked) {
+    // The hook's collectives are bounded by the group's timeout; a hook
+    // that never completes its future is bounded here.
+    (void)b.hooked->wait(group_->timeout());
+  }
+  if (b.flagsWork) {
+    b.flagsWork->wait();
+  }
+}
+
+void Reducer::setCommHook(CommHook hook) {
+  MutexLock lock(mu_);
+  if (!hook) {
+    throwError(Error::invalidArgument(
+        "DistributedDataParallel: registerCommHook with a null hook"));
+  }
+  if (hook_ || started_) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "DistributedDataParallel: registerCommHook must come "
+                     "before the first forward, once"));
+  }
+  hook_ = std::move(hook);
 }
 
 void Reducer::finalize() {
@@ -448,8 +527,7 @@ void Reducer::finalize() {
   }
   for (auto& b : buckets_) {
     try {
-      // Bounded by the group's timeout (work.h).
-      b.work->wait();
+      await(b);
     } catch (...) {
       resetIteration();
       throw;

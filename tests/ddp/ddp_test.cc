@@ -724,6 +724,8 @@ struct JoinCase {
   std::string name;
   Options options;
   bool divideByInitialWorldSize;
+  // Registered when set: a joined rank shadows through it.
+  std::function<CommHook()> hook = nullptr;
 };
 void PrintTo(const JoinCase& c, std::ostream* os) { *os << c.name; }
 
@@ -744,6 +746,9 @@ TEST_P(JoinUneven, FinishesAndEndsEqualToOneProcess) {
   runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
     JoinNet net = nets[rank];
     DistributedDataParallel model(net, pg, c.options);
+    if (c.hook) {
+      model.registerCommHook(c.hook());
+    }
     auto opt = sgd(net->parameters());
     Join join({&model},
               {.divideByInitialWorldSize = c.divideByInitialWorldSize});
@@ -765,17 +770,22 @@ TEST_P(JoinUneven, FinishesAndEndsEqualToOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(
     Ddp, JoinUneven,
-    ::testing::Values(JoinCase{"initial_world_size", {}, true},
-                      JoinCase{"active_ranks", {}, false},
-                      JoinCase{"several_buckets_as_views",
-                               {.bucketCapMb = 0.0005,
-                                .firstBucketCapMb = 0.0001,
-                                .gradientAsBucketView = true},
-                               true},
-                      JoinCase{
-                          "several_buckets_active_ranks",
-                          {.bucketCapMb = 0.0005, .firstBucketCapMb = 0.0001},
-                          false}),
+    ::testing::Values(
+        JoinCase{"initial_world_size", {}, true},
+        JoinCase{"active_ranks", {}, false},
+        JoinCase{"several_buckets_as_views",
+                 {.bucketCapMb = 0.0005,
+                  .firstBucketCapMb = 0.0001,
+                  .gradientAsBucketView = true},
+                 true},
+        JoinCase{"several_buckets_active_ranks",
+                 {.bucketCapMb = 0.0005, .firstBucketCapMb = 0.0001},
+                 false},
+        // A joined rank shadows the buckets through the hook.
+        JoinCase{"allreduce_hook",
+                 {.bucketCapMb = 0.0005, .firstBucketCapMb = 0.0001},
+                 false,
+                 hooks::allreduce}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Ddp, JoinThrowOnEarlyTerminationRaisesOnEveryRank) {
@@ -888,6 +898,143 @@ TEST(Ddp, JoinWithAUserJoinableAndDdp) {
     EXPECT_NEAR(totals[r][0].item<double>(), allLoss, 1e-9) << "rank " << r;
     EXPECT_EQ(shadowed[r], kJoinMaxBatches - kJoinBatches[r]) << "rank " << r;
     EXPECT_EQ(last[r], r == 0 ? 1 : 0) << "rank " << r;
+  }
+}
+
+// ---- Communication hooks ----
+
+struct HookCase {
+  std::string name;
+  std::function<CommHook()> hook;
+  double tolerance;    // of the averaged gradients against the reference
+  double scale = 1.0;  // the hook's result is scale * the average
+  bool lossy = false;  // the result must differ from fp32's
+};
+void PrintTo(const HookCase& c, std::ostream* os) { *os << c.name; }
+
+class CommHooks : public ::testing::TestWithParam<HookCase> {};
+
+// Three ranks, several buckets (tiny caps), two backwards on the same
+// parameters (the second after the rebuild): each rank's gradients within
+// the hook's tolerance of one process on the whole batch, and bit for bit
+// the same on every rank. Every bucket went through the hook once per
+// backward, with its index, parameters and names.
+TEST_P(CommHooks, GradientsMatchTheReferenceOnEveryRank) {
+  at::set_num_threads(1);
+  const HookCase& c = GetParam();
+  constexpr int kRanks = 3;
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 8});
+  const auto y = torch::randn({kBatch, 4});
+  torch::manual_seed(100);
+  Mlp reference;
+  torch::mse_loss(reference(x), y).backward();
+  const auto refGrads = gradsOf(*reference);
+  std::vector<Mlp> nets;
+  for (int r = 0; r < kRanks; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  std::vector<std::vector<std::vector<torch::Tensor>>> grads(kRanks);
+  std::vector<std::multiset<std::string>> seenNames(kRanks);
+  std::vector<std::vector<size_t>> seenIndex(kRanks);
+  runRanks(kRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Mlp net = nets[rank];
+    DistributedDataParallel model(
+        net, pg, {.bucketCapMb = 0.002, .firstBucketCapMb = 0.0001});
+    CommHook inner = c.hook();
+    // Records what the hook is given (one thread runs backward per rank).
+    model.registerCommHook([&, inner](GradBucket& b) {
+      size_t numel = 0;
+      for (size_t k = 0; k < b.parameters.size(); ++k) {
+        seenNames[rank].insert(b.parameterNames[k]);
+        numel += b.parameters[k].numel();
+      }
+      EXPECT_EQ(static_cast<size_t>(b.buffer.numel()), numel);
+      seenIndex[rank].push_back(b.index);
+      return inner(b);
+    });
+    for (int it = 0; it < 2; ++it) {
+      for (auto& p : net->parameters()) {
+        p.mutable_grad() = torch::Tensor();
+      }
+      torch::mse_loss(model(shard(x, rank, kRanks)), shard(y, rank, kRanks))
+          .backward();
+      grads[rank].push_back(gradsOf(*net));
+    }
+  });
+  std::vector<torch::Tensor> expected;
+  for (const auto& g : refGrads) {
+    expected.push_back(g * c.scale);
+  }
+  const size_t nParams = refGrads.size();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(grads[r].size(), 2u) << "rank " << r;
+    for (int it = 0; it < 2; ++it) {
+      const double diff = maxDiff(grads[r][it], expected);
+      EXPECT_LE(diff, c.tolerance) << "rank " << r << " iteration " << it;
+      if (c.lossy) {
+        EXPECT_GT(diff, 1e-6) << "not compressed? rank " << r;
+      }
+      EXPECT_EQ(maxDiff(grads[r][it], grads[0][it]), 0) << "rank " << r;
+    }
+    // Every parameter once per backward; indices 0.. in launch order.
+    EXPECT_EQ(seenNames[r].size(), 2 * nParams) << "rank " << r;
+    for (const auto& item : nets[r]->named_parameters()) {
+      EXPECT_EQ(seenNames[r].count(item.key()), 2u) << item.key();
+    }
+    const size_t perBackward = seenIndex[r].size() / 2;
+    EXPECT_GT(perBackward, 1u);  // several buckets
+    for (size_t k = 0; k < seenIndex[r].size(); ++k) {
+      EXPECT_EQ(seenIndex[r][k], k % perBackward) << "rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ddp, CommHooks,
+    ::testing::Values(
+        HookCase{"allreduce", hooks::allreduce, kTol},
+        HookCase{"fp16", hooks::fp16Compress, 2e-3, 1.0, true},
+        HookCase{"bf16", hooks::bf16Compress, 2e-2, 1.0, true},
+        // A user hook: the bucket times 3, then the default allreduce.
+        HookCase{"user_times_three",
+                 [] {
+                   return CommHook([](GradBucket& b) {
+                     b.buffer.mul_(3);
+                     return hooks::allreduce()(b);
+                   });
+                 },
+                 3 * kTol, 3.0}),
+    [](const auto& info) { return info.param.name; });
+
+// With a hook, the unused-parameter flags travel on their own: a hook that
+// changes the bucket's values (times 3, here) leaves the error intact.
+TEST(Ddp, CommHookKeepsTheUnusedParameterError) {
+  at::set_num_threads(1);
+  std::vector<Mlp> nets;
+  for (int r = 0; r < 2; ++r) {
+    nets.emplace_back(/*withBranch=*/true);
+  }
+  std::vector<std::string> errors(2);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Mlp net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    model.registerCommHook([](GradBucket& b) {
+      b.buffer.mul_(3);
+      return hooks::allreduce()(b);
+    });
+    try {
+      torch::mse_loss(model(torch::ones({2, 8}), rank != 1),
+                      torch::zeros({2, 4}))
+          .backward();
+    } catch (const FailedPreconditionError& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("branch.weight (1 of 2 ranks)"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
   }
 }
 
