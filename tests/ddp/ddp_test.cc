@@ -821,6 +821,32 @@ TEST(Ddp, JoinThrowOnEarlyTerminationRaisesOnEveryRank) {
   }
 }
 
+// Under an enabled Join a forward that does not reduce (noSync) is refused
+// before any collective, on every rank; a disabled Join lets it through.
+TEST(Ddp, JoinRefusesForwardsThatDoNotReduceUnlessDisabled) {
+  at::set_num_threads(1);
+  for (bool enable : {true, false}) {
+    std::vector<Mlp> nets(2);
+    std::vector<std::string> errors(2);
+    runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      Mlp net = nets[rank];
+      DistributedDataParallel model(net, pg);
+      Join join({&model}, {.enable = enable});
+      try {
+        auto guard = model.noSync();
+        model(torch::ones({2, 8})).sum().backward();
+      } catch (const FailedPreconditionError& e) {
+        errors[rank] = e.what();
+      }
+      join.finish();
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(errors[r].find("noSync") != std::string::npos, enable)
+          << "rank " << r << ": " << errors[r];
+    }
+  }
+}
+
 // A user's own per-iteration collective: the sum of every rank's loss and
 // batch count, allreduced each iteration. A joined rank adds zeros.
 class LossMetrics : public Joinable {
