@@ -1,6 +1,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cstdint>
@@ -183,10 +184,10 @@ void checkSameModel(collectives::ProcessGroup& group,
   throwError(Error::invalidArgument(msg.str()));
 }
 
-// Rank 0's values into `tensors` on every rank: one broadcast per dtype and
-// device and per kBroadcastChunkBytes, not one per tensor.
+// Rank `root`'s values into `tensors` on every rank: one broadcast per dtype
+// and device and per kBroadcastChunkBytes, not one per tensor.
 void broadcastCoalesced(collectives::ProcessGroup& group,
-                        const std::vector<at::Tensor>& tensors) {
+                        const std::vector<at::Tensor>& tensors, int root = 0) {
   if (group.size() == 1 || tensors.empty()) {
     return;
   }
@@ -205,7 +206,7 @@ void broadcastCoalesced(collectives::ProcessGroup& group,
       flat.push_back(t.reshape({-1}));
     }
     c.flat = at::cat(flat);
-    c.work = group.broadcast(c.flat, 0);
+    c.work = group.broadcast(c.flat, root);
     chunks.push_back(std::move(c));
     c = Chunk{};
   };
@@ -234,7 +235,7 @@ void broadcastCoalesced(collectives::ProcessGroup& group,
   }
   for (auto& c : chunks) {
     c.work->wait();  // bounded by the group's timeout
-    if (group.rank() != 0) {
+    if (group.rank() != root) {
       int64_t offset = 0;
       for (auto& t : c.members) {
         t.copy_(c.flat.narrow(0, offset, t.numel()).view_as(t));
@@ -249,6 +250,49 @@ std::vector<at::Tensor> buffersOf(const torch::nn::Module& module) {
 }
 
 }  // namespace
+
+namespace hooks {
+
+CommHook allreduce() {
+  return [](GradBucket& bucket) {
+    at::Tensor buffer = bucket.buffer;
+    return bucket.processGroup->allreduce(buffer, collectives::ReduceOp::kAvg)
+        .future()
+        .then([buffer](const std::vector<at::Tensor>& /*out*/) {
+          return buffer;
+        });
+  };
+}
+
+namespace {
+
+CommHook compress(at::ScalarType dtype) {
+  return [dtype](GradBucket& bucket) {
+    at::Tensor buffer = bucket.buffer;
+    // Divided before the sum: the sum of the ranks' values could overflow
+    // float16 where their average does not.
+    at::Tensor wire;
+    {
+      at::NoGradGuard noGrad;
+      wire = buffer.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+      wire.div_(bucket.processGroup->size());
+    }
+    return bucket.processGroup->allreduce(wire, collectives::ReduceOp::kSum)
+        .future()
+        .then([buffer, wire](const std::vector<at::Tensor>& /*out*/) {
+          at::NoGradGuard noGrad;
+          buffer.copy_(wire);
+          return buffer;
+        });
+  };
+}
+
+}  // namespace
+
+CommHook fp16Compress() { return compress(at::kHalf); }
+CommHook bf16Compress() { return compress(at::kBFloat16); }
+
+}  // namespace hooks
 
 NoSyncGuard::NoSyncGuard(std::shared_ptr<detail::Reducer> reducer)
     : reducer_(std::move(reducer)) {
@@ -303,7 +347,8 @@ DistributedDataParallelBase::DistributedDataParallelBase(
       device = b.device();
     }
   }
-  checkSameModel(*group_, describe(*module_), device.value_or(at::kCPU));
+  device_ = device.value_or(at::kCPU);
+  checkSameModel(*group_, describe(*module_), device_);
   broadcastCoalesced(*group_, state);
   reducer_ =
       std::make_shared<detail::Reducer>(group_, options_, std::move(params));
@@ -311,6 +356,10 @@ DistributedDataParallelBase::DistributedDataParallelBase(
 }
 
 DistributedDataParallelBase::~DistributedDataParallelBase() = default;
+
+void DistributedDataParallelBase::registerCommHook(CommHook hook) {
+  reducer_->setCommHook(std::move(hook));
+}
 
 NoSyncGuard DistributedDataParallelBase::noSync() {
   return NoSyncGuard(reducer_);
@@ -322,10 +371,68 @@ DistributedDataParallelBase::bucketParameterNames() const {
 }
 
 void DistributedDataParallelBase::beforeForward() {
+  const bool armed = reducer_->syncing() && at::GradMode::is_enabled();
+  double gradScale = 1.0;
+  const Join* join = this->join();
+  if (join != nullptr && join->options().enable) {
+    if (!armed) {
+      // Checked before any collective: the ranks still training all take
+      // this path, and a joined rank would shadow a reduction never issued.
+      throwError(Error(Code::kFailedPrecondition,
+                       "DistributedDataParallel: a forward under an enabled "
+                       "Join must be a synchronized training step (gradients "
+                       "enabled, outside noSync()): a joined rank shadows "
+                       "every iteration's gradient reduction"));
+    }
+    const int active = Join::notify(*this);
+    if (!join->options().divideByInitialWorldSize && active > 0) {
+      gradScale = static_cast<double>(group_->size()) / active;
+    }
+  }
   if (options_.broadcastBuffers) {
     broadcastCoalesced(*group_, buffersOf(*module_));
   }
-  reducer_->beginIteration(reducer_->syncing() && at::GradMode::is_enabled());
+  reducer_->beginIteration(armed, gradScale);
+}
+
+JoinHook DistributedDataParallelBase::joinHook(const JoinOptions& /*options*/) {
+  JoinHook hook;
+  // One iteration of the ranks still training: forward's buffer broadcast
+  // (this rank's buffers are overwritten by rank 0's, as theirs are), then
+  // what their backward issues. divideByInitialWorldSize needs nothing
+  // here: this rank contributes zeros either way, the others scale.
+  hook.mainHook = [this] {
+    if (options_.broadcastBuffers) {
+      broadcastCoalesced(*group_, buffersOf(*module_));
+    }
+    reducer_->shadowIteration();
+  };
+  // The last rank to join (the highest such rank) has taken every step:
+  // its parameters and buffers go to every rank.
+  hook.postHook = [this](bool isLastJoiner) {
+    at::Tensor candidate =
+        at::full({1}, isLastJoiner ? int64_t{group_->rank()} : int64_t{-1},
+                 at::TensorOptions().dtype(at::kLong))
+            .to(device_);
+    group_->allreduce(candidate, collectives::ReduceOp::kMax).wait();
+    const auto root = static_cast<int>(candidate.cpu().item<int64_t>());
+    if (root < 0 || root >= group_->size()) {
+      throwError(Error::internal(
+          "DistributedDataParallel: Join found no last rank to join"));
+    }
+    std::vector<at::Tensor> state;
+    std::unordered_set<const void*> seen;
+    for (const auto& p : module_->parameters(/*recurse=*/true)) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) {
+        state.push_back(p);
+      }
+    }
+    for (const auto& b : buffersOf(*module_)) {
+      state.push_back(b);
+    }
+    broadcastCoalesced(*group_, state, root);
+  };
+  return hook;
 }
 
 void DistributedDataParallelBase::afterForward(

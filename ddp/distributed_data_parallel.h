@@ -48,6 +48,7 @@
 //    Destroy it only when no backward through the module runs.
 #include <ATen/core/Tensor.h>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,6 +61,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <trellis/collectives/process_group.h>
+#include <trellis/core/future.h>
+#include <trellis/ddp/join.h>
 
 namespace trellis::ddp {
 
@@ -89,6 +92,41 @@ struct Options {
   // back. Costs the walk per forward.
   bool findUnusedParameters = false;
 };
+
+// One bucket as a communication hook sees it, at its launch during
+// backward (docs/ddp.md "Communication hooks").
+struct GradBucket {
+  // Position in launch order (0 goes first; the order is the same on every
+  // rank).
+  size_t index = 0;
+  // This rank's gradients of the bucket's parameters, flat, in `parameters`'
+  // order (the unused-parameter flags are not in it). The hook may change
+  // it in place.
+  at::Tensor buffer;
+  std::vector<at::Tensor> parameters;
+  std::vector<std::string> parameterNames;  // module paths
+  bool isLast = false;                      // the last bucket launched
+  std::shared_ptr<collectives::ProcessGroup> processGroup;
+};
+
+// A communication hook: replaces a bucket's allreduce. Returns a future of
+// the reduced gradients (averaged over the ranks, as the default does): a
+// tensor of buffer's numel, dtype and device, or buffer itself. Called on
+// every rank for every bucket in the same order, from autograd's threads;
+// it must issue the same collectives on every rank. The future is waited
+// for at the end of backward (bounded by the group's timeout).
+using CommHook = std::function<Future<at::Tensor>(GradBucket&)>;
+
+// Built-in hooks.
+namespace hooks {
+// What DDP does without a hook: an allreduce averaging the bucket.
+CommHook allreduce();
+// The bucket cast to float16 (bfloat16), divided by the world size, summed
+// by an allreduce, cast back: half the bytes on the wire, at float16's
+// (bfloat16's) precision.
+CommHook fp16Compress();
+CommHook bf16Compress();
+}  // namespace hooks
 
 namespace detail {
 class Reducer;
@@ -133,17 +171,29 @@ class [[nodiscard]] NoSyncGuard {
 };
 
 // The module-type independent part: checks, broadcasts, buckets, hooks.
-class DistributedDataParallelBase {
+// A Joinable (ddp/join.h): under a Join, each forward calls Join::notify
+// first (so list the model first among the Join's Joinables); a joined
+// rank shadows one iteration per round (the buffer broadcast, the one-time
+// bucket rebuild broadcast when due, one allreduce of zeros per bucket)
+// and, once all have joined, every rank takes the parameters and buffers
+// of the last rank to join. Under an enabled Join every forward must arm
+// the reducer (gradients enabled, outside noSync()): a joined rank cannot
+// know which iterations skip the reduction.
+class DistributedDataParallelBase : public Joinable {
  public:
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                               std::shared_ptr<collectives::ProcessGroup> group,
                               Options options);
-  ~DistributedDataParallelBase();
+  ~DistributedDataParallelBase() override;
   DistributedDataParallelBase(const DistributedDataParallelBase&) = delete;
   DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) =
       delete;
 
   [[nodiscard]] NoSyncGuard noSync();
+  // Replaces every bucket's allreduce by `hook` (hooks:: or the program's
+  // own). Before the first forward, once, with the same kind of hook on
+  // every rank. A null hook is an InvalidArgumentError.
+  void registerCommHook(CommHook hook);
   const Options& options() const { return options_; }
   const std::shared_ptr<collectives::ProcessGroup>& processGroup() const {
     return group_;
@@ -152,6 +202,13 @@ class DistributedDataParallelBase {
   // parameters (for tests and logs). Changes once, at the first forward
   // after the first armed backward (rebuilt in gradient-ready order).
   std::vector<std::vector<std::string>> bucketParameterNames() const;
+
+  // Joinable.
+  JoinHook joinHook(const JoinOptions& options) override;
+  at::Device joinDevice() const override { return device_; }
+  std::shared_ptr<collectives::ProcessGroup> joinProcessGroup() const override {
+    return group_;
+  }
 
  protected:
   // Around module->forward: broadcasts buffers, rebuilds buckets once,
@@ -165,6 +222,7 @@ class DistributedDataParallelBase {
   std::shared_ptr<collectives::ProcessGroup> group_;
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::Reducer> reducer_;
+  at::Device device_{at::kCPU};  // of the first parameter or buffer
 };
 
 // M: the module's type (a torch::nn::Module subclass, usually the Impl of

@@ -167,6 +167,7 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
     for (size_t i : bucket.params) {
       numel += params_[i].tensor.numel();
     }
+    bucket.numel = numel;
     const bool last = b + 1 == assignment.size();
     const int64_t flags = last ? static_cast<int64_t>(params_.size()) : 0;
     const at::Tensor& first = params_[bucket.params.front()].tensor;
@@ -204,6 +205,8 @@ void Reducer::resetIteration() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
+    b.hooked.reset();
+    b.flagsWork.reset();
   }
   if (flags_.defined()) {
     at::NoGradGuard noGrad;
@@ -231,7 +234,48 @@ std::vector<size_t> Reducer::orderForRebuild() const {
   return order;
 }
 
-void Reducer::beginIteration(bool armed) {
+void Reducer::rebuildIfPending() {
+  if (!rebuildPending_) {
+    return;
+  }
+  rebuildPending_ = false;
+  if (params_.empty()) {
+    return;
+  }
+  // Every rank takes rank 0's order, so all build the same buckets.
+  const std::vector<size_t> mine = orderForRebuild();
+  at::Tensor order = at::empty({static_cast<int64_t>(mine.size())},
+                               at::TensorOptions().dtype(at::kLong));
+  for (size_t k = 0; k < mine.size(); ++k) {
+    order.data_ptr<int64_t>()[k] = static_cast<int64_t>(mine[k]);
+  }
+  const at::Device device = params_.front().tensor.device();
+  at::Tensor onDevice = order.to(device);
+  group_->broadcast(onDevice, 0).wait();
+  order = onDevice.cpu();
+  std::vector<size_t> chosen(mine.size());
+  std::vector<char> seen(params_.size(), 0);
+  for (size_t k = 0; k < chosen.size(); ++k) {
+    const int64_t v = order.data_ptr<int64_t>()[k];
+    if (v < 0 || static_cast<size_t>(v) >= params_.size() || seen[v]) {
+      throwError(Error::internal(
+          "DistributedDataParallel: rank 0's bucket order is not a "
+          "permutation of the parameters"));
+    }
+    seen[v] = 1;
+    chosen[k] = static_cast<size_t>(v);
+  }
+  buildBuckets(chosen);
+}
+
+void Reducer::endRecording() {
+  if (recording_) {
+    recording_ = false;
+    rebuildPending_ = true;
+  }
+}
+
+void Reducer::beginIteration(bool armed, double gradScale) {
   MutexLock lock(mu_);
   if (armed_ && hooksFired_) {
     // A backward started reducing and never reached its end (it threw
@@ -243,37 +287,43 @@ void Reducer::beginIteration(bool armed) {
                      "failed midway); the ranks' collectives may be out of "
                      "step: create a new ProcessGroup and model wrapper"));
   }
-  if (rebuildPending_) {
-    rebuildPending_ = false;
-    if (!params_.empty()) {
-      // Every rank takes rank 0's order, so all build the same buckets.
-      const std::vector<size_t> mine = orderForRebuild();
-      at::Tensor order = at::empty({static_cast<int64_t>(mine.size())},
-                                   at::TensorOptions().dtype(at::kLong));
-      for (size_t k = 0; k < mine.size(); ++k) {
-        order.data_ptr<int64_t>()[k] = static_cast<int64_t>(mine[k]);
-      }
-      const at::Device device = params_.front().tensor.device();
-      at::Tensor onDevice = order.to(device);
-      group_->broadcast(onDevice, 0).wait();
-      order = onDevice.cpu();
-      std::vector<size_t> chosen(mine.size());
-      std::vector<char> seen(params_.size(), 0);
-      for (size_t k = 0; k < chosen.size(); ++k) {
-        const int64_t v = order.data_ptr<int64_t>()[k];
-        if (v < 0 || static_cast<size_t>(v) >= params_.size() || seen[v]) {
-          throwError(Error::internal(
-              "DistributedDataParallel: rank 0's bucket order is not a "
-              "permutation of the parameters"));
-        }
-        seen[v] = 1;
-        chosen[k] = static_cast<size_t>(v);
-      }
-      buildBuckets(chosen);
-    }
-  }
+  started_ = true;
+  rebuildIfPending();
   resetIteration();
   armed_ = armed && !params_.empty();
+  gradScale_ = gradScale;
+}
+
+void Reducer::shadowIteration() {
+  MutexLock lock(mu_);
+  rebuildIfPending();
+  resetIteration();
+  if (params_.empty()) {
+    return;
+  }
+  // Fresh zeros: the buckets' own memory may be this rank's .grad
+  // (gradientAsBucketView). All are issued before any wait, as an armed
+  // backward issues them; they go through the comm hook when there is one.
+  started_ = true;
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    Bucket& bucket = buckets_[k];
+    at::Tensor zeros = at::zeros_like(bucket.flat);
+    const bool last = k + 1 == buckets_.size();
+    launch(k, zeros,
+           last && flags_.defined()
+               ? zeros.narrow(0, bucket.numel, zeros.numel() - bucket.numel)
+               : at::Tensor());
+  }
+  try {
+    for (auto& bucket : buckets_) {
+      await(bucket);
+    }
+  } catch (...) {
+    resetIteration();
+    throw;
+  }
+  resetIteration();
+  endRecording();
 }
 
 void Reducer::findUnused(const std::vector<at::Tensor>& outputs) {
@@ -393,9 +443,74 @@ void Reducer::launchReadyBuckets() {
   // Strictly in bucket order: every rank issues the same sequence of
   // allreduces whatever order its gradients come in.
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
-    Bucket& b = buckets_[nextBucket_++];
-    b.work = group_->allreduce(b.flat, collectives::ReduceOp::kAvg);
+    const size_t k = nextBucket_++;
+    launch(k, buckets_[k].flat,
+           k + 1 == buckets_.size() ? flags_ : at::Tensor());
   }
+}
+
+void Reducer::launch(size_t k, const at::Tensor& flat,
+                     const at::Tensor& flags) {
+  Bucket& b = buckets_[k];
+  if (!hook_) {
+    b.work = group_->allreduce(flat, collectives::ReduceOp::kAvg);
+    return;
+  }
+  GradBucket view;
+  view.index = k;
+  view.buffer = flat.narrow(0, 0, b.numel);
+  for (size_t i : b.params) {
+    view.parameters.push_back(params_[i].tensor);
+    view.parameterNames.push_back(params_[i].name);
+  }
+  view.isLast = k + 1 == buckets_.size();
+  view.processGroup = group_;
+  at::Tensor buffer = view.buffer;
+  // The hook's reduced tensor is copied into the slots at the end.
+  b.hooked = hook_(view).then([buffer](const at::Tensor& out) {
+    if (!out.defined() || out.numel() != buffer.numel()) {
+      throwError(Error::invalidArgument(
+          "DistributedDataParallel: a comm hook's result has " +
+          std::to_string(out.defined() ? out.numel() : 0) +
+          " elements, its bucket " + std::to_string(buffer.numel())));
+    }
+    if (!out.is_same(buffer)) {
+      at::NoGradGuard noGrad;
+      buffer.copy_(out.reshape({-1}));
+    }
+    return buffer;
+  });
+  if (flags.defined()) {
+    b.flagsWork = group_->allreduce(flags, collectives::ReduceOp::kAvg);
+  }
+}
+
+void Reducer::await(Bucket& b) {
+  if (b.work) {
+    b.work->wait();  // bounded by the group's timeout (work.h)
+  }
+  if (b.hooked) {
+    // The hook's collectives are bounded by the group's timeout; a hook
+    // that never completes its future is bounded here.
+    (void)b.hooked->wait(group_->timeout());
+  }
+  if (b.flagsWork) {
+    b.flagsWork->wait();
+  }
+}
+
+void Reducer::setCommHook(CommHook hook) {
+  MutexLock lock(mu_);
+  if (!hook) {
+    throwError(Error::invalidArgument(
+        "DistributedDataParallel: registerCommHook with a null hook"));
+  }
+  if (hook_ || started_) {
+    throwError(Error(Code::kFailedPrecondition,
+                     "DistributedDataParallel: registerCommHook must come "
+                     "before the first forward, once"));
+  }
+  hook_ = std::move(hook);
 }
 
 void Reducer::finalize() {
@@ -412,8 +527,7 @@ void Reducer::finalize() {
   }
   for (auto& b : buckets_) {
     try {
-      // Bounded by the group's timeout (work.h).
-      b.work->wait();
+      await(b);
     } catch (...) {
       resetIteration();
       throw;
@@ -429,7 +543,10 @@ void Reducer::finalize() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].tensor;
     const at::Tensor& grad = param.grad();
-    const at::Tensor& view = slots_[i].view;
+    at::Tensor& view = slots_[i].view;
+    if (gradScale_ != 1.0) {
+      view.mul_(gradScale_);
+    }
     if (fraction[i] != 0) {
       const long ranks = std::lround(fraction[i] * worldSize);
       unused.push_back(params_[i].name + " (" + std::to_string(ranks) + " of " +
@@ -448,10 +565,7 @@ void Reducer::finalize() {
       param.mutable_grad() = view.clone();
     }
   }
-  if (recording_) {
-    recording_ = false;
-    rebuildPending_ = true;
-  }
+  endRecording();
   resetIteration();
   if (!unused.empty() && !options_.findUnusedParameters) {
     std::ostringstream msg;

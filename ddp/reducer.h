@@ -55,11 +55,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // From forward, before the module runs: rebuilds the buckets once (after
   // the first armed backward, in rank 0's gradient-ready order) and arms
   // the reducer when `armed`. Throws when the previous armed backward ended
-  // before its reduction did (it failed midway).
-  void beginIteration(bool armed);
+  // before its reduction did (it failed midway). The averaged gradients are
+  // multiplied by `gradScale` before they are written back (Join with
+  // divideByInitialWorldSize false: world size / ranks still training).
+  void beginIteration(bool armed, double gradScale = 1.0);
+  // A joined rank's part of one iteration of the others (Join's main
+  // hook): the one-time bucket rebuild broadcast when it is due, then one
+  // allreduce of zeros per bucket, same sizes and order (the flags tail
+  // included), as an armed backward issues them; waits for them.
+  void shadowIteration();
   // From forward, after the module ran (findUnusedParameters): the
   // parameters the autograd graph from `outputs` does not reach.
   void findUnused(const std::vector<at::Tensor>& outputs);
+
+  // Before the first beginIteration, once.
+  void setCommHook(CommHook hook);
 
   void enterNoSync();
   void exitNoSync();
@@ -73,8 +83,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     // The parameters' slots, then (last bucket only) one flag per
     // parameter: 1 where this rank had no gradient for it.
     at::Tensor flat;
+    // Elements of the parameters' slots (flat's length without the flags).
+    int64_t numel = 0;
     size_t pending = 0;
     std::optional<collectives::Work> work;
+    // With a comm hook: its future, and (last bucket) the flags' own
+    // allreduce.
+    std::optional<Future<at::Tensor>> hooked;
+    std::optional<collectives::Work> flagsWork;
   };
   struct Slot {
     size_t bucket = 0;
@@ -91,6 +107,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // ready without a gradient (the walk, or the end of backward).
   void markReady(size_t index, bool local) TRELLIS_REQUIRES(mu_);
   void launchReadyBuckets() TRELLIS_REQUIRES(mu_);
+  // Issues bucket b's reduction of `buffer` (its slots, or zeros of their
+  // size when shadowing) and `flags` (last bucket): one allreduce of the
+  // whole flat tensor without a hook; with one, the hook, then the flags'
+  // own allreduce (a hook may change values, the flags must stay exact).
+  void launch(size_t b, const at::Tensor& flat, const at::Tensor& flags)
+      TRELLIS_REQUIRES(mu_);
+  // Waits for bucket b's reduction; the reduced gradients are in its slots.
+  void await(Bucket& b) TRELLIS_REQUIRES(mu_);
   // The end of backward (a callback queued on the autograd engine).
   void finalize();
   // Queues finalize on the engine. A function of its own (not inlined) so
@@ -98,6 +122,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // (tests/tsan_suppressions.cc).
   [[gnu::noinline]] void queueFinalize() TRELLIS_REQUIRES(mu_);
   std::vector<size_t> orderForRebuild() const TRELLIS_REQUIRES(mu_);
+  // The one-time rebuild after the first armed backward (a broadcast of
+  // rank 0's order), when it is due.
+  void rebuildIfPending() TRELLIS_REQUIRES(mu_);
+  // An armed backward (or its shadow) ended: the rebuild is due next.
+  void endRecording() TRELLIS_REQUIRES(mu_);
 
   const std::shared_ptr<collectives::ProcessGroup> group_;
   const Options options_;
@@ -113,6 +142,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<char> ready_ TRELLIS_GUARDED_BY(mu_);
   std::vector<size_t> walkUnused_ TRELLIS_GUARDED_BY(mu_);
   bool armed_ TRELLIS_GUARDED_BY(mu_) = false;
+  CommHook hook_ TRELLIS_GUARDED_BY(mu_);
+  bool started_ TRELLIS_GUARDED_BY(mu_) = false;  // an iteration began
+  double gradScale_ TRELLIS_GUARDED_BY(mu_) = 1.0;
   bool hooksFired_ TRELLIS_GUARDED_BY(mu_) = false;
   int noSyncDepth_ TRELLIS_GUARDED_BY(mu_) = 0;
   // Gradient-ready order of the first armed backward, and whether the

@@ -21,6 +21,7 @@
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
 #include <trellis/ddp/distributed_data_parallel.h>
+#include <trellis/ddp/join.h>
 #include <trellis/ddp/reducer.h>  // assignBuckets (internal)
 #include <trellis/store/hash_store.h>
 
@@ -649,6 +650,417 @@ TEST(DdpProcess, UnusedParameterErrorOnEveryProcess) {
   }
   for (int status : job.waitAll(30s)) {
     EXPECT_TRUE(rpc::testing::exitedZero(status)) << status;
+  }
+}
+
+// ---- Join: uneven inputs ----
+
+// Three ranks with 10, 7 and 3 batches of 4 rows.
+constexpr int kJoinRanks = 3;
+constexpr int kJoinBatches[kJoinRanks] = {10, 7, 3};
+constexpr int kJoinMaxBatches = 10;
+
+// An MLP with a buffer, so that a joined rank also shadows forward's
+// buffer broadcast; sized so that tiny caps make several buckets.
+struct JoinNetImpl : torch::nn::Module {
+  JoinNetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    scale = register_buffer("scale", torch::ones({4}));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::relu(fc1(x))) * scale;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(JoinNet);
+
+struct JoinData {
+  // [rank][iteration]
+  std::vector<std::vector<torch::Tensor>> x, y;
+};
+
+JoinData joinData() {
+  torch::manual_seed(11);
+  JoinData d;
+  for (int r = 0; r < kJoinRanks; ++r) {
+    d.x.emplace_back();
+    d.y.emplace_back();
+    for (int it = 0; it < kJoinBatches[r]; ++it) {
+      d.x[r].push_back(torch::randn({4, 8}));
+      d.y[r].push_back(torch::randn({4, 4}));
+    }
+  }
+  return d;
+}
+
+// One process with Join's semantics: iteration `it` averages the local
+// gradients of the ranks that still have a batch, over 3 ranks
+// (divideByInitialWorldSize) or over those ranks.
+std::vector<torch::Tensor> joinReference(const JoinData& d,
+                                         bool divideByInitialWorldSize) {
+  torch::manual_seed(100);
+  JoinNet reference;
+  auto opt = sgd(reference->parameters());
+  for (int it = 0; it < kJoinMaxBatches; ++it) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    int active = 0;
+    for (int r = 0; r < kJoinRanks; ++r) {
+      if (it < kJoinBatches[r]) {
+        auto l = torch::mse_loss(reference(d.x[r][it]), d.y[r][it]);
+        loss = loss.defined() ? loss + l : l;
+        ++active;
+      }
+    }
+    (loss / (divideByInitialWorldSize ? kJoinRanks : active)).backward();
+    opt.step();
+  }
+  return valuesOf(*reference);
+}
+
+struct JoinCase {
+  std::string name;
+  Options options;
+  bool divideByInitialWorldSize;
+  // Registered when set: a joined rank shadows through it.
+  std::function<CommHook()> hook = nullptr;
+};
+void PrintTo(const JoinCase& c, std::ostream* os) { *os << c.name; }
+
+class JoinUneven : public ::testing::TestWithParam<JoinCase> {};
+
+TEST_P(JoinUneven, FinishesAndEndsEqualToOneProcess) {
+  at::set_num_threads(1);
+  const JoinCase& c = GetParam();
+  const JoinData d = joinData();
+  const auto expected = joinReference(d, c.divideByInitialWorldSize);
+  std::vector<JoinNet> nets;
+  for (int r = 0; r < kJoinRanks; ++r) {
+    torch::manual_seed(100 + r);  // only rank 0 starts like the reference
+    nets.emplace_back();
+  }
+  std::vector<std::vector<torch::Tensor>> finals(kJoinRanks);
+  const auto start = std::chrono::steady_clock::now();
+  runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    JoinNet net = nets[rank];
+    DistributedDataParallel model(net, pg, c.options);
+    if (c.hook) {
+      model.registerCommHook(c.hook());
+    }
+    auto opt = sgd(net->parameters());
+    Join join({&model},
+              {.divideByInitialWorldSize = c.divideByInitialWorldSize});
+    for (int it = 0; it < kJoinBatches[rank]; ++it) {
+      opt.zero_grad();
+      torch::mse_loss(model(d.x[rank][it]), d.y[rank][it]).backward();
+      opt.step();
+    }
+    join.finish();
+    finals[rank] = valuesOf(*net);
+  });
+  // Far below the group's 60 s timeout: nobody waited one out.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+  for (int r = 0; r < kJoinRanks; ++r) {
+    EXPECT_LE(maxDiff(finals[r], expected), 1e-5) << "rank " << r;
+    EXPECT_EQ(maxDiff(finals[r], finals[0]), 0) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ddp, JoinUneven,
+    ::testing::Values(
+        JoinCase{"initial_world_size", {}, true},
+        JoinCase{"active_ranks", {}, false},
+        JoinCase{"several_buckets_as_views",
+                 {.bucketCapMb = 0.0005,
+                  .firstBucketCapMb = 0.0001,
+                  .gradientAsBucketView = true},
+                 true},
+        JoinCase{"several_buckets_active_ranks",
+                 {.bucketCapMb = 0.0005, .firstBucketCapMb = 0.0001},
+                 false},
+        // A joined rank shadows the buckets through the hook.
+        JoinCase{"allreduce_hook",
+                 {.bucketCapMb = 0.0005, .firstBucketCapMb = 0.0001},
+                 false,
+                 hooks::allreduce}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(Ddp, JoinThrowOnEarlyTerminationRaisesOnEveryRank) {
+  at::set_num_threads(1);
+  const JoinData d = joinData();
+  std::vector<JoinNet> nets(kJoinRanks);
+  std::vector<std::string> errors(kJoinRanks);
+  std::vector<int> stoppedAt(kJoinRanks, -1);
+  runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    JoinNet net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    auto opt = sgd(net->parameters());
+    Join join({&model}, {.throwOnEarlyTermination = true});
+    int it = 0;
+    try {
+      for (; it < kJoinBatches[rank]; ++it) {
+        opt.zero_grad();
+        torch::mse_loss(model(d.x[rank][it]), d.y[rank][it]).backward();
+        opt.step();
+      }
+      join.finish();
+    } catch (const FailedPreconditionError& e) {
+      errors[rank] = e.what();
+      stoppedAt[rank] = it;
+    }
+  });
+  for (int r = 0; r < kJoinRanks; ++r) {
+    EXPECT_NE(errors[r].find("throwOnEarlyTermination"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_EQ(errors[r], errors[0]) << "rank " << r;
+    // Every rank stops at the iteration the shortest shard ends.
+    EXPECT_EQ(stoppedAt[r], 3) << "rank " << r;
+  }
+}
+
+// Under an enabled Join a forward that does not reduce (noSync) is refused
+// before any collective, on every rank; a disabled Join lets it through.
+TEST(Ddp, JoinRefusesForwardsThatDoNotReduceUnlessDisabled) {
+  at::set_num_threads(1);
+  for (bool enable : {true, false}) {
+    std::vector<Mlp> nets(2);
+    std::vector<std::string> errors(2);
+    runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      Mlp net = nets[rank];
+      DistributedDataParallel model(net, pg);
+      Join join({&model}, {.enable = enable});
+      try {
+        auto guard = model.noSync();
+        model(torch::ones({2, 8})).sum().backward();
+      } catch (const FailedPreconditionError& e) {
+        errors[rank] = e.what();
+      }
+      join.finish();
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(errors[r].find("noSync") != std::string::npos, enable)
+          << "rank " << r << ": " << errors[r];
+    }
+  }
+}
+
+// A user's own per-iteration collective: the sum of every rank's loss and
+// batch count, allreduced each iteration. A joined rank adds zeros.
+class LossMetrics : public Joinable {
+ public:
+  explicit LossMetrics(std::shared_ptr<ProcessGroup> pg) : pg_(std::move(pg)) {}
+  void add(double loss) {
+    Join::notify(*this);
+    allreduceInto(torch::tensor({loss, 1.0}, torch::kDouble));
+  }
+  JoinHook joinHook(const JoinOptions& /*options*/) override {
+    return {[this] {
+              allreduceInto(torch::zeros({2}, torch::kDouble));
+              ++shadowed;
+            },
+            [this](bool isLastJoiner) { lastJoiner = isLastJoiner; }};
+  }
+  at::Device joinDevice() const override { return at::kCPU; }
+  std::shared_ptr<ProcessGroup> joinProcessGroup() const override {
+    return pg_;
+  }
+
+  torch::Tensor total = torch::zeros({2}, torch::kDouble);
+  int shadowed = 0;
+  bool lastJoiner = false;
+
+ private:
+  void allreduceInto(torch::Tensor t) {
+    pg_->allreduce(t).wait();
+    total += t;
+  }
+  std::shared_ptr<ProcessGroup> pg_;
+};
+
+TEST(Ddp, JoinWithAUserJoinableAndDdp) {
+  at::set_num_threads(1);
+  const JoinData d = joinData();
+  const auto expected = joinReference(d, true);
+  std::vector<JoinNet> nets;
+  for (int r = 0; r < kJoinRanks; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  std::vector<std::vector<torch::Tensor>> finals(kJoinRanks);
+  std::vector<torch::Tensor> totals(kJoinRanks);
+  std::vector<double> localLoss(kJoinRanks, 0);
+  std::vector<int> shadowed(kJoinRanks);
+  std::vector<int> last(kJoinRanks);
+  runRanks(kJoinRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    JoinNet net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    LossMetrics metrics(pg);
+    auto opt = sgd(net->parameters());
+    // The model first: its forward's notify is an iteration's first
+    // collective, then its backward's, then the metrics'.
+    Join join({&model, &metrics});
+    for (int it = 0; it < kJoinBatches[rank]; ++it) {
+      opt.zero_grad();
+      auto loss = torch::mse_loss(model(d.x[rank][it]), d.y[rank][it]);
+      loss.backward();
+      opt.step();
+      localLoss[rank] += loss.item<double>();
+      metrics.add(loss.item<double>());
+    }
+    join.finish();
+    finals[rank] = valuesOf(*net);
+    totals[rank] = metrics.total;
+    shadowed[rank] = metrics.shadowed;
+    last[rank] = metrics.lastJoiner;
+  });
+  const double allLoss = localLoss[0] + localLoss[1] + localLoss[2];
+  for (int r = 0; r < kJoinRanks; ++r) {
+    EXPECT_LE(maxDiff(finals[r], expected), 1e-5) << "rank " << r;
+    ASSERT_TRUE(totals[r].defined()) << "rank " << r;
+    EXPECT_EQ(totals[r][1].item<double>(), 20) << "rank " << r;
+    EXPECT_NEAR(totals[r][0].item<double>(), allLoss, 1e-9) << "rank " << r;
+    EXPECT_EQ(shadowed[r], kJoinMaxBatches - kJoinBatches[r]) << "rank " << r;
+    EXPECT_EQ(last[r], r == 0 ? 1 : 0) << "rank " << r;
+  }
+}
+
+// ---- Communication hooks ----
+
+struct HookCase {
+  std::string name;
+  std::function<CommHook()> hook;
+  double tolerance;    // of the averaged gradients against the reference
+  double scale = 1.0;  // the hook's result is scale * the average
+  bool lossy = false;  // the result must differ from fp32's
+};
+void PrintTo(const HookCase& c, std::ostream* os) { *os << c.name; }
+
+class CommHooks : public ::testing::TestWithParam<HookCase> {};
+
+// Three ranks, several buckets (tiny caps), two backwards on the same
+// parameters (the second after the rebuild): each rank's gradients within
+// the hook's tolerance of one process on the whole batch, and bit for bit
+// the same on every rank. Every bucket went through the hook once per
+// backward, with its index, parameters and names.
+TEST_P(CommHooks, GradientsMatchTheReferenceOnEveryRank) {
+  at::set_num_threads(1);
+  const HookCase& c = GetParam();
+  constexpr int kRanks = 3;
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 8});
+  const auto y = torch::randn({kBatch, 4});
+  torch::manual_seed(100);
+  Mlp reference;
+  torch::mse_loss(reference(x), y).backward();
+  const auto refGrads = gradsOf(*reference);
+  std::vector<Mlp> nets;
+  for (int r = 0; r < kRanks; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  std::vector<std::vector<std::vector<torch::Tensor>>> grads(kRanks);
+  std::vector<std::multiset<std::string>> seenNames(kRanks);
+  std::vector<std::vector<size_t>> seenIndex(kRanks);
+  runRanks(kRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Mlp net = nets[rank];
+    DistributedDataParallel model(
+        net, pg, {.bucketCapMb = 0.002, .firstBucketCapMb = 0.0001});
+    CommHook inner = c.hook();
+    // Records what the hook is given (one thread runs backward per rank).
+    model.registerCommHook([&, inner](GradBucket& b) {
+      size_t numel = 0;
+      for (size_t k = 0; k < b.parameters.size(); ++k) {
+        seenNames[rank].insert(b.parameterNames[k]);
+        numel += b.parameters[k].numel();
+      }
+      EXPECT_EQ(static_cast<size_t>(b.buffer.numel()), numel);
+      seenIndex[rank].push_back(b.index);
+      return inner(b);
+    });
+    for (int it = 0; it < 2; ++it) {
+      for (auto& p : net->parameters()) {
+        p.mutable_grad() = torch::Tensor();
+      }
+      torch::mse_loss(model(shard(x, rank, kRanks)), shard(y, rank, kRanks))
+          .backward();
+      grads[rank].push_back(gradsOf(*net));
+    }
+  });
+  std::vector<torch::Tensor> expected;
+  for (const auto& g : refGrads) {
+    expected.push_back(g * c.scale);
+  }
+  const size_t nParams = refGrads.size();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(grads[r].size(), 2u) << "rank " << r;
+    for (int it = 0; it < 2; ++it) {
+      const double diff = maxDiff(grads[r][it], expected);
+      EXPECT_LE(diff, c.tolerance) << "rank " << r << " iteration " << it;
+      if (c.lossy) {
+        EXPECT_GT(diff, 1e-6) << "not compressed? rank " << r;
+      }
+      EXPECT_EQ(maxDiff(grads[r][it], grads[0][it]), 0) << "rank " << r;
+    }
+    // Every parameter once per backward; indices 0.. in launch order.
+    EXPECT_EQ(seenNames[r].size(), 2 * nParams) << "rank " << r;
+    for (const auto& item : nets[r]->named_parameters()) {
+      EXPECT_EQ(seenNames[r].count(item.key()), 2u) << item.key();
+    }
+    const size_t perBackward = seenIndex[r].size() / 2;
+    EXPECT_GT(perBackward, 1u);  // several buckets
+    for (size_t k = 0; k < seenIndex[r].size(); ++k) {
+      EXPECT_EQ(seenIndex[r][k], k % perBackward) << "rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ddp, CommHooks,
+    ::testing::Values(
+        HookCase{"allreduce", hooks::allreduce, kTol},
+        HookCase{"fp16", hooks::fp16Compress, 2e-3, 1.0, true},
+        HookCase{"bf16", hooks::bf16Compress, 2e-2, 1.0, true},
+        // A user hook: the bucket times 3, then the default allreduce.
+        HookCase{"user_times_three",
+                 [] {
+                   return CommHook([](GradBucket& b) {
+                     b.buffer.mul_(3);
+                     return hooks::allreduce()(b);
+                   });
+                 },
+                 3 * kTol, 3.0}),
+    [](const auto& info) { return info.param.name; });
+
+// With a hook, the unused-parameter flags travel on their own: a hook that
+// changes the bucket's values (times 3, here) leaves the error intact.
+TEST(Ddp, CommHookKeepsTheUnusedParameterError) {
+  at::set_num_threads(1);
+  std::vector<Mlp> nets;
+  for (int r = 0; r < 2; ++r) {
+    nets.emplace_back(/*withBranch=*/true);
+  }
+  std::vector<std::string> errors(2);
+  runRanks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Mlp net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    model.registerCommHook([](GradBucket& b) {
+      b.buffer.mul_(3);
+      return hooks::allreduce()(b);
+    });
+    try {
+      torch::mse_loss(model(torch::ones({2, 8}), rank != 1),
+                      torch::zeros({2, 4}))
+          .backward();
+    } catch (const FailedPreconditionError& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("branch.weight (1 of 2 ranks)"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
   }
 }
 
