@@ -586,9 +586,11 @@ TEST(Watchdog, AFailedGroupsStoreOutlivesTheGroupForTheLinger) {
   std::weak_ptr<store::HashStore> weak = h.store;
   auto handle = w.watch(h.group(0, 2, 60000ms, WatchdogMode::kFail));
   h.backend->awaitPolls(2);
+  // Taken before the failure: the hold runs from the failure on, so it
+  // ends no sooner than 300 ms after this.
+  const auto failed = Clock::now();
   h.backend->setPollError(Error::connection("rank 1 closed the connection"));
   ASSERT_FALSE(h.backend->awaitAbort().ok());
-  const auto failed = Clock::now();
   handle.reset();
   h.store.reset();
   EXPECT_FALSE(weak.expired());
@@ -608,9 +610,9 @@ TEST(Watchdog, StopWaitsOutTheLingerThenLetsTheStoreGo) {
   std::weak_ptr<store::HashStore> weak = h.store;
   auto w = std::make_unique<Watchdog>(c);
   auto handle = w->watch(h.group(0, 2, 60000ms, WatchdogMode::kFail));
+  const auto failed = Clock::now();  // before the failure, as above
   h.backend->setPollError(Error::connection("rank 1 closed the connection"));
   ASSERT_FALSE(h.backend->awaitAbort().ok());
-  const auto failed = Clock::now();
   handle.reset();
   h.store.reset();
   w->stop();
