@@ -437,9 +437,13 @@ JoinHook DistributedDataParallelBase::joinHook(const JoinOptions& /*options*/) {
 
 void DistributedDataParallelBase::afterForward(
     const std::optional<std::vector<at::Tensor>>& outputs) {
-  if (options_.findUnusedParameters && outputs) {
+  if (outputs && walkNeeded()) {
     reducer_->findUnused(*outputs);
   }
+}
+
+bool DistributedDataParallelBase::walkNeeded() const {
+  return options_.findUnusedParameters && reducer_->walkNeeded();
 }
 
 }  // namespace trellis::ddp

@@ -91,6 +91,12 @@ struct Options {
   // not reach are counted as ready at once, so their buckets are not held
   // back. Costs the walk per forward.
   bool findUnusedParameters = false;
+  // With findUnusedParameters: the set of parameters forward uses is the
+  // same every iteration, so the graph is walked at the first armed forward
+  // only and its unused set reused after, saving the walk. A parameter of
+  // that set that later gets a gradient is an error naming it (the graph
+  // changed). No effect without findUnusedParameters.
+  bool staticGraph = false;
 };
 
 // One bucket as a communication hook sees it, at its launch during
@@ -216,6 +222,9 @@ class DistributedDataParallelBase : public Joinable {
   // from the outputs (nullopt: outputs of another type, nothing to walk).
   void beforeForward();
   void afterForward(const std::optional<std::vector<at::Tensor>>& outputs);
+  // Whether this forward's outputs are to be walked (findUnusedParameters,
+  // and not a staticGraph whose walk is done).
+  bool walkNeeded() const;
 
  private:
   Options options_;
@@ -251,7 +260,7 @@ class DistributedDataParallel : public DistributedDataParallelBase {
     } else {
       Result out = module_->forward(std::forward<Args>(args)...);
       if constexpr (detail::OutputTensors<Result>) {
-        if (options().findUnusedParameters) {
+        if (walkNeeded()) {
           std::vector<at::Tensor> tensors;
           detail::collectOutputs(out, tensors);
           afterForward(tensors);

@@ -126,6 +126,7 @@ Reducer::Reducer(std::shared_ptr<collectives::ProcessGroup> group,
 }
 
 Reducer::~Reducer() {
+  contextHook_.reset();
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     (void)accumulators_[i]->del_post_hook(hookKeys_[i]);
   }
@@ -142,6 +143,27 @@ void Reducer::install() {
     hookKeys_.push_back(
         acc->add_post_hook(std::make_unique<ReadyHook>(weak_from_this(), i)));
     accumulators_.push_back(std::move(acc));
+  }
+  if (params_.empty()) {
+    return;
+  }
+  std::vector<at::Tensor> leaves;
+  for (const auto& p : params_) {
+    leaves.push_back(p.tensor);
+  }
+  std::weak_ptr<Reducer> self = weak_from_this();
+  try {
+    contextHook_ = dist_autograd::registerLeafGradientHook(
+        std::move(leaves),
+        [self](uint64_t contextId, std::vector<at::Tensor>& grads) {
+          if (auto r = self.lock()) {
+            r->onContextGradients(contextId, grads);
+          }
+        });
+  } catch (const Exception& e) {
+    throwError(e.error().withContext(
+        "DistributedDataParallel: a parameter is already wrapped by another "
+        "DistributedDataParallel"));
   }
 }
 
@@ -290,8 +312,30 @@ void Reducer::beginIteration(bool armed, double gradScale) {
   started_ = true;
   rebuildIfPending();
   resetIteration();
+  reducedContext_ = 0;
   armed_ = armed && !params_.empty();
   gradScale_ = gradScale;
+  if (armed_ && staticUnused_) {
+    walkUnused_ = *staticUnused_;
+  }
+}
+
+bool Reducer::walkNeeded() const {
+  MutexLock lock(mu_);
+  return !staticUnused_.has_value();
+}
+
+Error Reducer::unusedGotGradient(size_t index) const {
+  return Error(Code::kFailedPrecondition,
+               "DistributedDataParallel: parameter '" + params_[index].name +
+                   "' got a gradient although " +
+                   (staticUnused_ ? "the first iteration's graph did not "
+                                    "reach it (staticGraph): the set of "
+                                    "parameters forward uses changed"
+                                  : "the autograd graph from forward's "
+                                    "outputs does not reach it "
+                                    "(findUnusedParameters): the loss must "
+                                    "depend on forward's outputs only"));
 }
 
 void Reducer::shadowIteration() {
@@ -357,6 +401,9 @@ void Reducer::findUnused(const std::vector<at::Tensor>& outputs) {
       walkUnused_.push_back(i);
     }
   }
+  if (options_.staticGraph) {
+    staticUnused_ = walkUnused_;
+  }
 }
 
 void Reducer::onGradReady(size_t index) {
@@ -374,18 +421,59 @@ void Reducer::onGradReady(size_t index) {
   if (ready_[index]) {
     const bool fromWalk = std::find(walkUnused_.begin(), walkUnused_.end(),
                                     index) != walkUnused_.end();
-    throwError(Error(
-        Code::kFailedPrecondition,
-        "DistributedDataParallel: parameter '" + params_[index].name + "' " +
-            (fromWalk
-                 ? "got a gradient although the autograd graph from "
-                   "forward's outputs does not reach it "
-                   "(findUnusedParameters): the loss must depend on "
-                   "forward's outputs only"
-                 : "got its gradient twice in one backward pass (reentrant "
-                   "backward, or two backward passes after one forward)")));
+    if (fromWalk) {
+      throwError(unusedGotGradient(index));
+    }
+    throwError(Error(Code::kFailedPrecondition,
+                     "DistributedDataParallel: parameter '" +
+                         params_[index].name +
+                         "' got its gradient twice in one backward pass "
+                         "(reentrant backward, or two backward passes after "
+                         "one forward)"));
   }
   markReady(index, /*local=*/true);
+}
+
+void Reducer::onContextGradients(uint64_t contextId,
+                                 std::vector<at::Tensor>& grads) {
+  MutexLock lock(mu_);
+  if (hooksFired_ || (!armed_ && reducedContext_ == contextId)) {
+    throwError(Error(
+        Code::kFailedPrecondition,
+        "DistributedDataParallel: the parameters got gradients twice in one "
+        "backward pass (two engine runs of a distributed-autograd context "
+        "reached them, or a local and a distributed backward after one "
+        "forward): under distributed autograd, the graph from the loss to "
+        "the DDP module's parameters must be on this rank (send its inputs "
+        "over RPC, not its outputs)"));
+  }
+  if (!armed_) {
+    return;  // noSync or no grad mode at forward: the context sums them
+  }
+  hooksFired_ = true;
+  reducedContext_ = contextId;
+  contextGrads_ = &grads;
+  struct Clear {
+    Reducer& r;
+    ~Clear() TRELLIS_NO_THREAD_SAFETY_ANALYSIS { r.contextGrads_ = nullptr; }
+  } clear{*this};
+  // All at once: in reverse registration order, the order a local backward
+  // usually makes them ready (it is what the bucket rebuild records).
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (grads[i].defined()) {
+      if (std::find(walkUnused_.begin(), walkUnused_.end(), i) !=
+          walkUnused_.end()) {
+        throwError(unusedGotGradient(i));
+      }
+      markReady(i, /*local=*/true);
+    }
+  }
+  finalizeLocked();
+}
+
+const at::Tensor& Reducer::gradOf(size_t index) const {
+  return contextGrads_ != nullptr ? (*contextGrads_)[index]
+                                  : params_[index].tensor.grad();
 }
 
 void Reducer::queueFinalize() {
@@ -407,7 +495,7 @@ void Reducer::markReady(size_t index, bool local) {
     readyOrder_.push_back(index);
   }
   const at::Tensor& param = params_[index].tensor;
-  const at::Tensor& grad = param.grad();
+  const at::Tensor& grad = gradOf(index);
   at::Tensor& view = slots_[index].view;
   if (grad.defined() && grad.is_sparse()) {
     throwError(Error(Code::kUnimplemented,
@@ -416,7 +504,7 @@ void Reducer::markReady(size_t index, bool local) {
                          "' has a sparse gradient; only dense ones are "
                          "reduced"));
   }
-  if (options_.gradientAsBucketView) {
+  if (options_.gradientAsBucketView && contextGrads_ == nullptr) {
     if (!grad.defined()) {
       view.zero_();
     } else if (!grad.is_alias_of(view) || grad.data_ptr() != view.data_ptr()) {
@@ -518,6 +606,10 @@ void Reducer::finalize() {
   if (!armed_) {
     return;
   }
+  finalizeLocked();
+}
+
+void Reducer::finalizeLocked() {
   // Parameters without a gradient in this backward: their contribution is
   // their .grad (zero without one), and they are flagged.
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -542,7 +634,7 @@ void Reducer::finalize() {
   std::vector<std::string> unused;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& param = params_[i].tensor;
-    const at::Tensor& grad = param.grad();
+    const at::Tensor& grad = gradOf(i);
     at::Tensor& view = slots_[i].view;
     if (gradScale_ != 1.0) {
       view.mul_(gradScale_);
@@ -555,7 +647,10 @@ void Reducer::finalize() {
         continue;  // no rank has a gradient: none is made up
       }
     }
-    if (options_.gradientAsBucketView) {
+    if (contextGrads_ != nullptr) {
+      // The context keeps it beyond this iteration: not the bucket's memory.
+      (*contextGrads_)[i] = view.clone();
+    } else if (options_.gradientAsBucketView) {
       if (!grad.defined() || grad.data_ptr() != view.data_ptr()) {
         param.mutable_grad() = view;
       }

@@ -5,7 +5,17 @@
 //
 // Threads: forward-side calls come from the thread that runs the module;
 // onGradReady and finalize from autograd (the thread that called backward
-// for CPU tensors, a device thread for CUDA ones). mu_ orders them.
+// for CPU tensors, a device thread for CUDA ones); onContextGradients from
+// the thread running a distributed-autograd context's engine run. mu_
+// orders them.
+//
+// Two ways a backward reaches it. A local backward runs the parameters'
+// grad accumulators: their post-hooks fill the buckets as gradients come
+// and a callback queued on the engine finalizes. A distributed-autograd
+// backward never runs the accumulators (the gradients go into the
+// context): dist_autograd hands the run's gradients of the parameters to
+// onContextGradients, which reduces them all at once and gives back the
+// averages, which go into the context instead of .grad.
 #include <ATen/core/Tensor.h>
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +28,7 @@
 #include <trellis/collectives/work.h>
 #include <trellis/core/mutex.h>
 #include <trellis/ddp/distributed_data_parallel.h>
+#include <trellis/dist_autograd/dist_autograd.h>
 
 namespace torch::autograd {
 struct Node;
@@ -49,7 +60,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Registers the hooks (a post-hook on each parameter's grad accumulator).
+  // Registers the hooks (a post-hook on each parameter's grad accumulator,
+  // and dist_autograd's leaf-gradient hook over the parameters).
   void install();
 
   // From forward, before the module runs: rebuilds the buckets once (after
@@ -67,6 +79,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // From forward, after the module ran (findUnusedParameters): the
   // parameters the autograd graph from `outputs` does not reach.
   void findUnused(const std::vector<at::Tensor>& outputs);
+  // False once a staticGraph's walk is done (its unused set is reused).
+  bool walkNeeded() const;
 
   // Before the first beginIteration, once.
   void setCommHook(CommHook hook);
@@ -103,9 +117,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void buildBuckets(const std::vector<size_t>& order) TRELLIS_REQUIRES(mu_);
   void resetIteration() TRELLIS_REQUIRES(mu_);
   void onGradReady(size_t index);
+  // A distributed-autograd engine run computed `grads` (parallel to the
+  // parameters, undefined where none): reduces them like a local backward
+  // and replaces them with the averages.
+  void onContextGradients(uint64_t contextId, std::vector<at::Tensor>& grads);
+  // The gradient this backward produced for parameter i so far: its .grad,
+  // or in a context the run's gradient.
+  const at::Tensor& gradOf(size_t index) const TRELLIS_REQUIRES(mu_);
   // `local`: the parameter's autograd hook fired. Otherwise it is counted
   // ready without a gradient (the walk, or the end of backward).
   void markReady(size_t index, bool local) TRELLIS_REQUIRES(mu_);
+  // The error for a parameter the walk found unused that got a gradient.
+  Error unusedGotGradient(size_t index) const TRELLIS_REQUIRES(mu_);
   void launchReadyBuckets() TRELLIS_REQUIRES(mu_);
   // Issues bucket b's reduction of `buffer` (its slots, or zeros of their
   // size when shadowing) and `flags` (last bucket): one allreduce of the
@@ -117,6 +140,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void await(Bucket& b) TRELLIS_REQUIRES(mu_);
   // The end of backward (a callback queued on the autograd engine).
   void finalize();
+  // finalize's work: the parameters not ready yet count as unused, waits
+  // for every bucket, writes the averages back (.grad, or the context's
+  // gradients), and raises the unused-parameter error.
+  void finalizeLocked() TRELLIS_REQUIRES(mu_);
   // Queues finalize on the engine. A function of its own (not inlined) so
   // that ThreadSanitizer's suppression can name it
   // (tests/tsan_suppressions.cc).
@@ -133,6 +160,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const std::vector<Param> params_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
+  dist_autograd::LeafGradientHookHandle contextHook_;
 
   mutable Mutex mu_;
   std::vector<Bucket> buckets_ TRELLIS_GUARDED_BY(mu_);
@@ -141,11 +169,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   size_t nextBucket_ TRELLIS_GUARDED_BY(mu_) = 0;
   std::vector<char> ready_ TRELLIS_GUARDED_BY(mu_);
   std::vector<size_t> walkUnused_ TRELLIS_GUARDED_BY(mu_);
+  // staticGraph: the first armed walk's unused set, reused after.
+  std::optional<std::vector<size_t>> staticUnused_ TRELLIS_GUARDED_BY(mu_);
   bool armed_ TRELLIS_GUARDED_BY(mu_) = false;
   CommHook hook_ TRELLIS_GUARDED_BY(mu_);
   bool started_ TRELLIS_GUARDED_BY(mu_) = false;  // an iteration began
   double gradScale_ TRELLIS_GUARDED_BY(mu_) = 1.0;
   bool hooksFired_ TRELLIS_GUARDED_BY(mu_) = false;
+  // While onContextGradients runs: the run's gradients (read and written
+  // instead of .grad).
+  std::vector<at::Tensor>* contextGrads_ TRELLIS_GUARDED_BY(mu_) = nullptr;
+  // The context whose gradients this iteration reduced (0: none yet).
+  uint64_t reducedContext_ TRELLIS_GUARDED_BY(mu_) = 0;
   int noSyncDepth_ TRELLIS_GUARDED_BY(mu_) = 0;
   // Gradient-ready order of the first armed backward, and whether the
   // buckets are still to be rebuilt from it.

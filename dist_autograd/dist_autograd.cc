@@ -6,6 +6,7 @@
 // gate's own logic is in step_gate.cc, the message checks in messages.cc.
 
 #include <ATen/ops/ones_like.h>
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <string>
@@ -380,6 +381,137 @@ Container& containerOf(Agent& agent) {
   return *c;
 }
 
+// The process-wide leaf-gradient hooks (registerLeafGradientHook).
+class LeafHooks {
+ public:
+  struct Hook {
+    std::vector<at::Tensor> leaves;
+    LeafGradientHook fn;
+  };
+  struct Slot {
+    std::shared_ptr<const Hook> hook;
+    size_t index = 0;
+  };
+
+  static LeafHooks& get() {
+    static auto* hooks = new LeafHooks;  // never destroyed: used at exit
+    return *hooks;
+  }
+
+  uint64_t add(std::vector<at::Tensor> leaves, LeafGradientHook fn) {
+    if (leaves.empty() || !fn) {
+      throwError(Error::invalidArgument(
+          "registerLeafGradientHook: no leaves, or no hook"));
+    }
+    std::unordered_set<const void*> seen;
+    for (size_t i = 0; i < leaves.size(); ++i) {
+      const at::Tensor& t = leaves[i];
+      if (!t.defined() || !t.is_leaf() || !t.requires_grad()) {
+        throwError(Error::invalidArgument("registerLeafGradientHook: tensor " +
+                                          std::to_string(i) +
+                                          " is not a leaf that requires grad"));
+      }
+      if (!seen.insert(t.unsafeGetTensorImpl()).second) {
+        throwError(Error::invalidArgument("registerLeafGradientHook: tensor " +
+                                          std::to_string(i) +
+                                          " is listed twice"));
+      }
+    }
+    auto hook = std::make_shared<Hook>(Hook{std::move(leaves), std::move(fn)});
+    MutexLock lock(mu_);
+    for (size_t i = 0; i < hook->leaves.size(); ++i) {
+      if (byLeaf_.count(hook->leaves[i].unsafeGetTensorImpl()) != 0) {
+        throwError(Error::invalidArgument("registerLeafGradientHook: tensor " +
+                                          std::to_string(i) +
+                                          " already belongs to another hook"));
+      }
+    }
+    const uint64_t key = nextKey_++;
+    for (size_t i = 0; i < hook->leaves.size(); ++i) {
+      byLeaf_.emplace(hook->leaves[i].unsafeGetTensorImpl(), Slot{hook, i});
+    }
+    byKey_.emplace(key, std::move(hook));
+    size_.store(byLeaf_.size(), std::memory_order_release);
+    return key;
+  }
+
+  void remove(uint64_t key) {
+    std::shared_ptr<const Hook> hook;  // released outside the lock
+    MutexLock lock(mu_);
+    auto it = byKey_.find(key);
+    if (it == byKey_.end()) {
+      return;
+    }
+    hook = std::move(it->second);
+    byKey_.erase(it);
+    for (const auto& t : hook->leaves) {
+      byLeaf_.erase(t.unsafeGetTensorImpl());
+    }
+    size_.store(byLeaf_.size(), std::memory_order_release);
+  }
+
+  // The hook and index of `leaf`; an empty slot when it has none.
+  Slot find(const at::Tensor& leaf) const {
+    if (size_.load(std::memory_order_acquire) == 0) {
+      return {};
+    }
+    MutexLock lock(mu_);
+    auto it = byLeaf_.find(leaf.unsafeGetTensorImpl());
+    return it == byLeaf_.end() ? Slot{} : it->second;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::unordered_map<const void*, Slot> byLeaf_ TRELLIS_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, std::shared_ptr<const Hook>> byKey_
+      TRELLIS_GUARDED_BY(mu_);
+  uint64_t nextKey_ TRELLIS_GUARDED_BY(mu_) = 1;
+  std::atomic<size_t> size_{0};
+};
+
+// Gives the hooks of this run's leaves their gradients (a hook sees all of
+// its leaves, undefined where the run produced none) and takes back what
+// they return.
+void runLeafHooks(uint64_t contextId, std::vector<at::Tensor>& leaves,
+                  std::vector<at::Tensor>& grads) {
+  struct Call {
+    std::shared_ptr<const LeafHooks::Hook> hook;
+    std::vector<at::Tensor> grads;  // parallel to hook->leaves
+    std::vector<size_t> fromRun;    // hook index -> run index, or npos
+  };
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  std::vector<Call> calls;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    LeafHooks::Slot slot = LeafHooks::get().find(leaves[i]);
+    if (slot.hook == nullptr) {
+      continue;
+    }
+    auto it = std::find_if(calls.begin(), calls.end(),
+                           [&](const Call& c) { return c.hook == slot.hook; });
+    if (it == calls.end()) {
+      const size_t n = slot.hook->leaves.size();
+      calls.push_back({slot.hook, std::vector<at::Tensor>(n),
+                       std::vector<size_t>(n, kNone)});
+      it = std::prev(calls.end());
+    }
+    it->grads[slot.index] = std::move(grads[i]);
+    it->fromRun[slot.index] = i;
+  }
+  for (auto& call : calls) {
+    call.hook->fn(contextId, call.grads);
+    for (size_t k = 0; k < call.grads.size(); ++k) {
+      if (call.fromRun[k] != kNone) {
+        grads[call.fromRun[k]] = std::move(call.grads[k]);
+      } else if (call.grads[k].defined()) {
+        // A leaf of the hook that this run did not reach: its gradient
+        // (DDP's average over the group) still belongs in the context.
+        leaves.push_back(call.hook->leaves[k]);
+        grads.push_back(std::move(call.grads[k]));
+      }
+    }
+  }
+}
+
 // Sums `grad` into the context's gradient of `leaf`, taking it over when
 // nobody else holds it.
 void accumulate(ContextState& state, const at::Tensor& leaf, at::Tensor grad) {
@@ -410,6 +542,8 @@ Future<void> runGraph(Container& container,
     std::vector<at::Tensor> grads;
   };
   std::vector<Outgoing> outgoing;
+  std::vector<at::Tensor> leafTensors;  // the leaves this run reached
+  std::vector<at::Tensor> leafGrads;    // and their gradients
   {
     MutexLock engineLock(state->engineMu);
     // What the engine should capture instead of running: leaves (their
@@ -476,7 +610,8 @@ Future<void> runGraph(Container& container,
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (leaves[i] != nullptr) {
-        accumulate(*state, leaves[i]->variable, std::move(results[i]));
+        leafTensors.push_back(leaves[i]->variable);
+        leafGrads.push_back(std::move(results[i]));
       } else {
         outgoing[recvSlot[i].first].grads[recvSlot[i].second] =
             std::move(results[i]);
@@ -500,6 +635,17 @@ Future<void> runGraph(Container& container,
         agent, o.node->peer(), spec, state->id, o.node->messageId(),
         retainGraph, std::move(o.grads));
     replies.push_back(rpc::detail::decodeReply<bool>(std::move(reply), agent));
+  }
+  // After the sends: a hook's work (DDP's allreduce) overlaps the other
+  // workers' parts of the backward.
+  try {
+    runLeafHooks(state->id, leafTensors, leafGrads);
+  } catch (...) {
+    return makeErrorFuture<void>(errorFromCurrentException().withContext(
+        "backward on worker '" + container.agent().self().name + "'"));
+  }
+  for (size_t i = 0; i < leafTensors.size(); ++i) {
+    accumulate(*state, leafTensors[i], std::move(leafGrads[i]));
   }
   return whenAllSucceed(replies);
 }
@@ -635,6 +781,27 @@ void backward(uint64_t contextId, const std::vector<at::Tensor>& roots,
     // Sends whose tensors did not reach the loss: no gradient comes now.
     container.gate().sendsDropped(state->slot, unanswered);
   }
+}
+
+LeafGradientHookHandle& LeafGradientHookHandle::operator=(
+    LeafGradientHookHandle&& other) noexcept {
+  if (this != &other) {
+    reset();
+    key_ = std::exchange(other.key_, 0);
+  }
+  return *this;
+}
+
+void LeafGradientHookHandle::reset() {
+  if (key_ != 0) {
+    LeafHooks::get().remove(std::exchange(key_, 0));
+  }
+}
+
+LeafGradientHookHandle registerLeafGradientHook(std::vector<at::Tensor> leaves,
+                                                LeafGradientHook hook) {
+  return LeafGradientHookHandle(
+      LeafHooks::get().add(std::move(leaves), std::move(hook)));
 }
 
 GradientMap getGradients(uint64_t contextId) {

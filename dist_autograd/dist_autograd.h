@@ -35,6 +35,7 @@
 #include <ATen/core/Tensor.h>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <utility>
@@ -118,5 +119,50 @@ uint64_t currentContextId();
 // Contexts alive on the current agent / on `agent` (tests, leak checks).
 size_t liveContextCount();
 size_t liveContextCount(rpc::Agent& agent);
+
+// ---- Leaf-gradient hooks (for libraries: DDP uses them) --------------------
+//
+// A hook over a fixed list of leaves (tensors that require grad). Each time
+// this worker's part of a context's backward runs (FAST mode runs it once
+// from the roots on the initiator, and once per arriving message
+// elsewhere) and its graph reaches at least one of those leaves, the hook
+// gets their gradients from that run, parallel to the list (undefined
+// where the run produced none) and may replace them before they are summed
+// into the context; an undefined entry adds nothing. It runs on the thread
+// that ran the engine, after that run's gradients for other workers have
+// been sent, so work it does (DDP's allreduce) overlaps theirs. What it
+// throws fails the backward on every worker. A leaf belongs to at most
+// one hook at a time. Hooks are process-wide (every agent's contexts).
+using LeafGradientHook =
+    std::function<void(uint64_t contextId, std::vector<at::Tensor>& gradients)>;
+
+// Keeps a hook registered; removing it waits for no run in progress, so
+// the hook must stay valid (hold a weak reference to its owner).
+class LeafGradientHookHandle {
+ public:
+  LeafGradientHookHandle() = default;
+  ~LeafGradientHookHandle() { reset(); }
+  LeafGradientHookHandle(LeafGradientHookHandle&& other) noexcept
+      : key_(std::exchange(other.key_, 0)) {}
+  LeafGradientHookHandle& operator=(LeafGradientHookHandle&& other) noexcept;
+  LeafGradientHookHandle(const LeafGradientHookHandle&) = delete;
+  LeafGradientHookHandle& operator=(const LeafGradientHookHandle&) = delete;
+
+  // Unregisters (idempotent).
+  void reset();
+  bool registered() const { return key_ != 0; }
+
+ private:
+  friend LeafGradientHookHandle registerLeafGradientHook(
+      std::vector<at::Tensor>, LeafGradientHook);
+  explicit LeafGradientHookHandle(uint64_t key) : key_(key) {}
+  uint64_t key_ = 0;
+};
+
+// InvalidArgumentError for an empty list, an undefined tensor, a tensor
+// that is not a leaf requiring grad, a tensor listed twice, or one that
+// already belongs to a hook.
+LeafGradientHookHandle registerLeafGradientHook(std::vector<at::Tensor> leaves,
+                                                LeafGradientHook hook);
 
 }  // namespace trellis::dist_autograd

@@ -472,8 +472,11 @@ TEST(Ddp, FindUnusedParametersMatchesReference) {
   torch::manual_seed(7);
   const auto x = torch::randn({kBatch, 8});
   const auto y = torch::randn({kBatch, 4});
-  for (int taker : {-1, 1}) {  // -1: no rank takes the branch
-    SCOPED_TRACE("taker " + std::to_string(taker));
+  for (auto [taker, staticGraph] :
+       {std::pair{-1, false}, std::pair{1, false}, std::pair{1, true}}) {
+    // taker -1: no rank takes the branch.
+    SCOPED_TRACE("taker " + std::to_string(taker) +
+                 (staticGraph ? ", staticGraph" : ""));
     torch::manual_seed(100);
     Mlp reference(/*withBranch=*/true);
     std::vector<torch::Tensor> outs;
@@ -491,8 +494,9 @@ TEST(Ddp, FindUnusedParametersMatchesReference) {
       DistributedDataParallel model(nets[rank], pg,
                                     {.bucketCapMb = 1e-6,
                                      .firstBucketCapMb = 1e-6,
-                                     .findUnusedParameters = true});
-      for (int it = 0; it < 2; ++it) {  // before and after the rebuild
+                                     .findUnusedParameters = true,
+                                     .staticGraph = staticGraph});
+      for (int it = 0; it < 3; ++it) {  // before and after the rebuild
         for (auto& p : nets[rank]->parameters()) {
           p.mutable_grad() = torch::Tensor();
         }
@@ -507,6 +511,41 @@ TEST(Ddp, FindUnusedParametersMatchesReference) {
       }
     });
   }
+}
+
+// staticGraph walks the graph at the first forward only: a branch that no
+// rank took then, taken later, is an error naming it on every rank (a walk
+// at that forward would have found it used).
+TEST(Ddp, StaticGraphWalksOnceAndNamesAParameterTheGraphGained) {
+  at::set_num_threads(1);
+  constexpr int kRanks = 2;
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 8});
+  const auto y = torch::randn({kBatch, 4});
+  std::vector<std::string> errors(kRanks);
+  runRanks(kRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    torch::manual_seed(100);
+    Mlp net(/*withBranch=*/true);
+    DistributedDataParallel model(
+        net, pg, {.findUnusedParameters = true, .staticGraph = true});
+    for (int it = 0; it < 2; ++it) {
+      torch::mse_loss(model(shard(x, rank, kRanks), false),
+                      shard(y, rank, kRanks))
+          .backward();
+    }
+    try {
+      torch::mse_loss(model(shard(x, rank, kRanks), rank == 1),
+                      shard(y, rank, kRanks))
+          .backward();
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  });
+  // The rank that took the branch fails at once; the other one's backward
+  // waits for the first's bucket reduction, which fails with the group.
+  EXPECT_NE(errors[1].find("'branch."), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("staticGraph"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0], "");
 }
 
 // Modules that differ fail construction on every rank, naming the first
