@@ -2,6 +2,7 @@
 #include <c10/core/ScalarType.h>
 #include <chrono>
 #include <map>
+#include <sstream>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -10,6 +11,8 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
@@ -174,6 +177,31 @@ class LocalOptimizer {
         });
   }
 
+  // The torch::optim state, serialized.
+  std::string saveState() {
+    MutexLock lock(stepMutex());
+    torch::serialize::OutputArchive archive;
+    optimizer_->save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    return out.str();
+  }
+
+  // `bytes` came over the network: torch's reader checks the archive.
+  bool loadState(const std::string& bytes) {
+    MutexLock lock(stepMutex());
+    try {
+      torch::serialize::InputArchive archive;
+      archive.load_from(bytes.data(), bytes.size());
+      optimizer_->load(archive);
+    } catch (const c10::Error& e) {
+      throwError(Error::invalidArgument(
+          "optimizer state (" + std::to_string(bytes.size()) +
+          " bytes) does not load: " + e.what_without_backtrace()));
+    }
+    return true;
+  }
+
  private:
   void apply(const GradientMap& grads) {
     MutexLock lock(stepMutex());
@@ -242,7 +270,8 @@ std::shared_ptr<LocalOptimizer> makeLocalOptimizer(
 }  // namespace trellis::dist_autograd::detail
 
 TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::makeLocalOptimizer);
-TRELLIS_REMOTE_METHODS(trellis::dist_autograd::detail::LocalOptimizer, step);
+TRELLIS_REMOTE_METHODS(trellis::dist_autograd::detail::LocalOptimizer, step,
+                       saveState, loadState);
 
 namespace trellis::dist_autograd {
 
@@ -431,5 +460,57 @@ void DistributedOptimizer::step(uint64_t contextId) {
 }
 
 size_t DistributedOptimizer::numOwners() const { return impl_->owners.size(); }
+
+std::vector<std::string> DistributedOptimizer::stateDict() const {
+  const Deadline deadline = waitDeadline(impl_->waitLimit);
+  std::vector<Future<std::string>> replies;
+  std::vector<Future<void>> done;
+  {
+    rpc::AutogradContextScope noContext(0);
+    for (size_t i = 0; i < impl_->owners.size(); ++i) {
+      const auto& owner = impl_->owners[i];
+      replies.push_back(
+          (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
+              .rpcAsync<&LocalOptimizer::saveState>());
+      done.push_back(withContext(
+          replies.back().then([](const std::string&) {}),
+          "DistributedOptimizer: state of '" + impl_->ownerNames[i] + "'"));
+    }
+  }
+  waitOwners(done, impl_->ownerNames, deadline, impl_->waitLimit,
+             "saving the optimizer state");
+  std::vector<std::string> out;
+  out.reserve(replies.size());
+  for (auto& r : replies) {
+    out.push_back(r.value());
+  }
+  return out;
+}
+
+void DistributedOptimizer::loadStateDict(
+    const std::vector<std::string>& state) {
+  if (state.size() != impl_->owners.size()) {
+    throwError(Error::invalidArgument(
+        "DistributedOptimizer: the state has " + std::to_string(state.size()) +
+        " parts, the optimizer " + std::to_string(impl_->owners.size()) +
+        " owners"));
+  }
+  const Deadline deadline = waitDeadline(impl_->waitLimit);
+  std::vector<Future<void>> done;
+  {
+    rpc::AutogradContextScope noContext(0);
+    for (size_t i = 0; i < impl_->owners.size(); ++i) {
+      const auto& owner = impl_->owners[i];
+      done.push_back(withContext(
+          (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
+              .rpcAsync<&LocalOptimizer::loadState>(state[i])
+              .then([](bool) {}),
+          "DistributedOptimizer: loading the state on '" +
+              impl_->ownerNames[i] + "'"));
+    }
+  }
+  waitOwners(done, impl_->ownerNames, deadline, impl_->waitLimit,
+             "loading the optimizer state");
+}
 
 }  // namespace trellis::dist_autograd

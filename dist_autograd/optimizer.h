@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -111,6 +112,17 @@ class DistributedOptimizer {
 
   // Number of owners (local optimizers).
   size_t numOwners() const;
+
+  // The local optimizers' state (momentum buffers, Adagrad sums, Adam
+  // moments): one serialized torch::optim state per owner, in owner order,
+  // for checkpoints. A restarted trainer builds the same DistributedOptimizer
+  // (same parameters, same order) and loads it back. Bounded like step();
+  // not concurrently with a step of this optimizer.
+  std::vector<std::string> stateDict() const;
+  // InvalidArgumentError when the count is not numOwners(); RemoteError
+  // naming the owner whose optimizer rejects its part (not an archive, or
+  // shapes that do not match).
+  void loadStateDict(const std::vector<std::string>& state);
 
   struct Impl;
 

@@ -230,36 +230,48 @@ std::optional<Checkpoints::Loaded> Checkpoints::loadLatest(
     std::optional<torch::Device> device) const {
   const std::vector<int64_t> all = steps();
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    const fs::path path = pathOf(*it);
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-      TRELLIS_LOG_WARN("checkpoint {}: skipped: cannot be opened: {}",
-                       path.string(), std::strerror(errno));
-      continue;
+    if (auto loaded = load(*it, device)) {
+      return loaded;
     }
-    std::string bytes((std::istreambuf_iterator<char>(in)),
-                      std::istreambuf_iterator<char>());
-    if (const std::string why = damage(bytes, *it); !why.empty()) {
-      TRELLIS_LOG_WARN("checkpoint {}: skipped: {}", path.string(), why);
-      continue;
-    }
-    Loaded loaded;
-    loaded.step = *it;
-    loaded.path = path;
-    try {
-      loaded.archive.load_from(
-          bytes.data() + kHeaderBytes, bytes.size() - kHeaderBytes,
-          device ? c10::optional<torch::Device>(*device) : c10::nullopt);
-    } catch (const std::exception& e) {
-      // Whole by its checksum, but not an archive torch reads (written by
-      // another libtorch, say): the same as damage.
-      TRELLIS_LOG_WARN("checkpoint {}: skipped: torch cannot read it: {}",
-                       path.string(), e.what());
-      continue;
-    }
-    return loaded;
   }
   return std::nullopt;
+}
+
+std::optional<Checkpoints::Loaded> Checkpoints::load(
+    int64_t step, std::optional<torch::Device> device) const {
+  if (step < 0) {
+    return std::nullopt;
+  }
+  const fs::path path = pathOf(step);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    if (errno != ENOENT) {
+      TRELLIS_LOG_WARN("checkpoint {}: skipped: cannot be opened: {}",
+                       path.string(), std::strerror(errno));
+    }
+    return std::nullopt;
+  }
+  std::string bytes((std::istreambuf_iterator<char>(in)),
+                    std::istreambuf_iterator<char>());
+  if (const std::string why = damage(bytes, step); !why.empty()) {
+    TRELLIS_LOG_WARN("checkpoint {}: skipped: {}", path.string(), why);
+    return std::nullopt;
+  }
+  Loaded loaded;
+  loaded.step = step;
+  loaded.path = path;
+  try {
+    loaded.archive.load_from(
+        bytes.data() + kHeaderBytes, bytes.size() - kHeaderBytes,
+        device ? c10::optional<torch::Device>(*device) : c10::nullopt);
+  } catch (const std::exception& e) {
+    // Whole by its checksum, but not an archive torch reads (written by
+    // another libtorch, say): the same as damage.
+    TRELLIS_LOG_WARN("checkpoint {}: skipped: torch cannot read it: {}",
+                     path.string(), e.what());
+    return std::nullopt;
+  }
+  return loaded;
 }
 
 void saveModule(torch::serialize::OutputArchive& archive,

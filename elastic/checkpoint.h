@@ -82,6 +82,11 @@ class Checkpoints {
   std::optional<Loaded> loadLatest(
       std::optional<torch::Device> device = std::nullopt) const;
 
+  // Checkpoint `step`, or nullopt when it is absent or damaged (damage is
+  // logged as for loadLatest).
+  std::optional<Loaded> load(
+      int64_t step, std::optional<torch::Device> device = std::nullopt) const;
+
   // Steps of the checkpoint files present, oldest first, whole or not.
   std::vector<int64_t> steps() const;
 

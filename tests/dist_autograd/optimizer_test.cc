@@ -539,4 +539,79 @@ TEST(DistributedOptimizer, StepFailureNamesTheOwnerAndRestoresGrad) {
   EXPECT_TRUE(table.rpcSync<&Table::value>().equal(weight));
 }
 
+// stateDict / loadStateDict: the first optimizer's state (Adam moments on
+// the remote owner and here), loaded into a second one over a copy of the
+// parameters, makes it take exactly the first one's next step (and not the
+// step of a fresh Adam); a state of the wrong length or shapes is refused.
+TEST(DistributedOptimizer, StateDictRestoresEveryOwnersState) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const dist::Adam spec{.lr = 0.05};
+  struct Model {
+    rpc::RRef<Layer> layer;
+    at::Tensor m;
+    std::vector<rpc::RRef<at::Tensor>> params() {
+      auto p = layer.rpcSync<&Layer::parameters>();
+      auto mine = dist::localParameters({m});
+      p.insert(p.end(), mine.begin(), mine.end());
+      return p;
+    }
+  };
+  auto makeModel = [](const at::Tensor& w, const at::Tensor& b,
+                      const at::Tensor& m) {
+    return Model{rpc::remote<makeLayer>("w1", w, b),
+                 m.detach().clone().requires_grad_(true)};
+  };
+  auto stepOnce = [](Model& model, dist::DistributedOptimizer& opt, int k) {
+    dist::Context ctx;
+    at::Tensor out =
+        model.layer.rpcSync<&Layer::forward>(grid(5, 3, 0.1 * k)) * model.m;
+    ctx.backward({out.pow(2).sum()});
+    opt.step(ctx);
+  };
+  Model a = makeModel(grid(3, 4, 0.0), grid(1, 4, 0.1).reshape({4}),
+                      at::linspace(0.5, 1.5, 4, at::kDouble));
+  dist::DistributedOptimizer first(spec, a.params(), 30s);
+  stepOnce(a, first, 0);
+  stepOnce(a, first, 1);
+  const std::vector<std::string> state = first.stateDict();
+  ASSERT_EQ(state.size(), 2u);
+
+  // Copies of a's current values: b with a's state loaded, c without.
+  auto now = a.layer.rpcSync<&Layer::values>();
+  Model b = makeModel(now[0], now[1], a.m);
+  Model c = makeModel(now[0], now[1], a.m);
+  dist::DistributedOptimizer second(spec, b.params(), 30s);
+  dist::DistributedOptimizer fresh(spec, c.params(), 30s);
+  second.loadStateDict(state);
+  stepOnce(a, first, 2);
+  stepOnce(b, second, 2);
+  stepOnce(c, fresh, 2);
+  auto va = a.layer.rpcSync<&Layer::values>();
+  auto vb = b.layer.rpcSync<&Layer::values>();
+  auto vc = c.layer.rpcSync<&Layer::values>();
+  EXPECT_TRUE(va[0].equal(vb[0]));
+  EXPECT_TRUE(va[1].equal(vb[1]));
+  EXPECT_TRUE(a.m.equal(b.m));
+  EXPECT_GT(maxAbsDiff(va[0], vc[0]), 1e-6);  // the state mattered
+  EXPECT_GT(maxAbsDiff(a.m, c.m), 1e-6);
+
+  EXPECT_THROW(second.loadStateDict({state[0]}), trellis::InvalidArgumentError);
+  try {
+    second.loadStateDict({state[1], state[0]});  // swapped: shapes differ
+    FAIL() << "a swapped state loaded";
+  } catch (const trellis::Exception& e) {
+    EXPECT_NE(std::string(e.what()).find("does not load"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("'w"), std::string::npos) << e.what();
+  }
+  try {
+    second.loadStateDict({std::string("not an archive"), state[1]});
+    FAIL() << "garbage loaded";
+  } catch (const trellis::Exception& e) {
+    EXPECT_NE(std::string(e.what()).find("does not load"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace

@@ -101,6 +101,10 @@ TEST(Checkpoints, KeepsTheLastKAndLoadsTheNewestByStepNotByName) {
   }
   EXPECT_EQ(c.steps(), (std::vector<int64_t>{100, 1000}));
   EXPECT_EQ(c.loadLatest()->step, 1000);
+  // load(step): exactly that one, or none.
+  EXPECT_EQ(c.load(100)->step, 100);
+  EXPECT_FALSE(c.load(10).has_value());  // pruned
+  EXPECT_FALSE(c.load(-1).has_value());
   // Another prefix in the same directory is left alone.
   Checkpoints other({.dir = dir.path, .prefix = "rank4", .keepLast = 1});
   saveStep(other, 5, m, opt);
@@ -145,6 +149,7 @@ TEST(Checkpoints, DamagedNewestIsSkippedForTheOneBefore) {
     auto last = c.loadLatest();
     ASSERT_TRUE(last.has_value()) << k.what;
     EXPECT_EQ(last->step, 1) << k.what;
+    EXPECT_FALSE(c.load(2).has_value()) << k.what;
   }
   // A file renamed to another step's name is refused: its header says
   // otherwise.
