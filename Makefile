@@ -26,13 +26,13 @@ test-dev: build
 # code paths in the sweeps' small sizes and in the 4 MiB allreduce tests.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder elastic_test elastic_run_test elastic-run elastic_test_worker elastic_error_file_fuzz_replay worker_env_fuzz_replay elastic_checkpoint_test ddp_test ddp_worker elastic_multinode_test elastic_round_record_fuzz_replay
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder elastic_test elastic_run_test elastic-run elastic_test_worker elastic_error_file_fuzz_replay worker_env_fuzz_replay elastic_checkpoint_test ddp_test ddp_hybrid_test ddp_worker elastic_multinode_test elastic_round_record_fuzz_replay
 	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd|collectives|elastic|ddp' -E 'rpc_process|DistAutogradProcess.WorkerKilled|OpSweep.*_4MiB'
 
 # ThreadSanitizer pass over the components with threads and loops.
 test-tsan: deps
 	cmake --preset tsan
-	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test rpc_contract_test rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_test collectives_watchdog_test ddp_test ddp_worker
+	cmake --build --preset tsan -j $(JOBS) --target core_test store_test transport_test shm_test shm_peer_helper cma_test cma_peer_helper rpc_agent_test rpc_contract_test rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_test collectives_watchdog_test ddp_test ddp_hybrid_test ddp_worker
 	ctest --preset tsan -j $(JOBS) -L 'core|store|transport|rpc|dist_autograd|collectives|ddp' -E 'rpc_process|rpc_codec|DistAutogradProcess.WorkerKilled|CollectivesProcess|OpSweep.*_4MiB'
 
 # Clang's thread-safety analysis over the libraries that use locks (core,
@@ -76,12 +76,14 @@ test-fuzz: deps
 test: build tsa test-asan test-tsan test-fuzz
 	ctest --preset dev -j $(JOBS)
 
-# The parameter-server job (docs/examples.md): one server, two trainers,
-# started by elastic-run. Builds only what the job needs, not the tests.
+# The main job (docs/examples.md): hybrid DDP + RPC training, two parameter
+# servers and two trainers under elastic-run, with one trainer failure
+# injected so the restart and the resume from a checkpoint show. Builds only
+# what the job needs, not the tests.
 run: deps
 	cmake --preset dev
-	cmake --build --preset dev -j $(JOBS) --target elastic-run parameter_server
-	build/dev/elastic/elastic-run --standalone --nproc-per-node 3 build/dev/examples/parameter_server
+	cmake --build --preset dev -j $(JOBS) --target elastic-run hybrid_training
+	build/dev/elastic/elastic-run --standalone --nproc-per-node 4 --max-restarts 1 build/dev/examples/hybrid_training --fail-at-step 420
 
 clean:
 	rm -rf build

@@ -29,11 +29,14 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include "click_data.h"
 #include <trellis/rpc.h>
 
 namespace rpc = trellis::rpc;
 namespace da = trellis::dist_autograd;
 using Clock = std::chrono::steady_clock;
+using trellis::examples::auc;
+using trellis::examples::ClickWorld;
 
 namespace {
 
@@ -144,108 +147,6 @@ TRELLIS_REMOTE_METHODS(EmbeddingServer, forwardInputs, parameters);
 
 namespace {
 
-// The hidden model the data come from: a weight per item; an item's
-// popularity is Zipf-like over a random permutation of the ids.
-class World {
- public:
-  World(int64_t items, double weightStd, double zipf, uint64_t seed)
-      : weights_(items), itemAt_(items) {
-    std::mt19937_64 g(seed);
-    std::normal_distribution<double> w(0.0, weightStd);
-    for (auto& x : weights_) {
-      x = w(g);
-    }
-    std::iota(itemAt_.begin(), itemAt_.end(), int64_t{0});
-    std::shuffle(itemAt_.begin(), itemAt_.end(), g);
-    cdf_.resize(items);
-    double sum = 0;
-    for (int64_t k = 0; k < items; ++k) {
-      sum += 1.0 / std::pow(static_cast<double>(k + 1), zipf);
-      cdf_[k] = sum;
-    }
-    for (auto& c : cdf_) {
-      c /= sum;
-    }
-  }
-
-  struct Batch {
-    at::Tensor ids;      // int64 [total]
-    at::Tensor offsets;  // int64 [bags]
-    at::Tensor labels;   // float [bags]
-    at::Tensor trueLogits;
-  };
-
-  Batch draw(std::mt19937_64& g, int64_t bags) const {
-    std::uniform_int_distribution<int> len(1, 20);
-    std::uniform_real_distribution<double> u(0.0, 1.0);
-    std::normal_distribution<double> noise(0.0, 0.3);
-    std::vector<int64_t> ids, offsets;
-    std::vector<float> labels, logits;
-    for (int64_t b = 0; b < bags; ++b) {
-      offsets.push_back(static_cast<int64_t>(ids.size()));
-      const int n = len(g);
-      double z = 0;
-      for (int i = 0; i < n; ++i) {
-        const auto k =
-            std::lower_bound(cdf_.begin(), cdf_.end(), u(g)) - cdf_.begin();
-        const int64_t item = itemAt_[std::min<size_t>(k, itemAt_.size() - 1)];
-        ids.push_back(item);
-        z += weights_[item];
-      }
-      logits.push_back(static_cast<float>(z));
-      const double p = 1.0 / (1.0 + std::exp(-(z + noise(g))));
-      labels.push_back(u(g) < p ? 1.0f : 0.0f);
-    }
-    auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-    const auto total = static_cast<int64_t>(ids.size());
-    return Batch{torch::from_blob(ids.data(), {total}, i64).clone(),
-                 torch::from_blob(offsets.data(), {bags}, i64).clone(),
-                 torch::from_blob(labels.data(), {bags}, f32).clone(),
-                 torch::from_blob(logits.data(), {bags}, f32).clone()};
-  }
-
- private:
-  std::vector<double> weights_;
-  std::vector<int64_t> itemAt_;
-  std::vector<double> cdf_;
-};
-
-// Area under the ROC curve by the rank-sum formula (ties averaged).
-double auc(const at::Tensor& scores, const at::Tensor& labels) {
-  auto s = scores.contiguous();
-  auto l = labels.contiguous();
-  const int64_t n = s.size(0);
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  const float* sp = s.data_ptr<float>();
-  const float* lp = l.data_ptr<float>();
-  std::sort(order.begin(), order.end(),
-            [&](int64_t a, int64_t b) { return sp[a] < sp[b]; });
-  double rankSumPos = 0;
-  int64_t pos = 0;
-  for (int64_t i = 0; i < n;) {
-    int64_t j = i;
-    while (j < n && sp[order[j]] == sp[order[i]]) {
-      ++j;
-    }
-    const double avgRank = (static_cast<double>(i + j - 1) / 2.0) + 1.0;
-    for (int64_t k = i; k < j; ++k) {
-      if (lp[order[k]] > 0.5f) {
-        rankSumPos += avgRank;
-        ++pos;
-      }
-    }
-    i = j;
-  }
-  const int64_t neg = n - pos;
-  if (pos == 0 || neg == 0) {
-    return 0.5;
-  }
-  return (rankSumPos - static_cast<double>(pos) * (pos + 1) / 2.0) /
-         (static_cast<double>(pos) * static_cast<double>(neg));
-}
-
 struct Flags {
   int64_t steps = 800;
   int64_t batch = 128;
@@ -267,7 +168,10 @@ struct Flags {
 
 int runTrainer(const Flags& f, int32_t rank) {
   const std::string me = "trainer" + std::to_string(rank);
-  const World world(f.rows, f.weightStd, f.zipf, static_cast<uint64_t>(f.seed));
+  const ClickWorld world({.rows = f.rows,
+                          .weightStd = f.weightStd,
+                          .zipf = f.zipf,
+                          .seed = static_cast<uint64_t>(f.seed)});
   std::mt19937_64 data(static_cast<uint64_t>(f.seed) * 7919 +
                        static_cast<uint64_t>(rank));
   auto server = rpc::remote<makeServer>("ps", f.rows, f.dim, f.seed);
@@ -287,8 +191,8 @@ int runTrainer(const Flags& f, int32_t rank) {
     double loss = 0;
     {
       da::Context ctx;
-      auto in = server.rpcSync<&EmbeddingServer::forwardInputs>(batch.ids,
-                                                                batch.offsets);
+      auto in = server.rpcSync<&EmbeddingServer::forwardInputs>(
+          batch.ids[0], batch.offsets[0]);
       auto l = torch::binary_cross_entropy_with_logits(denseForward(in),
                                                        batch.labels);
       ctx.backward({l});
@@ -323,8 +227,9 @@ int runTrainer(const Flags& f, int32_t rank) {
   for (int64_t done = 0; done < f.evalSamples; done += 1024) {
     const int64_t n = std::min<int64_t>(1024, f.evalSamples - done);
     auto b = world.draw(heldOut, n);
-    scores.push_back(denseForward(
-        server.rpcSync<&EmbeddingServer::forwardInputs>(b.ids, b.offsets)));
+    scores.push_back(
+        denseForward(server.rpcSync<&EmbeddingServer::forwardInputs>(
+            b.ids[0], b.offsets[0])));
     labels.push_back(b.labels);
     oracle.push_back(b.trueLogits);
   }

@@ -1,0 +1,829 @@
+// Hybrid DDP + RPC training, DLRM-shaped (docs/examples.md): the main job.
+//
+//   elastic-run --standalone --nproc-per-node 4 --max-restarts 1 \
+//       hybrid_training --fail-at-step 120
+//
+// Roles come from the rank: ranks 0 .. S-1 are parameter servers (S =
+// --servers), the others trainers. Every embedding table is split by rows
+// over the servers (row r of a table lives on server r % S, as its row
+// r / S); each server holds one shard of every table, as an object that
+// trainers reach through RRefs. A trainer's step, inside one
+// distributed-autograd context: bag lookups on every shard its batch
+// touches (RRef method calls, all in flight at once; sum-mode bags, so the
+// shards' partial sums add up to the bag), the dense part (a bottom MLP
+// for the dense features, DLRM's pairwise dot-product interaction, a top
+// MLP) replicated over the trainers with DDP, ctx.backward() (the tables'
+// gradients go to the servers over RPC, the dense part's are averaged by
+// DDP into the context), and one DistributedOptimizer step: Adagrad on the
+// servers for the table shards (sparse), Adagrad on each trainer for its
+// replica of the dense part.
+//
+// Fault tolerance: every --checkpoint-every steps the group checkpoints
+// (trainers: the dense part and the whole optimizer state; servers: their
+// shards). --fail-at-step S makes the last trainer exit abnormally at step
+// S of the first attempt; elastic-run restarts the group, which resumes
+// from the last checkpoint every rank completed. The data are a
+// deterministic function of (seed, trainer, step), so a resumed run trains
+// on what an undisturbed one would have.
+#include <ATen/CPUGeneratorImpl.h>
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include "click_data.h"
+#include <trellis/collectives/process_group.h>
+#include <trellis/core/text.h>
+#include <trellis/core/worker_env.h>
+#include <trellis/ddp/distributed_data_parallel.h>
+#include <trellis/elastic/checkpoint.h>
+#include <trellis/rpc.h>
+#include <trellis/store/prefix_store.h>
+#include <trellis/store/tcp_store.h>
+
+namespace rpc = trellis::rpc;
+namespace da = trellis::dist_autograd;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using trellis::examples::auc;
+using trellis::examples::ClickWorld;
+
+namespace {
+
+struct Flags {
+  int64_t steps = 1000;
+  int64_t batch = 64;  // samples per trainer and step
+  int64_t servers = 2;
+  int64_t tables = 3;
+  int64_t rows = 20000;  // per table
+  int64_t dim = 16;
+  int64_t denseFeatures = 4;
+  double lr = 0.1;
+  int64_t logEvery = 100;
+  int64_t evalSamples = 4096;
+  int64_t checkpointEvery = 50;
+  std::string checkpointDir;  // default: <tmp>/trellis-hybrid/<run id>
+  int64_t failAtStep = -1;
+  bool checkConsistency = false;
+  double minAuc = 0.7;
+  double weightStd = 0.4;
+  double zipf = 1.1;
+  int64_t seed = 1234;
+  double timeoutS = 60;
+};
+
+double seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// ---- servers ---------------------------------------------------------------
+
+// Rows of one table that live on one server: row r of the table is row
+// r / servers of the shard on server r % servers.
+int64_t shardRows(int64_t rows, int64_t servers, int64_t shard) {
+  return (rows - shard + servers - 1) / servers;
+}
+
+}  // namespace
+
+// One table's shard on a server. Lookups come from trainers' contexts
+// (training: the graph is recorded, the rows are noted) or from outside one
+// (evaluation: no graph).
+class EmbeddingShard {
+ public:
+  EmbeddingShard(int64_t table, int64_t shard, int64_t rows, int64_t dim,
+                 uint64_t seed)
+      : table_(table), shard_(shard) {
+    at::Generator g = at::detail::createCPUGenerator(seed);
+    at::NoGradGuard noGrad;
+    weight_ = at::empty({rows, dim}).normal_(0.0, 0.05, g).requires_grad_(true);
+    looked_ = std::vector<char>(static_cast<size_t>(rows), 0);
+    initial_ = weight_.detach().clone();
+  }
+
+  // Sum-mode bags over this shard's rows `ids` (shard-local row numbers).
+  at::Tensor lookup(const at::Tensor& ids, const at::Tensor& offsets) {
+    const int64_t rows = weight_.size(0);
+    if (ids.dim() != 1 || offsets.dim() != 1 ||
+        ids.scalar_type() != at::kLong || offsets.scalar_type() != at::kLong) {
+      throw std::invalid_argument("lookup: ids and offsets must be 1-d int64");
+    }
+    if (ids.numel() > 0 &&
+        (ids.min().item<int64_t>() < 0 || ids.max().item<int64_t>() >= rows)) {
+      throw std::out_of_range("lookup: a row id outside shard " + name() +
+                              " (" + std::to_string(rows) + " rows)");
+    }
+    const bool training = da::currentContextId() != 0;
+    if (training) {
+      std::lock_guard<std::mutex> lock(mu_);
+      const int64_t* p = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < ids.numel(); ++i) {
+        looked_[static_cast<size_t>(p[i])] = 1;
+      }
+    }
+    torch::AutoGradMode gradMode(training);
+    return std::get<0>(at::embedding_bag(weight_, ids, offsets,
+                                         /*scale_grad_by_freq=*/false,
+                                         /*mode=*/0, /*sparse=*/true));
+  }
+
+  std::vector<rpc::RRef<at::Tensor>> parameters() {
+    return da::localParameters({weight_});
+  }
+
+  // Checkpoint `step` of this shard (the caller, trainer 0, has made sure
+  // no step is in flight).
+  bool save(int64_t step) {
+    checkpoints().save(step, [&](torch::serialize::OutputArchive& a) {
+      a.write("weight", weight_.detach());
+    });
+    return true;
+  }
+
+  // Back to checkpoint `step`; false when this shard does not have it.
+  bool restore(int64_t step) {
+    auto loaded = checkpoints().load(step);
+    if (!loaded) {
+      return false;
+    }
+    at::Tensor w;
+    loaded->archive.read("weight", w);
+    if (!w.sizes().equals(weight_.sizes())) {
+      throw std::runtime_error("checkpoint " + loaded->path.string() +
+                               ": the shard's shape differs");
+    }
+    at::NoGradGuard noGrad;
+    weight_.copy_(w);
+    std::lock_guard<std::mutex> lock(mu_);
+    initial_ = weight_.detach().clone();
+    std::fill(looked_.begin(), looked_.end(), 0);
+    return true;
+  }
+
+  // Since the start (or the restore): rows looked up in training, rows
+  // whose values changed, and rows that changed without a lookup (must be
+  // none: a sparse update touches only the rows a lookup used).
+  struct Stats {
+    int64_t looked = 0, changed = 0, changedUnlooked = 0;
+  };
+  Stats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    at::Tensor changed =
+        (weight_.detach() != initial_).any(1).to(at::kByte).contiguous();
+    const uint8_t* c = changed.data_ptr<uint8_t>();
+    Stats s;
+    for (size_t r = 0; r < looked_.size(); ++r) {
+      s.looked += looked_[r];
+      s.changed += c[r] ? 1 : 0;
+      s.changedUnlooked += (c[r] && !looked_[r]) ? 1 : 0;
+    }
+    return s;
+  }
+
+  std::string name() const {
+    return "table" + std::to_string(table_) + "/shard" + std::to_string(shard_);
+  }
+
+  static void setCheckpointDir(fs::path dir) { dir_() = std::move(dir); }
+
+ private:
+  trellis::elastic::Checkpoints checkpoints() const {
+    return trellis::elastic::Checkpoints(
+        {.dir = dir_(), .prefix = "table" + std::to_string(table_)});
+  }
+  static fs::path& dir_() {
+    static fs::path dir;
+    return dir;
+  }
+
+  int64_t table_, shard_;
+  at::Tensor weight_;
+  std::mutex mu_;
+  std::vector<char> looked_;
+  at::Tensor initial_;
+};
+
+namespace {
+std::mutex gShardsMu;
+std::map<int64_t, std::shared_ptr<EmbeddingShard>> gShards;  // by table
+}  // namespace
+
+// The shard of `table` on this server (built at startup).
+std::shared_ptr<EmbeddingShard> shardOf(int64_t table) {
+  std::lock_guard<std::mutex> lock(gShardsMu);
+  auto it = gShards.find(table);
+  if (it == gShards.end()) {
+    throw std::out_of_range("no shard of table " + std::to_string(table) +
+                            " on this server");
+  }
+  return it->second;
+}
+
+TRELLIS_REMOTE_FUNCTION(shardOf);
+TRELLIS_REMOTE_METHODS(EmbeddingShard, lookup, parameters, save, restore);
+
+namespace {
+
+// ---- trainers: the dense part ----------------------------------------------
+
+// DLRM's dense part: the dense features through a bottom MLP to one more
+// vector beside the tables' bag embeddings, the pairwise dot products of
+// all those vectors, and a top MLP over the bottom vector and the dots.
+struct DenseNetImpl : torch::nn::Module {
+  DenseNetImpl(int64_t denseFeatures, int64_t tables, int64_t dim) {
+    bottom = register_module(
+        "bottom", torch::nn::Sequential(
+                      torch::nn::Linear(denseFeatures, 32), torch::nn::ReLU(),
+                      torch::nn::Linear(32, dim), torch::nn::ReLU()));
+    const int64_t vectors = tables + 1;
+    const int64_t pairs = vectors * (vectors - 1) / 2;
+    top = register_module(
+        "top",
+        torch::nn::Sequential(torch::nn::Linear(dim + pairs, 64),
+                              torch::nn::ReLU(), torch::nn::Linear(64, 1)));
+    auto upper = torch::triu_indices(vectors, vectors, 1);
+    pairRows = register_buffer("pairRows", upper[0]);
+    pairCols = register_buffer("pairCols", upper[1]);
+  }
+  // dense [B, F], embeddings [B, T, dim] -> logits [B]
+  torch::Tensor forward(torch::Tensor dense, torch::Tensor embeddings) {
+    auto x = bottom->forward(dense);
+    auto vectors = torch::cat({x.unsqueeze(1), embeddings}, 1);
+    auto dots = torch::bmm(vectors, vectors.transpose(1, 2));
+    auto pairs = dots.index({torch::indexing::Slice(), pairRows, pairCols});
+    return top->forward(torch::cat({x, pairs}, 1)).squeeze(1);
+  }
+  torch::nn::Sequential bottom{nullptr}, top{nullptr};
+  torch::Tensor pairRows, pairCols;
+};
+TORCH_MODULE(DenseNet);
+
+// Time spent in the DDP buckets' allreduces, summed (comm hook).
+std::atomic<int64_t> gAllreduceNs{0};
+
+trellis::ddp::CommHook timedAllreduce() {
+  return [inner = trellis::ddp::hooks::allreduce()](
+             trellis::ddp::GradBucket& bucket) {
+    const auto t0 = Clock::now();
+    return inner(bucket).then([t0](const at::Tensor& t) {
+      gAllreduceNs += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          Clock::now() - t0)
+                          .count();
+      return t;
+    });
+  };
+}
+
+struct Trainer {
+  const Flags& f;
+  int trainer;  // 0 .. trainers-1
+  int trainers;
+  int restartCount;
+  fs::path dir;  // this job's checkpoint directory
+  std::shared_ptr<trellis::collectives::ProcessGroup> group;
+  ClickWorld world;
+  // shards[t][s]: table t's shard on server s.
+  std::vector<std::vector<rpc::RRef<EmbeddingShard>>> shards;
+
+  Trainer(const Flags& flags, int t, int n, int restarts, fs::path d,
+          std::shared_ptr<trellis::collectives::ProcessGroup> g)
+      : f(flags),
+        trainer(t),
+        trainers(n),
+        restartCount(restarts),
+        dir(std::move(d)),
+        group(std::move(g)),
+        world({.tables = flags.tables,
+               .rows = flags.rows,
+               .denseFeatures = flags.denseFeatures,
+               .weightStd = flags.weightStd,
+               .zipf = flags.zipf,
+               .seed = static_cast<uint64_t>(flags.seed)}) {
+    for (int64_t t = 0; t < f.tables; ++t) {
+      std::vector<rpc::RRef<EmbeddingShard>> row;
+      for (int64_t s = 0; s < f.servers; ++s) {
+        row.push_back(rpc::remote<shardOf>("ps" + std::to_string(s), t));
+      }
+      shards.push_back(std::move(row));
+    }
+  }
+
+  std::string name() const { return "trainer" + std::to_string(trainer); }
+
+  // The batch of this trainer at `step`: the same in every attempt.
+  ClickWorld::Batch batchAt(int64_t step) const {
+    std::mt19937_64 g(static_cast<uint64_t>(f.seed) * 7919 +
+                      static_cast<uint64_t>(step) * 131 +
+                      static_cast<uint64_t>(trainer));
+    return world.draw(g, f.batch);
+  }
+
+  // [B, tables, dim]: each table's bags, summed over the shards holding
+  // their rows; every lookup in flight at once.
+  at::Tensor embeddings(const ClickWorld::Batch& b) {
+    const int64_t bags = b.offsets[0].size(0);
+    std::vector<std::vector<std::optional<trellis::Future<at::Tensor>>>> parts(
+        static_cast<size_t>(f.tables));
+    for (int64_t t = 0; t < f.tables; ++t) {
+      const at::Tensor& ids = b.ids[static_cast<size_t>(t)];
+      // The bag of each id.
+      at::Tensor counts =
+          torch::diff(b.offsets[static_cast<size_t>(t)],
+                      /*n=*/1, /*dim=*/0, /*prepend=*/c10::nullopt,
+                      torch::tensor({ids.size(0)}, torch::kLong));
+      at::Tensor bagOf = torch::repeat_interleave(counts);
+      at::Tensor server = ids.remainder(f.servers);
+      for (int64_t s = 0; s < f.servers; ++s) {
+        at::Tensor mask = server.eq(s);
+        at::Tensor local = ids.masked_select(mask).div(f.servers, "floor");
+        if (local.numel() == 0) {
+          parts[static_cast<size_t>(t)].emplace_back(std::nullopt);
+          continue;
+        }
+        at::Tensor perBag =
+            torch::bincount(bagOf.masked_select(mask), {}, bags);
+        at::Tensor offsets = perBag.cumsum(0) - perBag;
+        parts[static_cast<size_t>(t)].emplace_back(
+            shards[static_cast<size_t>(t)][static_cast<size_t>(s)]
+                .rpcAsync<&EmbeddingShard::lookup>(local, offsets));
+      }
+    }
+    std::vector<at::Tensor> tables;
+    for (auto& perTable : parts) {
+      at::Tensor sum = torch::zeros({bags, f.dim});
+      for (auto& p : perTable) {
+        if (p) {
+          sum = sum + p->wait();
+        }
+      }
+      tables.push_back(sum);
+    }
+    return torch::stack(tables, 1);
+  }
+
+  int run() {
+    torch::manual_seed(static_cast<uint64_t>(f.seed));  // same on every trainer
+    DenseNet net(f.denseFeatures, f.tables, f.dim);
+    trellis::elastic::Checkpoints ckpt({.dir = dir / name(), .keepLast = 3});
+
+    // Where to resume: trainer 0's newest checkpoint is the last one every
+    // rank completed (it writes its own last), and every rank still has it
+    // (each keeps 3, and is at most one checkpoint ahead of trainer 0).
+    at::Tensor resume = torch::tensor({int64_t{-1}}, torch::kLong);
+    if (trainer == 0) {
+      if (auto last = ckpt.loadLatest()) {
+        resume.fill_(last->step);
+      }
+    }
+    group->broadcast(resume, 0).wait();
+    const int64_t resumeStep = resume.item<int64_t>();
+    std::optional<trellis::elastic::Checkpoints::Loaded> loaded;
+    if (resumeStep >= 0) {
+      loaded = ckpt.load(resumeStep);
+      if (!loaded) {
+        std::fprintf(stderr, "%s: checkpoint %" PRId64 " is missing in %s\n",
+                     name().c_str(), resumeStep, ckpt.options().dir.c_str());
+        return 4;
+      }
+      trellis::elastic::loadModule(loaded->archive, "dense", *net);
+      if (trainer == 0) {
+        std::vector<trellis::Future<bool>> restored;
+        for (auto& perTable : shards) {
+          for (auto& shard : perTable) {
+            restored.push_back(
+                shard.rpcAsync<&EmbeddingShard::restore>(resumeStep));
+          }
+        }
+        for (auto& r : restored) {
+          if (!r.wait()) {
+            std::fprintf(stderr, "%s: a server lacks checkpoint %" PRId64 "\n",
+                         name().c_str(), resumeStep);
+            return 4;
+          }
+        }
+      }
+    }
+
+    trellis::ddp::DistributedDataParallel model(net, group);
+    model.registerCommHook(timedAllreduce());
+    std::vector<rpc::RRef<at::Tensor>> params;
+    for (auto& perTable : shards) {
+      for (auto& shard : perTable) {
+        auto p = shard.rpcSync<&EmbeddingShard::parameters>();
+        params.insert(params.end(), p.begin(), p.end());
+      }
+    }
+    auto dense = da::localParameters(net->parameters());
+    params.insert(params.end(), dense.begin(), dense.end());
+    da::DistributedOptimizer opt(
+        da::Adagrad{.lr = f.lr, .initialAccumulatorValue = 0.1}, params);
+    if (loaded) {
+      c10::IValue state;
+      loaded->archive.read("optimizer", state);
+      std::vector<std::string> parts;
+      for (const auto& s : state.toListRef()) {
+        parts.push_back(s.toStringRef());
+      }
+      opt.loadStateDict(parts);
+    }
+    // Nobody trains before every restore is done.
+    group->barrier().wait();
+    if (resumeStep >= 0 && trainer == 0) {
+      std::printf("%s: resumed from the checkpoint of step %" PRId64
+                  " (attempt %d)\n",
+                  name().c_str(), resumeStep, restartCount + 1);
+      std::fflush(stdout);
+    }
+
+    const auto start = Clock::now();
+    double windowLoss = 0, windowRpc = 0, windowAllreduce = 0;
+    int64_t windowSteps = 0;
+    auto windowStart = start;
+    std::optional<double> recoverySeconds;
+    for (int64_t step = resumeStep + 1; step < f.steps; ++step) {
+      if (step == f.failAtStep && restartCount == 0 &&
+          trainer == trainers - 1) {
+        // The failure-time file lets the resumed job say how long recovery
+        // took.
+        std::ofstream(dir / "failure-time")
+            << std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::system_clock::now().time_since_epoch())
+                   .count();
+        std::printf("%s: injected failure at step %" PRId64
+                    " (exiting with status 13)\n",
+                    name().c_str(), step);
+        std::fflush(stdout);
+        std::_Exit(13);
+      }
+      const ClickWorld::Batch b = batchAt(step);
+      const auto t0 = Clock::now();
+      double loss = 0;
+      {
+        da::Context ctx;
+        at::Tensor emb = embeddings(b);
+        const auto t1 = Clock::now();
+        at::Tensor l = torch::binary_cross_entropy_with_logits(
+            model(b.dense, emb), b.labels);
+        ctx.backward({l});
+        opt.step(ctx);
+        loss = l.item<double>();
+        windowRpc += seconds(t1 - t0);
+      }
+      // No trainer looks rows up for the next step before every trainer's
+      // step is applied. Without this, a fast trainer's next lookups hold
+      // a server's parameters for its backward (the step gate,
+      // docs/dist_autograd.md) while that backward waits in DDP's allreduce
+      // for a slow trainer, whose optimizer step waits for the gate: a
+      // deadlock broken only by the timeout (docs/ddp.md, "DDP with
+      // distributed autograd").
+      group->barrier().wait();
+      if (f.checkConsistency) {
+        checkReplicas(*net, step);
+      }
+      if (f.checkpointEvery > 0 && (step + 1) % f.checkpointEvery == 0) {
+        checkpoint(ckpt, *net, opt, step);
+      }
+      if (restartCount > 0 && !recoverySeconds && trainer == 0) {
+        recoverySeconds = sinceFailure();
+      }
+      windowLoss += loss;
+      ++windowSteps;
+      if ((step + 1) % f.logEvery == 0 || step + 1 == f.steps) {
+        const auto now = Clock::now();
+        const double ns = static_cast<double>(gAllreduceNs.exchange(0));
+        windowAllreduce += ns / 1e9;
+        std::printf("%s step %4" PRId64 "/%" PRId64
+                    "  loss %.4f  samples/s %.0f  lookup RPC %.2f ms/step  "
+                    "allreduce %.2f ms/step\n",
+                    name().c_str(), step + 1, f.steps, windowLoss / windowSteps,
+                    static_cast<double>(windowSteps * f.batch) /
+                        seconds(now - windowStart),
+                    1e3 * windowRpc / windowSteps,
+                    1e3 * windowAllreduce / windowSteps);
+        std::fflush(stdout);
+        windowStart = now;
+        windowLoss = windowRpc = windowAllreduce = 0;
+        windowSteps = 0;
+      }
+    }
+    const double trainSecs = seconds(Clock::now() - start);
+    group->barrier().wait();  // every trainer's last step is in
+    int rc = 0;
+    if (trainer == 0) {
+      rc = evaluate(*net);
+      std::printf("%s: trained steps %" PRId64 "..%" PRId64 " in %.1f s",
+                  name().c_str(), resumeStep + 1, f.steps - 1, trainSecs);
+      if (restartCount > 0) {
+        std::printf(
+            "; restarts: %d (resumed from the checkpoint of step %" PRId64 ")",
+            restartCount, resumeStep);
+        if (recoverySeconds) {
+          std::printf(
+              ", recovery %.1f s from the failure to the first step "
+              "after it",
+              *recoverySeconds);
+        }
+      } else {
+        std::printf("; no restart");
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    group->barrier().wait();
+    return rc;
+  }
+
+  // DDP keeps the replicas bit-identical: checked with two allreduces of
+  // each parameter's sum (MIN and MAX must agree).
+  void checkReplicas(DenseNetImpl& net, int64_t step) {
+    std::vector<at::Tensor> sums;
+    for (const auto& p : net.parameters()) {
+      sums.push_back(p.detach().to(torch::kDouble).sum().reshape({1}));
+    }
+    at::Tensor lo = torch::cat(sums);
+    at::Tensor hi = lo.clone();
+    group->allreduce(lo, trellis::collectives::ReduceOp::kMin).wait();
+    group->allreduce(hi, trellis::collectives::ReduceOp::kMax).wait();
+    if (!lo.equal(hi)) {
+      std::fprintf(stderr,
+                   "%s: the trainers' dense parameters differ after step "
+                   "%" PRId64 "\n",
+                   name().c_str(), step);
+      std::exit(5);
+    }
+  }
+
+  // Every rank's state after `step`: trainers wait for each other's last
+  // optimizer step, trainer 0 has the servers save their shards, the other
+  // trainers save theirs; trainer 0 saves its own last, so its newest
+  // checkpoint is one every rank has.
+  void checkpoint(trellis::elastic::Checkpoints& ckpt, DenseNetImpl& net,
+                  da::DistributedOptimizer& opt, int64_t step) {
+    group->barrier().wait();
+    auto saveMine = [&] {
+      const std::vector<std::string> state = opt.stateDict();
+      c10::List<std::string> list;
+      for (const auto& s : state) {
+        list.push_back(s);
+      }
+      ckpt.save(step, [&](torch::serialize::OutputArchive& a) {
+        trellis::elastic::saveModule(a, "dense", net);
+        a.write("optimizer", c10::IValue(list));
+      });
+    };
+    if (trainer == 0) {
+      std::vector<trellis::Future<bool>> saved;
+      for (auto& perTable : shards) {
+        for (auto& shard : perTable) {
+          saved.push_back(shard.rpcAsync<&EmbeddingShard::save>(step));
+        }
+      }
+      for (auto& s : saved) {
+        (void)s.wait();
+      }
+    } else {
+      saveMine();
+    }
+    group->barrier().wait();
+    if (trainer == 0) {
+      saveMine();
+    }
+  }
+
+  std::optional<double> sinceFailure() const {
+    std::ifstream in(dir / "failure-time");
+    std::string text;
+    if (!(in >> text)) {
+      return std::nullopt;
+    }
+    auto ns = trellis::parseDecimal(text);
+    if (!ns) {
+      return std::nullopt;
+    }
+    const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+    return static_cast<double>(now - *ns) / 1e9;
+  }
+
+  // Held-out samples (another stream of the same hidden model) through the
+  // trained model; no context, so no graph on the servers.
+  int evaluate(DenseNetImpl& net) {
+    std::mt19937_64 heldOut(static_cast<uint64_t>(f.seed) * 104729 + 17);
+    std::vector<at::Tensor> scores, labels, oracle;
+    torch::NoGradGuard noGrad;
+    for (int64_t done = 0; done < f.evalSamples; done += 1024) {
+      const int64_t n = std::min<int64_t>(1024, f.evalSamples - done);
+      auto b = world.draw(heldOut, n);
+      scores.push_back(net.forward(b.dense, embeddings(b)));
+      labels.push_back(b.labels);
+      oracle.push_back(b.trueLogits);
+    }
+    const double got = auc(torch::cat(scores), torch::cat(labels));
+    std::printf("%s: held-out AUC %.4f (%" PRId64
+                " samples; chance 0.5000, hidden-model ceiling %.4f)\n",
+                name().c_str(), got, f.evalSamples,
+                auc(torch::cat(oracle), torch::cat(labels)));
+    if (got < f.minAuc) {
+      std::fprintf(stderr, "%s: AUC %.4f is below --min-auc %.4f\n",
+                   name().c_str(), got, f.minAuc);
+      return 3;
+    }
+    return 0;
+  }
+};
+
+// TORCHELASTIC_RESTART_COUNT, or 0 when unset; a bad value is an error.
+int restartCountFromEnvironment() {
+  const char* v = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (v == nullptr || *v == '\0') {
+    return 0;
+  }
+  auto n = trellis::parseDecimal(v);
+  if (!n || *n < 0 || *n > 1'000'000) {
+    throw std::invalid_argument(
+        std::string("TORCHELASTIC_RESTART_COUNT is not a count: '") + v + "'");
+  }
+  return static_cast<int>(*n);
+}
+
+fs::path defaultCheckpointDir() {
+  const char* runId = std::getenv("TORCHELASTIC_RUN_ID");
+  std::string id = runId != nullptr && *runId != '\0' ? runId : "local";
+  // A run id names a directory: keep it to a safe alphabet.
+  for (char& c : id) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_') {
+      c = '_';
+    }
+  }
+  return fs::temp_directory_path() / "trellis-hybrid" / id;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "Trellis hybrid DDP + RPC training (run under elastic-run, srun or "
+      "mpirun; ranks 0..servers-1 are parameter servers, the rest trainers)"};
+  Flags f;
+  app.add_option("--steps", f.steps, "training steps (per trainer)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch", f.batch, "samples per trainer and step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--servers", f.servers, "parameter-server ranks")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--tables", f.tables, "embedding tables")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--rows", f.rows, "rows per table")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dim", f.dim, "embedding dimension")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--dense-features", f.denseFeatures, "dense features")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--lr", f.lr, "Adagrad learning rate (tables and dense part)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--log-every", f.logEvery, "progress every N steps")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--eval-samples", f.evalSamples, "held-out samples")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--checkpoint-every", f.checkpointEvery,
+                 "checkpoint every N steps (0: never)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", f.checkpointDir,
+                 "checkpoint directory, shared by the job's ranks (default "
+                 "<tmp>/trellis-hybrid/<TORCHELASTIC_RUN_ID>)");
+  app.add_option("--fail-at-step", f.failAtStep,
+                 "the last trainer exits abnormally at this step of the first "
+                 "attempt (-1: never)");
+  app.add_flag("--check-consistency", f.checkConsistency,
+               "check after every step that the trainers' dense parameters "
+               "are equal (two small allreduces per step)");
+  app.add_option("--min-auc", f.minAuc,
+                 "exit with status 3 when the held-out AUC is below this");
+  app.add_option("--weight-std", f.weightStd,
+                 "hidden model: standard deviation of the item weights");
+  app.add_option("--zipf", f.zipf, "hidden model: popularity exponent");
+  app.add_option("--seed", f.seed, "seed of the hidden model, data and init");
+  app.add_option("--timeout-s", f.timeoutS,
+                 "bound on every RPC and collective, in seconds")
+      ->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+
+  trellis::WorkerEnv env;
+  int restartCount = 0;
+  try {
+    env = trellis::WorkerEnv::fromEnvironment();
+    restartCount = restartCountFromEnvironment();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "hybrid_training: %s\n(start it with elastic-run --standalone "
+                 "--nproc-per-node 4 %s)\n",
+                 e.what(), argv[0]);
+    return 2;
+  }
+  const int rank = env.rank;
+  const int worldSize = env.worldSize;
+  const int trainers = worldSize - static_cast<int>(f.servers);
+  if (trainers < 1 || !env.master.complete()) {
+    std::fprintf(stderr,
+                 "hybrid_training: %d processes for %" PRId64
+                 " servers: needs at least one trainer, and MASTER_ADDR / "
+                 "MASTER_PORT\n",
+                 worldSize, f.servers);
+    return 2;
+  }
+  const fs::path dir = f.checkpointDir.empty() ? defaultCheckpointDir()
+                                               : fs::path(f.checkpointDir);
+  // Two cores are shared by every process of the job.
+  torch::set_num_threads(1);
+  const auto timeout = std::chrono::duration_cast<trellis::Duration>(
+      std::chrono::duration<double>(f.timeoutS));
+
+  int rc = 0;
+  try {
+    // One TCPStore for the job (rank 0 serves it), shared by RPC and the
+    // trainers' process group under their own prefixes.
+    std::shared_ptr<trellis::store::TCPStoreServer> server;
+    if (rank == 0) {
+      trellis::store::TCPStoreServerOptions so;
+      so.host = env.master.addr;
+      so.port = env.master.port;
+      so.jobToken = env.jobToken;
+      server = std::make_shared<trellis::store::TCPStoreServer>(so);
+    }
+    trellis::store::TCPStoreOptions co;
+    co.host = env.master.addr;
+    co.port = env.master.port;
+    co.jobToken = env.jobToken;
+    co.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+    co.connectTimeout = co.timeout;
+    auto store = std::make_shared<trellis::store::TCPStore>(co);
+
+    const bool isServer = rank < f.servers;
+    if (isServer) {
+      EmbeddingShard::setCheckpointDir(dir / ("server" + std::to_string(rank)));
+      std::lock_guard<std::mutex> lock(gShardsMu);
+      for (int64_t t = 0; t < f.tables; ++t) {
+        gShards[t] = std::make_shared<EmbeddingShard>(
+            t, rank, shardRows(f.rows, f.servers, rank), f.dim,
+            static_cast<uint64_t>(f.seed) * 1000003 + t * 101 + rank);
+      }
+    }
+    rpc::RpcOptions options;
+    options.store =
+        std::make_shared<trellis::store::PrefixStore>("rpc/", store);
+    options.defaultTimeout = timeout;
+    options.shutdownDrainTimeout = timeout;
+    rpc::init(isServer ? "ps" + std::to_string(rank)
+                       : "trainer" + std::to_string(rank - f.servers),
+              rank, worldSize, options);
+    if (!isServer) {
+      trellis::collectives::ProcessGroupOptions po;
+      po.timeout = timeout;
+      auto group = trellis::collectives::ProcessGroup::create(
+          "cpu",
+          std::make_shared<trellis::store::PrefixStore>("trainers/", store),
+          rank - static_cast<int>(f.servers), trainers, po);
+      Trainer trainer(f, rank - static_cast<int>(f.servers), trainers,
+                      restartCount, dir, group);
+      rc = trainer.run();
+    }
+    // Servers serve until every trainer is done (graceful shutdown waits
+    // for all of them).
+    rpc::shutdown();
+    if (isServer) {
+      int64_t changedUnlooked = 0;
+      for (auto& [t, shard] : gShards) {
+        const auto s = shard->stats();
+        std::printf("ps%d %s: %" PRId64 " rows looked up in training, %" PRId64
+                    " changed, %" PRId64 " changed without a lookup\n",
+                    rank, shard->name().c_str(), s.looked, s.changed,
+                    s.changedUnlooked);
+        changedUnlooked += s.changedUnlooked;
+      }
+      std::fflush(stdout);
+      rc = changedUnlooked == 0 ? 0 : 6;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hybrid_training rank %d: %s\n", rank, e.what());
+    return 1;
+  }
+  return rc;
+}

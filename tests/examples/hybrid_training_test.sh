@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The main job as a user runs it (examples/hybrid_training.cc, issue 19):
+# 2 parameter servers + 2 trainers under elastic-run --standalone.
+#   1. Undisturbed: exits 0, held-out AUC well above chance, the trainers'
+#      dense parameters equal after every step (--check-consistency), and
+#      every server shard changed only rows that were looked up.
+#   2. The last trainer exits abnormally once (--fail-at-step): elastic-run
+#      restarts the group, every rank resumes from the last checkpoint, the
+#      summary says so, and the AUC is within 0.01 of run 1.
+#   3. Bad input: too few processes for the servers asked for, a bad
+#      restart count in the environment: exit 2 naming what was wrong.
+#
+#   hybrid_training_test.sh BUILD_DIR
+set -euo pipefail
+
+build=$(realpath "$1")
+run=$build/elastic/elastic-run
+job=$build/examples/hybrid_training
+tmp=$(mktemp -d /tmp/trellis-hybrid-test.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+
+fail() {
+  echo "FAIL: $*" >&2
+  exit 1
+}
+
+auc_of() {  # the held-out AUC printed by trainer 0
+  sed -n 's/.*held-out AUC \([0-9.]*\).*/\1/p' <<<"$1" | tail -n 1
+}
+
+check_servers() {  # six shards, none changed a row it did not look up
+  local n
+  n=$(grep -c ' 0 changed without a lookup' <<<"$1" || true)
+  [[ $n -eq 6 ]] || fail "expected 6 shards with no unlooked change, got $n: $1"
+}
+
+common=(--steps 400 --log-every 100 --eval-samples 4096 --checkpoint-every 50
+        --check-consistency --timeout-s 60)
+
+# timeout ends elastic-run (which ends its workers) if anything hangs.
+out=$(timeout 150 "$run" --standalone --nproc-per-node 4 "$job" "${common[@]}" \
+  --checkpoint-dir "$tmp/a" 2>&1) || fail "undisturbed run exited with $?: $out"
+auc1=$(auc_of "$out")
+[[ -n $auc1 ]] || fail "no AUC line: $out"
+awk -v a="$auc1" 'BEGIN { exit !(a >= 0.75) }' ||
+  fail "AUC $auc1 is not well above chance (0.5): $out"
+grep -q 'no restart' <<<"$out" || fail "no summary line: $out"
+check_servers "$out"
+echo "undisturbed: AUC $auc1"
+
+out=$(timeout 200 "$run" --standalone --nproc-per-node 4 --max-restarts 1 "$job" \
+  "${common[@]}" --checkpoint-dir "$tmp/b" --fail-at-step 230 2>&1) ||
+  fail "run with a failure exited with $?: $out"
+grep -q 'trainer1: injected failure at step 230' <<<"$out" ||
+  fail "the failure was not injected: $out"
+grep -q 'restarting the worker group (restart 1' <<<"$out" ||
+  fail "elastic-run did not restart the group: $out"
+grep -q 'resumed from the checkpoint of step 199' <<<"$out" ||
+  fail "the group did not resume from the step-199 checkpoint: $out"
+grep -q 'restarts: 1 (resumed from the checkpoint of step 199), recovery' \
+  <<<"$out" || fail "the summary does not report the restart: $out"
+check_servers "$out"
+auc2=$(auc_of "$out")
+awk -v a="$auc1" -v b="$auc2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 0.01) }' ||
+  fail "AUC after a restart $auc2 is not within 0.01 of $auc1: $out"
+echo "with a restart: AUC $auc2 ($(grep -o 'recovery [0-9.]* s' <<<"$out"))"
+
+set +e
+out=$(timeout 60 "$run" --standalone --nproc-per-node 2 "$job" --servers 2 2>&1)
+rc=$?
+set -e
+[[ $rc -ne 0 ]] || fail "2 processes for 2 servers succeeded: $out"
+grep -q 'needs at least one trainer' <<<"$out" || fail "no reason given: $out"
+
+set +e
+out=$(RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 \
+  TORCHELASTIC_RESTART_COUNT=x1 timeout 30 "$job" 2>&1)
+rc=$?
+set -e
+[[ $rc -eq 2 ]] || fail "a bad TORCHELASTIC_RESTART_COUNT gave exit $rc: $out"
+grep -q "TORCHELASTIC_RESTART_COUNT is not a count: 'x1'" <<<"$out" ||
+  fail "the bad variable is not named: $out"
+echo "PASS"
