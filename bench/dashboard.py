@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs the benchmarks and prints the dashboard table of docs/benchmarks.md.
 
-  bench/dashboard.py build/dev/bench               # run all five, print table
+  bench/dashboard.py build/dev/bench               # run them all, print table
   bench/dashboard.py build/dev/bench --only rpc    # one program
   bench/dashboard.py build/dev/bench --before OLD/bench
       # also run the programs of an older build, alternating with the new
@@ -30,6 +30,7 @@ PROGRAMS = {
     "rpc": ("rpc_bench", [], "rpc_bench"),
     "dist_autograd": ("dist_autograd_bench", [], "dist_autograd_bench"),
     "collectives": ("collectives_bench", [], "collectives_bench"),
+    "hybrid": ("hybrid_bench", [], "hybrid_bench"),
 }
 
 # (program, figure, baseline or None, comparison, threshold)
@@ -70,6 +71,8 @@ ROWS = [
     ("collectives", "trellis_allreduce_8B_median_4r", "gloo_best_allreduce_8B_median_4r", None, None),
     ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_throughput_64MiB", ">=", 0.9),
     ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_both_ways_64MiB", None, None),
+    ("hybrid", "hybrid_2s2t_samples_per_s", "one_process_samples_per_s", ">=", 0.5),
+    ("hybrid", "hybrid_1s1t_samples_per_s", "one_process_samples_per_s", None, None),
 ]
 
 

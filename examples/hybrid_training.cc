@@ -49,6 +49,7 @@
 #include <torch/torch.h>
 
 #include "click_data.h"
+#include "dlrm.h"
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/text.h>
 #include <trellis/core/worker_env.h>
@@ -64,6 +65,8 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using trellis::examples::auc;
 using trellis::examples::ClickWorld;
+using trellis::examples::DenseNet;
+using trellis::examples::DenseNetImpl;
 
 namespace {
 
@@ -243,49 +246,21 @@ namespace {
 
 // ---- trainers: the dense part ----------------------------------------------
 
-// DLRM's dense part: the dense features through a bottom MLP to one more
-// vector beside the tables' bag embeddings, the pairwise dot products of
-// all those vectors, and a top MLP over the bottom vector and the dots.
-struct DenseNetImpl : torch::nn::Module {
-  DenseNetImpl(int64_t denseFeatures, int64_t tables, int64_t dim) {
-    bottom = register_module(
-        "bottom", torch::nn::Sequential(
-                      torch::nn::Linear(denseFeatures, 32), torch::nn::ReLU(),
-                      torch::nn::Linear(32, dim), torch::nn::ReLU()));
-    const int64_t vectors = tables + 1;
-    const int64_t pairs = vectors * (vectors - 1) / 2;
-    top = register_module(
-        "top",
-        torch::nn::Sequential(torch::nn::Linear(dim + pairs, 64),
-                              torch::nn::ReLU(), torch::nn::Linear(64, 1)));
-    auto upper = torch::triu_indices(vectors, vectors, 1);
-    pairRows = register_buffer("pairRows", upper[0]);
-    pairCols = register_buffer("pairCols", upper[1]);
-  }
-  // dense [B, F], embeddings [B, T, dim] -> logits [B]
-  torch::Tensor forward(torch::Tensor dense, torch::Tensor embeddings) {
-    auto x = bottom->forward(dense);
-    auto vectors = torch::cat({x.unsqueeze(1), embeddings}, 1);
-    auto dots = torch::bmm(vectors, vectors.transpose(1, 2));
-    auto pairs = dots.index({torch::indexing::Slice(), pairRows, pairCols});
-    return top->forward(torch::cat({x, pairs}, 1)).squeeze(1);
-  }
-  torch::nn::Sequential bottom{nullptr}, top{nullptr};
-  torch::Tensor pairRows, pairCols;
-};
-TORCH_MODULE(DenseNet);
-
-// Time spent in the DDP buckets' allreduces, summed (comm hook).
+// Time spent in the DDP buckets' allreduces, summed (comm hook): since
+// the last progress line, and in all.
 std::atomic<int64_t> gAllreduceNs{0};
+std::atomic<int64_t> gAllreduceTotalNs{0};
 
 trellis::ddp::CommHook timedAllreduce() {
   return [inner = trellis::ddp::hooks::allreduce()](
              trellis::ddp::GradBucket& bucket) {
     const auto t0 = Clock::now();
     return inner(bucket).then([t0](const at::Tensor& t) {
-      gAllreduceNs += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          Clock::now() - t0)
-                          .count();
+      const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             Clock::now() - t0)
+                             .count();
+      gAllreduceNs += ns;
+      gAllreduceTotalNs += ns;
       return t;
     });
   };
@@ -457,6 +432,9 @@ struct Trainer {
     int64_t windowSteps = 0;
     auto windowStart = start;
     std::optional<double> recoverySeconds;
+    // Seconds per stage over this attempt's steps.
+    double tLookup = 0, tForward = 0, tBackward = 0, tOptimizer = 0,
+           tBarrier = 0;
     for (int64_t step = resumeStep + 1; step < f.steps; ++step) {
       if (step == f.failAtStep && restartCount == 0 &&
           trainer == trainers - 1) {
@@ -481,11 +459,18 @@ struct Trainer {
         const auto t1 = Clock::now();
         at::Tensor l = torch::binary_cross_entropy_with_logits(
             model(b.dense, emb), b.labels);
+        const auto t2 = Clock::now();
         ctx.backward({l});
+        const auto t3 = Clock::now();
         opt.step(ctx);
         loss = l.item<double>();
         windowRpc += seconds(t1 - t0);
+        tLookup += seconds(t1 - t0);
+        tForward += seconds(t2 - t1);
+        tBackward += seconds(t3 - t2);
+        tOptimizer += seconds(Clock::now() - t3);
       }
+      const auto t4 = Clock::now();
       // No trainer looks rows up for the next step before every trainer's
       // step is applied. Without this, a fast trainer's next lookups hold
       // a server's parameters for its backward (the step gate,
@@ -494,6 +479,7 @@ struct Trainer {
       // deadlock broken only by the timeout (docs/ddp.md, "DDP with
       // distributed autograd").
       group->barrier().wait();
+      tBarrier += seconds(Clock::now() - t4);
       if (f.checkConsistency) {
         checkReplicas(*net, step);
       }
@@ -526,7 +512,20 @@ struct Trainer {
     const double trainSecs = seconds(Clock::now() - start);
     group->barrier().wait();  // every trainer's last step is in
     int rc = 0;
+    const auto done =
+        static_cast<double>(std::max<int64_t>(1, f.steps - resumeStep - 1));
     if (trainer == 0) {
+      // One line a benchmark can parse (bench/hybrid_bench.cc).
+      std::printf(
+          "%s: per step: lookup RPC %.3f ms, forward %.3f ms, backward %.3f "
+          "ms (allreduce %.3f ms of it), optimizer %.3f ms, barrier %.3f ms; "
+          "samples/s %.0f per trainer, %.0f in all\n",
+          name().c_str(), 1e3 * tLookup / done, 1e3 * tForward / done,
+          1e3 * tBackward / done,
+          1e-6 * static_cast<double>(gAllreduceTotalNs.load()) / done,
+          1e3 * tOptimizer / done, 1e3 * tBarrier / done,
+          done * static_cast<double>(f.batch) / trainSecs,
+          done * static_cast<double>(f.batch * trainers) / trainSecs);
       rc = evaluate(*net);
       std::printf("%s: trained steps %" PRId64 "..%" PRId64 " in %.1f s",
                   name().c_str(), resumeStep + 1, f.steps - 1, trainSecs);
