@@ -692,6 +692,29 @@ TEST(DdpProcess, UnusedParameterErrorOnEveryProcess) {
   }
 }
 
+// A rank SIGKILLed in the middle of a step (after its forward, before its
+// backward): the others, waiting in their backward's allreduce, fail within
+// 2 s with an error naming it, although the group's timeout is 60 s.
+TEST(DdpProcess, ARankKilledMidStepFailsTheOthersNamingIt) {
+  rpc::testing::Job job(DDP_WORKER_PATH, "killed", 3);
+  ASSERT_FALSE(
+      rpc::testing::lineStartingWith(job[2], "mid-step", 60000).empty())
+      << job.stderrOf(2);
+  // The others are a few steps in and block in rank 2's allreduce.
+  std::this_thread::sleep_for(200ms);
+  const auto killedAt = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(job[2].pid, SIGKILL), 0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string line =
+        rpc::testing::lineStartingWith(job[r], "error: ", 10000);
+    const auto after = std::chrono::steady_clock::now() - killedAt;
+    EXPECT_LT(after, 2s) << "rank " << r;
+    EXPECT_NE(line.find("rank 2"), std::string::npos)
+        << "rank " << r << ": " << line << "\n"
+        << job.stderrOf(r);
+  }
+}
+
 // ---- Join: uneven inputs ----
 
 // Three ranks with 10, 7 and 3 batches of 4 rows.

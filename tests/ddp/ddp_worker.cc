@@ -8,8 +8,14 @@
 //          "params v1 v2 ..." (every parameter, registration order, %a).
 //  unused  rank 1's forward skips the `branch` head; prints
 //          "error: <what backward threw>" or "no error".
+//  killed  trains step after step (watchdog in fail mode, so the error
+//          reaches the program); the last rank prints "mid-step" after a
+//          forward and waits there for the test's SIGKILL; the others
+//          print "error: <what their step threw>".
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include <torch/torch.h>
 
@@ -31,7 +37,13 @@ int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
   at::set_num_threads(1);
   try {
-    auto pg = trellis::collectives::ProcessGroup::fromEnvironment();
+    trellis::collectives::ProcessGroupOptions options;
+    if (scenario == "killed") {
+      options.timeout = std::chrono::seconds(60);  // far beyond the bound
+      options.watchdogMode = trellis::collectives::WatchdogMode::kFail;
+    }
+    auto pg =
+        trellis::collectives::ProcessGroup::fromEnvironment("cpu", options);
     const int rank = pg->rank();
     const int n = pg->size();
     torch::manual_seed(7);
@@ -70,6 +82,24 @@ int main(int argc, char** argv) {
         torch::mse_loss(model(xs, rank != 1), ys).backward();
         say("no error");
       } catch (const trellis::FailedPreconditionError& e) {
+        say(std::string("error: ") + e.what());
+      }
+      return 0;
+    }
+    if (scenario == "killed") {
+      Mlp net;
+      trellis::ddp::DistributedDataParallel model(net, pg);
+      try {
+        for (int it = 0; it < 100000; ++it) {
+          auto loss = torch::mse_loss(model(xs), ys);
+          if (rank == n - 1 && it == 3) {
+            say("mid-step");
+            std::this_thread::sleep_for(std::chrono::seconds(60));
+          }
+          loss.backward();
+        }
+        say("no error");
+      } catch (const std::exception& e) {
         say(std::string("error: ") + e.what());
       }
       return 0;
