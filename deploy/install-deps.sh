@@ -18,6 +18,9 @@ PACKAGES=(
   libtensorpipe-dev libgloo-dev
   # tests/deploy: a one-node Slurm cluster; Open MPI's mpirun
   slurmctld slurmd slurm-client munge openmpi-bin
+  # PyTorch for the torchrun compatibility test and the DDP benchmark's
+  # baseline (Debian's python3, /usr/bin/python3)
+  python3-torch
 )
 
 missing=()
