@@ -31,6 +31,7 @@ PROGRAMS = {
     "dist_autograd": ("dist_autograd_bench", [], "dist_autograd_bench"),
     "collectives": ("collectives_bench", [], "collectives_bench"),
     "hybrid": ("hybrid_bench", [], "hybrid_bench"),
+    "elastic": ("elastic_bench", [], "elastic_bench"),
 }
 
 # (program, figure, baseline or None, comparison, threshold)
@@ -73,6 +74,11 @@ ROWS = [
     ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_both_ways_64MiB", None, None),
     ("hybrid", "hybrid_2s2t_samples_per_s", "one_process_samples_per_s", ">=", 0.5),
     ("hybrid", "hybrid_1s1t_samples_per_s", "one_process_samples_per_s", None, None),
+    ("elastic", "elastic_run_launch_overhead_ms", None, "<=", 50),
+    ("elastic", "elastic_run_crash_to_restart_s", None, "<=", 0.1),
+    ("elastic", "elastic_run_rendezvous_64_agents_s", None, "<=", 1.0),
+    ("elastic", "elastic_run_vs_torchrun_launch", "torchrun_monitor_0.1_launch_2_workers_s", None, None),
+    ("elastic", "elastic_run_vs_torchrun_crash_to_restart", "torchrun_monitor_0.1_crash_to_restart_s", None, None),
 ]
 
 
