@@ -51,7 +51,10 @@ if [[ $(id -u) -ne 0 ]]; then
   mkdir -m 700 "$dir/xdg"
   export XDG_RUNTIME_DIR=$dir/xdg
 fi
-podman_global=(--cgroup-manager cgroupfs --events-backend file)
+# libpod's state, network configs and volumes under the temp dir too.
+mkdir -p "$dir/libpod" "$dir/net" "$dir/volumes"
+podman_global=(--cgroup-manager cgroupfs --events-backend file --tmpdir "$dir/libpod"
+  --network-config-dir "$dir/net" --volumepath "$dir/volumes")
 
 cleanup() {
   local rc=$?
@@ -102,7 +105,7 @@ if [[ -z $runtime ]]; then
   fi
   exit 77
 fi
-echo "podman runs containers here with --runtime $runtime ${podman_global[*]} ${limits[*]}"
+echo "podman runs containers here with --runtime $runtime --cgroup-manager cgroupfs --events-backend file ${limits[*]}"
 
 start=$SECONDS
 rc=0
@@ -110,7 +113,7 @@ out=$(timeout 150 podman "${podman_global[@]}" --runtime "$runtime" run --rm --n
   --shm-size 256m "${limits[@]}" "$tag" \
   elastic-run --standalone --nproc-per-node 4 /opt/trellis/libexec/hybrid_training \
   --steps 200 --checkpoint-dir /tmp/ckpt 2>&1) || rc=$?
-echo "$out" | tail -n 6
+grep -E "held-out|restart" <<<"$out" || echo "$out" | tail -n 20
 echo "the job ran in $((SECONDS - start)) s (exit $rc)"
 if ((rc != 0)); then
   echo "FAIL: podman run exited with $rc" >&2
