@@ -56,8 +56,10 @@ mkdir -p "$dir/libpod" "$dir/net" "$dir/volumes"
 podman_global=(--cgroup-manager cgroupfs --events-backend file --tmpdir "$dir/libpod"
   --network-config-dir "$dir/net" --volumepath "$dir/volumes")
 
+ctr=trellis-test-$$
 cleanup() {
   local rc=$?
+  podman "${podman_global[@]}" rm -f -t 0 "$ctr" >/dev/null 2>&1 || true
   podman "${podman_global[@]}" rmi -f "$tag" >/dev/null 2>&1 || true
   # vfs layers may hold read-only directories; the store is ours alone.
   chmod -R u+w "$dir" 2>/dev/null || true
@@ -121,6 +123,42 @@ if ((rc != 0)); then
 fi
 if ! grep -q "held-out.*AUC" <<<"$out"; then
   echo "FAIL: no held-out AUC line in the job's output" >&2
+  exit 1
+fi
+
+# As Kubernetes runs it: elastic-run is PID 1 (the entrypoint execs it), the
+# liveness probe (trellis-entrypoint --liveness) passes while it runs, and
+# SIGTERM (podman stop, the kubelet) stops the agent and its workers within
+# the grace period, without SIGKILL.
+run=(podman "${podman_global[@]}" --runtime "$runtime")
+"${run[@]}" run -d --name "$ctr" --network none --shm-size 256m "${limits[@]}" "$tag" \
+  elastic-run --standalone --nproc-per-node 4 hybrid_training --steps 1000000 >/dev/null
+live=
+for _ in $(seq 60); do
+  if probe=$(timeout 10 "${run[@]}" exec "$ctr" trellis-entrypoint --liveness 2>&1); then
+    live=1
+    break
+  fi
+  sleep 0.5
+done
+if [[ -z $live ]]; then
+  echo "FAIL: the liveness probe never passed: $probe" >&2
+  "${run[@]}" logs "$ctr" 2>&1 | tail -n 20 >&2
+  exit 1
+fi
+if ! timeout 10 "${run[@]}" run --rm --network none "${limits[@]}" "$tag" \
+    trellis-entrypoint --liveness >/dev/null 2>&1; then
+  echo "liveness probe: passes with elastic-run as PID 1 ($probe), fails without it"
+else
+  echo "FAIL: the liveness probe does not tell a running agent from none" >&2
+  exit 1
+fi
+start=$SECONDS
+timeout 60 "${run[@]}" stop -t 20 "$ctr" >/dev/null
+code=$("${run[@]}" inspect --format '{{.State.ExitCode}}' "$ctr")
+echo "SIGTERM: the agent stopped in $((SECONDS - start)) s with exit code $code"
+if ((code == 137)); then
+  echo "FAIL: the agent did not stop on SIGTERM within 20 s (killed)" >&2
   exit 1
 fi
 echo "PASS"
