@@ -148,7 +148,7 @@ if [[ -z $live ]]; then
 fi
 if ! timeout 10 "${run[@]}" run --rm --network none "${limits[@]}" "$tag" \
     trellis-entrypoint --liveness >/dev/null 2>&1; then
-  echo "liveness probe: passes with elastic-run as PID 1 ($probe), fails without it"
+  echo "liveness probe: passes with elastic-run as PID 1, fails without it"
 else
   echo "FAIL: the liveness probe does not tell a running agent from none" >&2
   exit 1
