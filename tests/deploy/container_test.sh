@@ -68,6 +68,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# buildah must work at all here (rootless without user namespaces, say, it
+# cannot): that is a skip, not a failure of the script.
+if ! probe=$(timeout 60 buildah from scratch 2>&1); then
+  echo "SKIP: buildah cannot create a container here: $probe"
+  exit 77
+fi
+buildah rm "$probe" >/dev/null 2>&1 || true
+
 start=$SECONDS
 if ! out=$(timeout 300 nice -n 10 "$src/deploy/container/build-local-image.sh" "$build" "$tag" 2>&1); then
   echo "FAIL: build-local-image.sh: $out" >&2
