@@ -95,7 +95,10 @@ for dest in "${!bins[@]}"; do
     libs[$lib]=1
   done < <(grep -o '/[^ ]*' <<<"$out")
 done
-# The shell for the entrypoint and the liveness probe (dash: libc only).
+# The shell for the entrypoint and the liveness probe (dash: libc only),
+# at /usr/bin/sh with /bin -> usr/bin also where the host is not merged.
+mkdir -p "$root/usr/bin"
+[[ -e $root/bin ]] || ln -s usr/bin "$root/bin"
 cp -L /bin/sh "$root/usr/bin/sh"
 while read -r lib; do libs[$lib]=1; done < <(ldd /bin/sh | grep -o '/[^ ]*')
 
