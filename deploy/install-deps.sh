@@ -3,16 +3,25 @@
 # Trellis need. Idempotent and non-interactive: packages already present are
 # skipped, so a second run costs one dpkg query. Works as root or via sudo.
 # Exits non-zero, naming the packages, when any could not be installed.
+#
+#   deploy/install-deps.sh          everything (build, tests, benchmarks)
+#   deploy/install-deps.sh --build  only what a Release build of the library,
+#                                   elastic-run and the examples needs (the
+#                                   build stage of deploy/container/Containerfile)
 set -euo pipefail
 
-PACKAGES=(
+BUILD_PACKAGES=(
   # toolchain
-  make cmake ninja-build ccache g++ clang libclang-rt-14-dev pkg-config git
+  make cmake ninja-build g++ pkg-config
   # libraries (DESIGN.md, "Dependencies")
   libtorch-dev libopenblas0-pthread
   libuv1-dev libboost-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
+)
+DEV_PACKAGES=(
+  # developer toolchain
+  ccache clang libclang-rt-14-dev git
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
   libtensorpipe-dev libgloo-dev
@@ -21,7 +30,15 @@ PACKAGES=(
   # PyTorch for the torchrun compatibility test and the DDP benchmark's
   # baseline (Debian's python3, /usr/bin/python3)
   python3-torch
+  # tests/deploy: the runtime image (buildah) run by podman (runc: crun
+  # cannot run in a cgroup v1/v2 hybrid); the k8s manifests' offline check
+  buildah podman runc crun python3-yaml python3-jsonschema
 )
+case "${1:-}" in
+  "") PACKAGES=("${BUILD_PACKAGES[@]}" "${DEV_PACKAGES[@]}") ;;
+  --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
+  *) echo "usage: $0 [--build]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PACKAGES[@]}"; do
