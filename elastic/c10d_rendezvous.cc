@@ -1,7 +1,8 @@
-// The c10d rendezvous (docs/elastic.md, "Several nodes: the c10d
-// rendezvous"): one agent hosts a Trellis TCPStore at the endpoint, every
-// agent joins rounds through RoundJoin (rendezvous.h), heartbeats on a
-// thread of its own, and watches the round while its workers run.
+// The rendezvous over a store that c10d and etcd share (docs/elastic.md,
+// "Several nodes: the c10d rendezvous", "The etcd rendezvous"): every agent
+// joins rounds through RoundJoin (rendezvous.h), heartbeats on a thread of
+// its own, and watches the round while its workers run. c10d: one agent
+// hosts a Trellis TCPStore at the endpoint; etcd: etcd_rendezvous.cc.
 #include <span>
 #include <thread>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/elastic/rendezvous.h>
+#include <trellis/elastic/store_rendezvous.h>
 #include <trellis/store/tcp_store.h>
 
 namespace trellis::elastic {
@@ -40,17 +42,18 @@ std::string secs(std::chrono::duration<Rep, Period> d) {
   return formatDuration(std::chrono::duration_cast<Duration>(d));
 }
 
-class C10dRendezvous final : public Rendezvous {
+class StoreRendezvous final : public Rendezvous {
  public:
-  C10dRendezvous(const ElasticOptions& options, std::string runLogDir,
-                 auth::JobToken token, LogFn log)
+  StoreRendezvous(const ElasticOptions& options, std::string runLogDir,
+                  auth::JobToken token, LogFn log, RoundStore parts)
       : runLogDir_(std::move(runLogDir)),
         token_(std::move(token)),
         log_(std::move(log)),
         liveness_(options.rdzvConf.keepAliveInterval.value_or(
                       kDefaultKeepAliveInterval) *
-                  options.rdzvConf.keepAliveMaxAttempt.value_or(
-                      kDefaultKeepAliveMaxAttempt)) {
+                      options.rdzvConf.keepAliveMaxAttempt.value_or(
+                          kDefaultKeepAliveMaxAttempt),
+                  parts.liveness) {
     checkToken("--rdzv-id", options.rdzvId);
     const RdzvConf& conf = options.rdzvConf;
     joinTimeout_ = conf.joinTimeout.value_or(kDefaultJoinTimeout);
@@ -66,38 +69,9 @@ class C10dRendezvous final : public Rendezvous {
     params_.maxRestarts = options.maxRestarts;
     const Endpoint& ep = options.rdzvEndpoint;
     endpointText_ = ep.toString();
-
-    // Host: bind the endpoint if we may and can; else connect.
-    if (conf.isHost.value_or(true)) {
-      try {
-        store::TCPStoreServerOptions so;
-        so.host = ep.host;
-        so.port = ep.port;
-        so.jobToken = token_;
-        server_ = std::make_unique<store::TCPStoreServer>(so);
-        log_("hosting the c10d rendezvous store on " + endpointText_);
-      } catch (const Exception& e) {
-        if (conf.isHost.value_or(false)) {
-          throw ConnectionError(Error::connection(
-              "is_host=true but the rendezvous endpoint " + endpointText_ +
-              " cannot be bound: " + e.error().message()));
-        }
-      }
-    }
-    store::TCPStoreOptions co;
-    co.host = ep.host;
-    co.port = ep.port;
-    co.timeout = readTimeout_;
-    co.connectTimeout = joinTimeout_;
-    co.jobToken = token_;
-    try {
-      store_ = std::make_unique<store::TCPStore>(co);
-    } catch (const ConnectionError& e) {
-      throw ConnectionError(Error::connection(
-          "cannot reach the c10d rendezvous endpoint " + endpointText_ +
-          " (--rdzv-endpoint) within join_timeout " + secs(joinTimeout_) +
-          ": " + e.error().message()));
-    }
+    server_ = std::move(parts.server);
+    store_ = std::move(parts.store);
+    beat_ = std::move(parts.beat);
     // --local-addr, else TRELLIS_LOCAL_ADDR / TRELLIS_IFNAME, else the
     // local address of the route toward the endpoint (core/net.h), so a
     // multi-homed host names the interface its peers reach it on, as every
@@ -109,12 +83,11 @@ class C10dRendezvous final : public Rendezvous {
     self_.id = hostName() + ":" + std::to_string(::getpid()) + ":" +
                toHex(std::span(nonce.data(), 4));
     // The first heartbeat before anyone can see us; then a thread.
-    (void)store_->add(heartbeatKey(self_.id), 1);
-    heartbeatStore_ = store_->clone(readTimeout_);
+    beat_(self_.id, true);
     heartbeat_ = std::thread([this] { beat(); });
   }
 
-  ~C10dRendezvous() override {
+  ~StoreRendezvous() override {
     {
       MutexLock lock(mu_);
       stop_ = true;
@@ -123,7 +96,7 @@ class C10dRendezvous final : public Rendezvous {
     if (heartbeat_.joinable()) {
       heartbeat_.join();
     }
-    heartbeatStore_.reset();
+    beat_ = nullptr;
     store_.reset();
     if (server_) {
       server_->stop();
@@ -255,8 +228,12 @@ class C10dRendezvous final : public Rendezvous {
     const auto now = RdzvClock::now();
     for (const auto& p : r->participants) {
       if (p.id != self_.id && liveness_.dead(p.id, now)) {
-        log_("node " + p.id + " (" + p.addr + ") sent no heartbeat for " +
-             secs(liveness_.bound()) + "; opening a new round");
+        log_("node " + p.id + " (" + p.addr + ") " +
+             (liveness_.mode() == LivenessMode::kLease
+                  ? "is gone: its etcd lease (TTL " + secs(liveness_.bound()) +
+                        ") expired"
+                  : "sent no heartbeat for " + secs(liveness_.bound())) +
+             "; opening a new round");
         return propose(text,
                        nextRound(*r, params_, true,
                                  "node " + p.id + " stopped heartbeating"));
@@ -393,7 +370,7 @@ class C10dRendezvous final : public Rendezvous {
         }
       }
       try {
-        (void)heartbeatStore_->add(heartbeatKey(self_.id), 1);
+        beat_(self_.id, false);
       } catch (const std::exception& e) {
         log_(std::string("heartbeat failed; the store is gone? ") + e.what());
         return;
@@ -413,8 +390,8 @@ class C10dRendezvous final : public Rendezvous {
   std::chrono::seconds barrierTimeout_{};
   std::chrono::seconds keepAlive_{};
   std::unique_ptr<store::TCPStoreServer> server_;
-  std::unique_ptr<store::TCPStore> store_;
-  std::unique_ptr<store::Store> heartbeatStore_;
+  std::unique_ptr<store::Store> store_;
+  std::function<void(const std::string&, bool)> beat_;
   RoundRecord current_;
   std::string note_;
   Mutex mu_;
@@ -425,12 +402,65 @@ class C10dRendezvous final : public Rendezvous {
 
 }  // namespace
 
+std::unique_ptr<Rendezvous> makeStoreRendezvous(const ElasticOptions& options,
+                                                std::string runLogDir,
+                                                auth::JobToken token, LogFn log,
+                                                RoundStore parts) {
+  return std::make_unique<StoreRendezvous>(options, std::move(runLogDir),
+                                           std::move(token), std::move(log),
+                                           std::move(parts));
+}
+
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
                                                auth::JobToken token,
                                                LogFn log) {
-  return std::make_unique<C10dRendezvous>(options, std::move(runLogDir),
-                                          std::move(token), std::move(log));
+  checkToken("--rdzv-id", options.rdzvId);
+  const RdzvConf& conf = options.rdzvConf;
+  const auto joinTimeout = conf.joinTimeout.value_or(kDefaultJoinTimeout);
+  const auto readTimeout = conf.readTimeout.value_or(kDefaultReadTimeout);
+  const Endpoint& ep = options.rdzvEndpoint;
+  const std::string endpointText = ep.toString();
+  RoundStore parts;
+  // Host: bind the endpoint if we may and can; else connect.
+  if (conf.isHost.value_or(true)) {
+    try {
+      store::TCPStoreServerOptions so;
+      so.host = ep.host;
+      so.port = ep.port;
+      so.jobToken = token;
+      parts.server = std::make_unique<store::TCPStoreServer>(so);
+      log("hosting the c10d rendezvous store on " + endpointText);
+    } catch (const Exception& e) {
+      if (conf.isHost.value_or(false)) {
+        throw ConnectionError(Error::connection(
+            "is_host=true but the rendezvous endpoint " + endpointText +
+            " cannot be bound: " + e.error().message()));
+      }
+    }
+  }
+  store::TCPStoreOptions co;
+  co.host = ep.host;
+  co.port = ep.port;
+  co.timeout = readTimeout;
+  co.connectTimeout = joinTimeout;
+  co.jobToken = token;
+  try {
+    parts.store = std::make_unique<store::TCPStore>(co);
+  } catch (const ConnectionError& e) {
+    throw ConnectionError(Error::connection(
+        "cannot reach the c10d rendezvous endpoint " + endpointText +
+        " (--rdzv-endpoint) within join_timeout " + secs(joinTimeout) + ": " +
+        e.error().message()));
+  }
+  // Heartbeats: a counter, added to over a connection of its own.
+  std::shared_ptr<store::Store> hb = parts.store->clone(readTimeout);
+  parts.beat = [hb](const std::string& id, bool) {
+    (void)hb->add(heartbeatKey(id), 1);
+  };
+  parts.liveness = LivenessMode::kCounter;
+  return makeStoreRendezvous(options, std::move(runLogDir), std::move(token),
+                             std::move(log), std::move(parts));
 }
 
 }  // namespace trellis::elastic
