@@ -72,6 +72,7 @@ class StoreRendezvous final : public Rendezvous {
     server_ = std::move(parts.server);
     store_ = std::move(parts.store);
     beat_ = std::move(parts.beat);
+    awaitChange_ = std::move(parts.awaitChange);
     // --local-addr, else TRELLIS_LOCAL_ADDR / TRELLIS_IFNAME, else the
     // local address of the route toward the endpoint (core/net.h), so a
     // multi-homed host names the interface its peers reach it on, as every
@@ -136,7 +137,7 @@ class StoreRendezvous final : public Rendezvous {
               " did not complete within join_timeout " + secs(joinTimeout_) +
               ": " + join.describe()));
         }
-        std::this_thread::sleep_for(kStepPause);
+        pause(kRoundKey, join.recordText());
       }
       current_ = join.record();
       const int32_t g = join.groupRank();
@@ -185,7 +186,7 @@ class StoreRendezvous final : public Rendezvous {
                 ") published no master address within read_timeout " +
                 secs(readTimeout_)));
           }
-          std::this_thread::sleep_for(kStepPause);
+          pause(masterKey, "");
         }
         if (moved) {
           continue;
@@ -301,7 +302,7 @@ class StoreRendezvous final : public Rendezvous {
                     " nodes finished within exit_barrier_timeout " +
                     secs(barrierTimeout_)};
       }
-      std::this_thread::sleep_for(kStepPause);
+      pause(doneKey, std::to_string(done));
     }
   }
 
@@ -309,6 +310,16 @@ class StoreRendezvous final : public Rendezvous {
 
  private:
   static constexpr std::chrono::milliseconds kStepPause{50};
+
+  // Between moves: until `key` stops holding `seen` (the backend's Watch),
+  // or a short pause.
+  void pause(const std::string& key, const std::string& seen) {
+    if (awaitChange_) {
+      awaitChange_(key, seen);
+    } else {
+      std::this_thread::sleep_for(kStepPause);
+    }
+  }
 
   void observe(const RoundRecord& r) {
     std::vector<std::string> ids;
@@ -392,6 +403,7 @@ class StoreRendezvous final : public Rendezvous {
   std::unique_ptr<store::TCPStoreServer> server_;
   std::unique_ptr<store::Store> store_;
   std::function<void(const std::string&, bool)> beat_;
+  std::function<void(const std::string&, const std::string&)> awaitChange_;
   RoundRecord current_;
   std::string note_;
   Mutex mu_;

@@ -10,6 +10,8 @@ namespace trellis::elastic {
 
 namespace {
 
+constexpr std::chrono::milliseconds kAwaitBound{200};
+
 // A node's lease and its heartbeat key, kept alive from the heartbeat
 // thread (the agent's thread only reads others' keys).
 class LeaseHeart {
@@ -100,6 +102,14 @@ std::unique_ptr<Rendezvous> makeEtcdRendezvous(const ElasticOptions& options,
   auto heart = std::make_shared<LeaseHeart>(etcd->clone(interval), ttl, log);
   parts.beat = [heart](const std::string& id, bool first) {
     (*heart)(id, first);
+  };
+  // Between rendezvous moves: a Watch on the key the node waits on, so a
+  // move by another node wakes it at once; bounded, so the last-call timer,
+  // expired leases and signals are still seen within kAwaitBound.
+  EtcdStore* watcher = etcd.get();
+  parts.awaitChange = [watcher](const std::string& key,
+                                const std::string& seen) {
+    (void)watcher->waitForChange(key, seen, kAwaitBound);
   };
   parts.store = std::move(etcd);
   parts.liveness = LivenessMode::kLease;

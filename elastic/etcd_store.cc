@@ -128,11 +128,11 @@ struct EtcdStore::Impl {
     return resp;
   }
 
-  // Waits for a Put of `k` after `revision`: true when one came, false at
-  // the deadline (or when etcd cancelled the watch: the caller reads
-  // again).
+  // Waits for a Put of `k` (any event: `anyEvent`) after `revision`: true
+  // when one came, false at the deadline (or when etcd cancelled the
+  // watch: the caller reads again).
   bool watchPut(const std::string& k, int64_t revision,
-                const Deadline& deadline) {
+                const Deadline& deadline, bool anyEvent = false) {
     grpc::ClientContext ctx;
     prepare(ctx, deadline);
     auto stream = watch->Watch(&ctx);
@@ -140,7 +140,9 @@ struct EtcdStore::Impl {
     auto* create = req.mutable_create_request();
     create->set_key(k);
     create->set_start_revision(revision + 1);
-    create->add_filters(pb::WatchCreateRequest::NODELETE);
+    if (!anyEvent) {
+      create->add_filters(pb::WatchCreateRequest::NODELETE);
+    }
     bool put = false;
     bool cancelled = false;
     if (stream->Write(req)) {
@@ -148,7 +150,7 @@ struct EtcdStore::Impl {
       while (!put && !cancelled && stream->Read(&resp)) {
         cancelled = resp.canceled();
         for (const auto& ev : resp.events()) {
-          put = put || ev.type() == mvccpb::Event::PUT;
+          put = put || anyEvent || ev.type() == mvccpb::Event::PUT;
         }
       }
     }
@@ -437,6 +439,23 @@ void EtcdStore::multiSet(const std::vector<std::string>& keys,
   }
   (void)impl_->txn(keys.empty() ? "" : impl_->key(keys.front()), req,
                    Deadline::fromTimeout(timeout()));
+}
+
+bool EtcdStore::waitForChange(const std::string& key, std::string_view seen,
+                              std::chrono::milliseconds timeout) {
+  store::detail::checkTimeout(timeout);
+  const std::string k = impl_->key(key);
+  const Deadline deadline = Deadline::fromTimeout(timeout);
+  mvccpb::KeyValue kv;
+  int64_t revision = 0;
+  const bool present = impl_->range(
+      k, earliest(deadline, Deadline::fromTimeout(this->timeout())), &kv,
+      &revision);
+  if ((present ? kv.value() : std::string()) != seen ||
+      (present && seen.empty())) {
+    return true;
+  }
+  return impl_->watchPut(k, revision, deadline, /*anyEvent=*/true);
 }
 
 std::unique_ptr<store::Store> EtcdStore::clone(

@@ -91,6 +91,12 @@ class EtcdStore final : public store::Store {
   void setWithLease(const std::string& key, std::string_view value,
                     int64_t lease);
 
+  // Waits up to `timeout` until `key`'s value is no longer `seen` (empty:
+  // absent): true at once when it already is not, else on a Watch event
+  // (a Put or a delete) after the Range; false at the timeout.
+  bool waitForChange(const std::string& key, std::string_view seen,
+                     std::chrono::milliseconds timeout);
+
   // "host:port".
   const std::string& endpoint() const;
   // The etcd key that `key` maps to.

@@ -188,6 +188,8 @@ class RoundJoin {
   State state() const { return state_; }
   // The record as last read (the closed round when kReady).
   const RoundRecord& record() const { return record_; }
+  // The record's text as last read; empty when it was absent.
+  const std::string& recordText() const { return recordText_; }
   // kReady: this node's place in record().participants.
   int32_t groupRank() const;
   // "2 of 2..3 nodes in round 4 (joining)" for logs and timeouts.

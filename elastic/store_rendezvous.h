@@ -24,6 +24,12 @@ struct RoundStore {
   // stops beating and says so). Must be callable from that thread while
   // the agent's thread uses `store`.
   std::function<void(const std::string& id, bool first)> beat;
+  // Waits up to a short bound of its own for `key`'s value to stop being
+  // `seen` (empty: absent), returning at once when it already has; the
+  // rendezvous calls it between moves. Unset: the rendezvous sleeps 50 ms
+  // (c10d polls). etcd: a Watch, so a move wakes the others at once.
+  std::function<void(const std::string& key, const std::string& seen)>
+      awaitChange;
   // How the others tell that a node died.
   LivenessMode liveness = LivenessMode::kCounter;
   // c10d: the store this node hosts; kept until the nodes of the last

@@ -148,6 +148,28 @@ TEST_F(EtcdStoreTest, AWaiterWakesOnTheWatchSoonAfterTheSet) {
   EXPECT_EQ(getter.get(), "back");
 }
 
+// What the rendezvous waits on between moves.
+TEST_F(EtcdStoreTest, WaitForChangeReturnsAtOnceOrOnTheNextMove) {
+  EtcdStore a(optionsFor(server_, "/c/"));
+  EtcdStore b(optionsFor(server_, "/c/"));
+  EXPECT_TRUE(a.waitForChange("k", "x", 5s));  // absent is not "x"
+  auto t0 = Clock::now();
+  EXPECT_FALSE(a.waitForChange("k", "", 200ms));  // still absent
+  EXPECT_GE(Clock::now() - t0, 150ms);
+  b.set("k", "v");
+  EXPECT_TRUE(a.waitForChange("k", "", 5s));
+  // A delete wakes it too (a lease that expired).
+  auto waiter = std::async(std::launch::async,
+                           [&] { return a.waitForChange("k", "v", 20s); });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(waiter.wait_for(0s), std::future_status::timeout);
+  t0 = Clock::now();
+  EXPECT_TRUE(b.deleteKey("k"));
+  ASSERT_EQ(waiter.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(waiter.get());
+  EXPECT_LT(Clock::now() - t0, 3s);
+}
+
 TEST_F(EtcdStoreTest, AKilledEtcdIsAnErrorNamingTheEndpointNeverAHang) {
   EtcdStore store(optionsFor(server_, "/trellis/rdzv/job/"));
   store.set("round", "1");
