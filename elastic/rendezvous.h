@@ -287,7 +287,7 @@ std::unique_ptr<Rendezvous> makeEtcdRendezvous(const ElasticOptions& options,
                                                auth::JobToken token, LogFn log);
 
 namespace detail {
-// Shared by rendezvous.cc and c10d_rendezvous.cc.
+// Shared by rendezvous.cc and the backends over a store.
 // "trellis/rdzv/r<round>/<leaf>".
 std::string roundKey(int64_t round, std::string_view leaf);
 // A ProtocolError naming the round record and `why`.

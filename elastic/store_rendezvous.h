@@ -1,7 +1,7 @@
 #pragma once
 
 // The rendezvous over a store that the c10d and etcd backends share
-// (c10d_rendezvous.cc): one RoundJoin state machine, one exit barrier, one
+// (store_rendezvous.cc): one RoundJoin state machine, one exit barrier, one
 // way of watching a running round. A backend contributes the store, how a
 // node shows it is alive, and (c10d) the server it hosts. Internal to
 // elastic/; not installed.
