@@ -210,11 +210,9 @@ bool usesC10d(const ElasticOptions& options) {
 }
 
 void checkSupported(const ElasticOptions& options) {
-  if (options.rdzvBackend == RdzvBackend::kEtcd ||
-      options.rdzvBackend == RdzvBackend::kEtcdV2) {
+  if (options.rdzvBackend == RdzvBackend::kEtcdV2) {
     throw InvalidArgumentError(Error::invalidArgument(
-        "--rdzv-backend " + std::string(backendName(options.rdzvBackend)) +
-        ": the etcd rendezvous is not implemented yet; use c10d"));
+        "--rdzv-backend etcd-v2: etcd v2 API is not supported; use etcd (v3)"));
   }
   if (options.rdzvBackend == RdzvBackend::kStatic &&
       (options.maxNodes > 1 || options.minNodes > 1)) {
@@ -227,14 +225,16 @@ void checkSupported(const ElasticOptions& options) {
 }
 
 void checkJobToken(const ElasticOptions& options, const Environment& env) {
-  if (!usesC10d(options) || options.maxNodes <= 1) {
+  const bool several =
+      usesC10d(options) || options.rdzvBackend == RdzvBackend::kEtcd;
+  if (!several || options.maxNodes <= 1) {
     return;
   }
   const auto it = env.find(auth::kTokenEnvVar);
   if (it == env.end() || it->second.empty()) {
     throw InvalidArgumentError(Error::invalidArgument(
-        std::string("--rdzv-backend c10d with --nnodes ") +
-        std::to_string(options.minNodes) + ":" +
+        "--rdzv-backend " + std::string(backendName(options.rdzvBackend)) +
+        " with --nnodes " + std::to_string(options.minNodes) + ":" +
         std::to_string(options.maxNodes) + " needs " + auth::kTokenEnvVar +
         ": every node's agent must be given the same secret (e.g. export " +
         auth::kTokenEnvVar +
@@ -332,7 +332,10 @@ RunResult Agent::run() {
                 "stopped by " + signalName(agentSignal) + " " + when);
   };
   std::unique_ptr<Rendezvous> rdzv =
-      usesC10d(options_)
+      options_.rdzvBackend == RdzvBackend::kEtcd
+          ? makeEtcdRendezvous(options_, result.runLogDir, token,
+                               [this](const std::string& l) { log(l); })
+      : usesC10d(options_)
           ? makeC10dRendezvous(options_, result.runLogDir, token,
                                [this](const std::string& l) { log(l); })
           : makeLocalRendezvous(options_, result.runLogDir, token);

@@ -124,14 +124,15 @@ struct RunResult {
 };
 
 // Throws InvalidArgumentError (naming the flags) for what elastic-run
-// cannot do yet: the etcd backends, a static rendezvous of several nodes.
+// cannot do: etcd-v2 (etcd's v2 API; use etcd, its v3 API), a static
+// rendezvous of several nodes.
 void checkSupported(const ElasticOptions& options);
 
 // Whether the agent runs the c10d rendezvous (not --standalone's one node).
 bool usesC10d(const ElasticOptions& options);
 
-// Several c10d nodes must share one job token: InvalidArgumentError when
-// `env` has no TRELLIS_JOB_TOKEN for such a run (docs/elastic.md,
+// Several c10d or etcd nodes must share one job token: InvalidArgumentError
+// when `env` has no TRELLIS_JOB_TOKEN for such a run (docs/elastic.md,
 // "Authentication").
 void checkJobToken(const ElasticOptions& options, const Environment& env);
 

@@ -251,7 +251,9 @@ void Liveness::observe(store::Store& store, const std::vector<std::string>& ids,
   for (const auto& id : ids) {
     const std::string key = heartbeatKey(id);
     int64_t counter = -1;
-    if (store.check({key})) {
+    if (mode_ == LivenessMode::kLease) {
+      counter = store.check({key}) ? 0 : -1;
+    } else if (store.check({key})) {
       // add(0) reads a counter atomically without waiting.
       counter = store.add(key, 0);
     }
@@ -269,6 +271,9 @@ void Liveness::note(const std::string& id, int64_t counter,
 
 bool Liveness::dead(const std::string& id, RdzvClock::time_point now) const {
   const auto it = seen_.find(id);
+  if (mode_ == LivenessMode::kLease) {
+    return it != seen_.end() && it->second.counter < 0;
+  }
   return it != seen_.end() && now - it->second.since > bound_;
 }
 

@@ -3,11 +3,12 @@
 // Rendezvous: how the agents of a job agree, round after round, on who is
 // in the worker group and with which ranks (docs/elastic.md, "Rendezvous").
 //
-// The agent talks to a `Rendezvous` (below); `static` (one node) and `c10d`
-// (a Trellis TCPStore hosted by one of the agents) implement it, `etcd` will
-// be another.
+// The agent talks to a `Rendezvous` (below); `static` (one node), `c10d`
+// (a Trellis TCPStore hosted by one of the agents) and `etcd` (an etcd
+// server's v3 API, etcd_store.h) implement it. c10d and etcd run the same
+// rounds over a store::Store (store_rendezvous.h).
 //
-// c10d rounds live in one store key, the ROUND RECORD (kRoundKey), that
+// Rounds live in one store key, the ROUND RECORD (kRoundKey), that
 // every node changes only with compareSet, so two nodes never both win a
 // move. One node's view of a round is an explicit state machine, RoundJoin:
 //
@@ -27,12 +28,15 @@
 // Timers are each node's own steady clock (no wall-clock time is stored),
 // so skewed clocks across hosts cannot close a round early or late.
 //
-// Liveness: every node adds 1 to its heartbeat key every keep-alive
+// Liveness (c10d): every node adds 1 to its heartbeat key every keep-alive
 // interval (a thread with a store connection of its own). Observers
 // remember when each counter last moved by their own clock; a node whose
-// counter has not moved for interval * max_attempt is dead. A dead node in
-// an open round is struck from it; a dead node in a closed round ends that
-// round: a new one opens, counted as a restart.
+// counter has not moved for interval * max_attempt is dead.
+// Liveness (etcd): every node's heartbeat key is attached to an etcd lease
+// of TTL interval * max_attempt that the node keeps alive every interval;
+// when it stops, etcd deletes the key and observers see the node dead.
+// A dead node in an open round is struck from it; a dead node in a closed
+// round ends that round: a new one opens, counted as a restart.
 //
 // Thread safety: RoundRecord and its codec are values; RoundJoin,
 // Liveness and the Rendezvous objects belong to the agent's thread.
@@ -118,19 +122,28 @@ bool isRecordToken(std::string_view s);
 
 std::string heartbeatKey(const std::string& nodeId);
 
+// kCounter: a heartbeat counter that must keep moving (c10d).
+// kLease: a key that exists while its owner's lease lives (etcd).
+enum class LivenessMode : uint8_t { kCounter, kLease };
+
 // What one node has seen of the others' heartbeats.
 class Liveness {
  public:
-  explicit Liveness(RdzvClock::duration bound) : bound_(bound) {}
-  // Reads the heartbeat counters of `ids` (absent ones count as not
-  // moving) and remembers when each last moved.
+  explicit Liveness(RdzvClock::duration bound,
+                    LivenessMode mode = LivenessMode::kCounter)
+      : bound_(bound), mode_(mode) {}
+  // Reads the heartbeat keys of `ids` and remembers when each counter last
+  // moved (kCounter: absent ones count as not moving; kLease: whether each
+  // key exists, absent meaning dead at once: etcd waited the TTL).
   void observe(store::Store& store, const std::vector<std::string>& ids,
                RdzvClock::time_point now);
   // Records a counter value directly (observe() calls it; tests too).
   void note(const std::string& id, int64_t counter, RdzvClock::time_point now);
-  // Not moved for longer than the bound since first seen or last moved.
+  // kCounter: not moved for longer than the bound since first seen or
+  // last moved. kLease: its key was absent when last observed.
   bool dead(const std::string& id, RdzvClock::time_point now) const;
   RdzvClock::duration bound() const { return bound_; }
+  LivenessMode mode() const { return mode_; }
 
  private:
   struct Seen {
@@ -138,6 +151,7 @@ class Liveness {
     RdzvClock::time_point since{};
   };
   RdzvClock::duration bound_;
+  LivenessMode mode_;
   std::map<std::string, Seen> seen_;
 };
 
@@ -174,6 +188,8 @@ class RoundJoin {
   State state() const { return state_; }
   // The record as last read (the closed round when kReady).
   const RoundRecord& record() const { return record_; }
+  // The record's text as last read; empty when it was absent.
+  const std::string& recordText() const { return recordText_; }
   // kReady: this node's place in record().participants.
   int32_t groupRank() const;
   // "2 of 2..3 nodes in round 4 (joining)" for logs and timeouts.
@@ -262,8 +278,16 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
                                                auth::JobToken token, LogFn log);
 
+// The etcd rendezvous (--rdzv-backend etcd): the same rounds in etcd under
+// /trellis/rdzv/<run id>/ (etcd_store.h), liveness by etcd leases. Waits
+// up to join_timeout for etcd to answer; throws ConnectionError naming the
+// endpoint when it does not, InvalidArgumentError for a bad configuration.
+std::unique_ptr<Rendezvous> makeEtcdRendezvous(const ElasticOptions& options,
+                                               std::string runLogDir,
+                                               auth::JobToken token, LogFn log);
+
 namespace detail {
-// Shared by rendezvous.cc and c10d_rendezvous.cc.
+// Shared by rendezvous.cc and the backends over a store.
 // "trellis/rdzv/r<round>/<leaf>".
 std::string roundKey(int64_t round, std::string_view leaf);
 // A ProtocolError naming the round record and `why`.

@@ -1,6 +1,8 @@
 // elastic-run with several nodes over the c10d rendezvous, each node an
 // agent process of its own: on 127.0.0.1, and in network namespaces this
-// test creates (one per node, a veth into a bridge, an address each).
+// test creates (one per node, a veth into a bridge, an address each). The
+// etcd rendezvous too, against a real etcd the test starts on loopback
+// (etcd_server.h).
 // Checked: ranks that are complete and consistent across nodes, a worker
 // crash that restarts every node, a SIGKILLed agent whose peers go on
 // without it (scale down), a latecomer taken by the next round (scale up),
@@ -29,6 +31,7 @@
 #include "../netns_hosts.h"
 #include "../transport/peer_process.h"
 #include "elastic_test_util.h"
+#include "etcd_server.h"
 #include <trellis/core/auth.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/store/tcp_store.h>
@@ -39,6 +42,7 @@ using trellis::transport::testing::spawnHelper;
 using Clock = std::chrono::steady_clock;
 
 using namespace trellis::elastic::testing;
+using trellis::elastic::testing::EtcdServer;
 
 namespace {
 
@@ -363,6 +367,118 @@ TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
                             "valid: expected 'trellis-rdzv-round 1' on line 1"),
             std::string::npos)
       << job.err(0);
+}
+
+// ---- The etcd rendezvous ----------------------------------------------------
+
+std::vector<std::string> etcd(const std::string& endpoint,
+                              const std::string& nnodes, int nproc,
+                              const std::string& conf = kConf) {
+  auto flags = c10d(endpoint, nnodes, nproc, conf);
+  flags[5] = "etcd";  // --rdzv-backend
+  return flags;
+}
+
+class ElasticMultiNodeEtcd : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!haveEtcd()) {
+      GTEST_SKIP() << kEtcdBinary << " is not installed (Debian etcd-server)";
+    }
+    ASSERT_TRUE(server_.start())
+        << "etcd did not start; its log is in " << server_.dir();
+  }
+  EtcdServer server_;
+};
+
+TEST_F(ElasticMultiNodeEtcd, ThreeNodesAgreeOnEveryRank) {
+  Job job;
+  const std::string conf =
+      "join_timeout=20,last_call_timeout=30,keep_alive_interval=1";
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, etcd(server_.endpoint(), "2:3", 2, conf),
+              {"--sleep-ms", "200"});
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 2, 0);
+  // The round record is where docs/elastic.md says, and says so.
+  trellis::elastic::EtcdStoreOptions o;
+  o.port = server_.port();
+  o.prefix = "";
+  o.timeout = 5s;
+  trellis::elastic::EtcdStore raw(o);
+  const std::string record = raw.getString("/trellis/rdzv/mnjob/round");
+  EXPECT_NE(record.find("phase closed"), std::string::npos) << record;
+  EXPECT_NE(job.err(0).find("etcd rendezvous at " + server_.endpoint()),
+            std::string::npos)
+      << job.allErr();
+}
+
+TEST_F(ElasticMultiNodeEtcd, AKilledAgentIsDroppedAndTheOthersGoOn) {
+  Job job;
+  auto flags = etcd(server_.endpoint(), "2:3", 1,
+                    "join_timeout=20,last_call_timeout=1,read_timeout=10,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=2");
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, flags, worker);
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const int victim = 1;
+  const auto killedAt = Clock::now();
+  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
+  job.wait(victim, 5s);
+  // Its lease (TTL 2 s) expires, then a 1 s last call.
+  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
+  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
+  EXPECT_LT(Clock::now() - killedAt, 10s);
+  for (int i = 0; i < 3; ++i) {
+    if (i != victim) {
+      EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+    }
+  }
+  expectConsistentRanks(job, 2, 1, 1);
+  EXPECT_NE(job.allErr().find("its etcd lease (TTL 2s) expired"),
+            std::string::npos)
+      << job.allErr();
+}
+
+TEST_F(ElasticMultiNodeEtcd, AnUnreachableEtcdIsNamedWithinTheJoinTimeout) {
+  Job job;
+  const std::string ep = loopback();  // nobody listens there
+  const auto start = Clock::now();
+  job.start(0, etcd(ep, "2", 1, "join_timeout=1"), {});
+  EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_NE(job.err(0).find("cannot reach the etcd rendezvous endpoint " + ep +
+                            " (--rdzv-endpoint) within join_timeout 1s"),
+            std::string::npos)
+      << job.err(0);
+}
+
+TEST_F(ElasticMultiNodeEtcd, AnEtcdThatGoesAwayStopsTheJobByName) {
+  Job job;
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, etcd(server_.endpoint(), "2", 1),
+              {"--sleep-first-ms", "30000"});
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const auto killedAt = Clock::now();
+  server_.kill();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+  }
+  EXPECT_LT(Clock::now() - killedAt, 15s);
+  const std::string err = job.err(0);
+  EXPECT_NE(err.find("lost the rendezvous"), std::string::npos) << err;
+  EXPECT_NE(err.find("etcd " + server_.endpoint()), std::string::npos) << err;
 }
 
 // Hosts in network namespaces: one per node, each with a veth into a

@@ -337,9 +337,10 @@ TEST(ElasticRun, CommandLineErrorsExit2) {
   }
   {
     AgentRun run;
-    run.start({"--nnodes", "2", "--rdzv-backend", "etcd"}, {});
+    run.start({"--nnodes", "2", "--rdzv-backend", "etcd-v2"}, {});
     EXPECT_EQ(exitCode(run.wait(10s)), 2);
-    EXPECT_NE(run.agentErr().find("etcd rendezvous is not implemented yet"),
+    EXPECT_NE(run.agentErr().find("etcd v2 API is not supported; use etcd "
+                                  "(v3)"),
               std::string::npos)
         << run.agentErr();
   }

@@ -58,7 +58,9 @@ inline int waitPid(pid_t pid, std::chrono::milliseconds limit,
   }
 }
 
+#ifdef TRELLIS_STORE_BIN
 // A trellis-store process started by the test; killed (by PID) on exit.
+// (Only in binaries that are told where trellis-store is.)
 class StoreProcess {
  public:
   // Starts the binary on 127.0.0.1, port 0, and reads the port it prints.
@@ -136,6 +138,7 @@ class StoreProcess {
   pid_t pid_ = -1;
   uint16_t port_ = 0;
 };
+#endif  // TRELLIS_STORE_BIN
 
 template <typename F>
 std::chrono::milliseconds timed(F&& f) {

@@ -1,0 +1,45 @@
+#pragma once
+
+// The rendezvous over a store that the c10d and etcd backends share
+// (store_rendezvous.cc): one RoundJoin state machine, one exit barrier, one
+// way of watching a running round. A backend contributes the store, how a
+// node shows it is alive, and (c10d) the server it hosts. Internal to
+// elastic/; not installed.
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <trellis/elastic/rendezvous.h>
+#include <trellis/store/tcp_store.h>
+
+namespace trellis::elastic {
+
+struct RoundStore {
+  // Where the round record lives; every node's own handle.
+  std::unique_ptr<store::Store> store;
+  // One heartbeat of node `id`: called once (`first`) before the node
+  // appears in the record, then every keep-alive interval from the
+  // heartbeat thread. Throws when the store is gone (the thread then
+  // stops beating and says so). Must be callable from that thread while
+  // the agent's thread uses `store`.
+  std::function<void(const std::string& id, bool first)> beat;
+  // Waits up to a short bound of its own for `key`'s value to stop being
+  // `seen` (empty: absent), returning at once when it already has; the
+  // rendezvous calls it between moves. Unset: the rendezvous sleeps 50 ms
+  // (c10d polls). etcd: a Watch, so a move wakes the others at once.
+  std::function<void(const std::string& key, const std::string& seen)>
+      awaitChange;
+  // How the others tell that a node died.
+  LivenessMode liveness = LivenessMode::kCounter;
+  // c10d: the store this node hosts; kept until the nodes of the last
+  // round have passed the exit barrier.
+  std::unique_ptr<store::TCPStoreServer> server;
+};
+
+std::unique_ptr<Rendezvous> makeStoreRendezvous(const ElasticOptions& options,
+                                                std::string runLogDir,
+                                                auth::JobToken token, LogFn log,
+                                                RoundStore parts);
+
+}  // namespace trellis::elastic
