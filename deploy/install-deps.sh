@@ -12,7 +12,9 @@ PACKAGES=(
   libtorch-dev libopenblas0-pthread
   libuv1-dev libboost-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
+  libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
+  # examples/ddp_fashion_mnist and its test: the data set
+  dataset-fashion-mnist
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
   libtensorpipe-dev libgloo-dev
