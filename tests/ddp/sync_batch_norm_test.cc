@@ -1,6 +1,7 @@
 // SyncBatchNorm: ranks as threads of this process, each with its own
 // ProcessGroup (cpu backend) over one HashStore, checked against one
 // torch::nn::BatchNorm on the concatenated (global) batch.
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -521,23 +522,29 @@ TEST(SyncBatchNorm, JoinWithDdpAndUnevenInputsMatchesOneProcess) {
 }
 
 // SyncBatchNorm alone in a Join: its statistics allreduce is where the
-// ranks still training notify; running statistics end as BatchNorm's over
-// each iteration's active batches, on every rank (the last joiner's).
-TEST(SyncBatchNorm, JoinAloneMatchesOneProcess) {
+// ranks still training notify; outputs are BatchNorm's over each
+// iteration's active batches, and the running statistics end as its, on
+// every rank (the last joiner's). With {3, 1, 0} batches, rank 2 joins
+// before any iteration of its own and shadows from the layers alone.
+class JoinAlone : public ::testing::TestWithParam<std::vector<int>> {};
+
+TEST_P(JoinAlone, MatchesOneProcess) {
   at::set_num_threads(1);
+  const std::vector<int> batches = GetParam();
+  const int maxBatches = *std::max_element(batches.begin(), batches.end());
   torch::manual_seed(4);
   std::vector<std::vector<torch::Tensor>> xs(kJoinRanks);
   for (int r = 0; r < kJoinRanks; ++r) {
-    for (int it = 0; it < kJoinBatches[r]; ++it) {
+    for (int it = 0; it < batches[r]; ++it) {
       xs[r].push_back(torch::randn({2 + r, 5, 3}));
     }
   }
   torch::nn::BatchNorm1d ref(5);
-  std::vector<std::vector<torch::Tensor>> refOut(kJoinMaxBatches);
-  for (int it = 0; it < kJoinMaxBatches; ++it) {
+  std::vector<std::vector<torch::Tensor>> refOut(maxBatches);
+  for (int it = 0; it < maxBatches; ++it) {
     std::vector<torch::Tensor> batch;
     for (int r = 0; r < kJoinRanks; ++r) {
-      if (it < kJoinBatches[r]) {
+      if (it < batches[r]) {
         batch.push_back(xs[r][it]);
       }
     }
@@ -552,7 +559,7 @@ TEST(SyncBatchNorm, JoinAloneMatchesOneProcess) {
     SyncBatchNorm bn(SyncBatchNormOptions(5).processGroup(pg));
     SyncBatchNormJoinable joinable(*bn);
     Join join({&joinable});
-    for (int it = 0; it < kJoinBatches[rank]; ++it) {
+    for (int it = 0; it < batches[rank]; ++it) {
       auto x = xs[rank][it].clone().requires_grad_(true);
       auto y = bn(x);
       y.pow(2).sum().backward();
@@ -564,9 +571,13 @@ TEST(SyncBatchNorm, JoinAloneMatchesOneProcess) {
         << "rank " << rank;
     EXPECT_LE(maxDiff(bn->running_var, ref->running_var), kTol)
         << "rank " << rank;
-    EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), kJoinMaxBatches);
+    EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), maxBatches);
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(SyncBatchNorm, JoinAlone,
+                         ::testing::Values(std::vector<int>{4, 2, 1},
+                                           std::vector<int>{3, 1, 0}));
 
 TEST(SyncBatchNorm, JoinableRefusesModulesWithoutLayersOrTwoCovers) {
   torch::nn::Linear fc(2, 2);
