@@ -577,7 +577,14 @@ TEST_P(JoinAlone, MatchesOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(SyncBatchNorm, JoinAlone,
                          ::testing::Values(std::vector<int>{4, 2, 1},
-                                           std::vector<int>{3, 1, 0}));
+                                           std::vector<int>{3, 1, 0}),
+                         [](const auto& info) {
+                           std::string name = "batches";
+                           for (int b : info.param) {
+                             name += "_" + std::to_string(b);
+                           }
+                           return name;
+                         });
 
 TEST(SyncBatchNorm, JoinableRefusesModulesWithoutLayersOrTwoCovers) {
   torch::nn::Linear fc(2, 2);
