@@ -123,6 +123,11 @@ void Join::finish() {
     }
     isLastJoiner = false;
     for (auto& h : hooks) {
+      if (h.startHook) {
+        h.startHook();
+      }
+    }
+    for (auto& h : hooks) {
       if (h.mainHook) {
         h.mainHook();
       }

@@ -69,6 +69,16 @@ struct JoinHook {
   // Once, when every rank has joined. isLastJoiner: this rank ran out last
   // (no iteration was shadowed by it); several ranks can be last.
   std::function<void(bool isLastJoiner)> postHook;
+  // Optional (last, so that {main, post} still initializes the two
+  // above). Once per iteration the others still run, before any
+  // Joinable's mainHook: start this Joinable's collectives of the iteration
+  // without waiting for them (mainHook then waits). For a Joinable whose
+  // collectives run on a group of its own and come, on the ranks still
+  // training, before those of an earlier Joinable that its mainHook waits
+  // for (SyncBatchNorm's statistics, issued inside DDP's forward, before
+  // DDP's backward): without it the joined rank would wait for DDP's
+  // buckets while the others wait for its statistics.
+  std::function<void()> startHook;
 };
 
 // Something that issues collectives every iteration (a DDP model, a

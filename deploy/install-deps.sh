@@ -17,11 +17,13 @@ BUILD_PACKAGES=(
   libtorch-dev libopenblas0-pthread
   libuv1-dev libboost-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev
+  libssl-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
 )
 DEV_PACKAGES=(
   # developer toolchain
   ccache clang libclang-rt-14-dev git
+  # examples/ddp_fashion_mnist and its test: the data set
+  dataset-fashion-mnist
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
   libtensorpipe-dev libgloo-dev
