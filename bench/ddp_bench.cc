@@ -17,10 +17,11 @@
 //     /usr/bin/python3): PyTorch single process, then DDP over gloo with 2
 //     ranks, plain and with the same timestamping hook around torch's
 //     default allreduce hook; it writes its figures as JSON to a file.
-// A step is zero_grad, forward + loss, backward, SGD step; warm-up steps
-// are left out and each figure is the median over the timed steps of
-// rank 0. Overhead = DDP step - single-process step, each library against
-// its own single process. From the hooked run, per step:
+// The three run in turn, `--rounds` times (default 3). A step is
+// zero_grad, forward + loss, backward, SGD step; warm-up steps are left out;
+// each figure is the median over the rounds of the median over the timed
+// steps of rank 0. Overhead = DDP step - single-process step, each library
+// against its own single process. From the hooked run, per step:
 //  - last-bucket wait: from the last bucket's launch (the end of local
 //    backward compute: the first layer's gradient is the last one) to
 //    backward()'s return (gradients averaged and in .grad);
@@ -48,6 +49,7 @@
 #include <sstream>
 #include <string>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -81,8 +83,9 @@ const std::vector<std::string> kModels = {"mlp", "cnn"};
 
 struct Flags {
   bool json = false;
-  int steps = 40;
-  int warmup = 10;
+  int steps = 30;
+  int rounds = 3;
+  int warmup = 8;
   int threads = 1;
   int timeoutS = 300;
   std::string python;
@@ -91,6 +94,7 @@ struct Flags {
   // Internal (the processes this program starts).
   std::string role;
   int rank = 0;
+  int round = 0;
   uint16_t storePort = 0;
   bool killMe = false;
 };
@@ -171,6 +175,15 @@ void withModel(const std::string& name, int rank, F&& fn) {
 
 double ms(Clock::duration d) {
   return std::chrono::duration<double, std::milli>(d).count();
+}
+
+// CPU time (user + system, ms) of this process (RUSAGE_SELF) or of the
+// calling thread (RUSAGE_THREAD).
+double cpuMs(int who) {
+  rusage u{};
+  ::getrusage(who, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
 }
 
 using Span = std::pair<Clock::time_point, Clock::time_point>;
@@ -265,6 +278,8 @@ Samples runSteps(const std::function<at::Tensor()>& forwardLoss,
     if (rec != nullptr) {
       rec->clear();
     }
+    const double self0 = cpuMs(RUSAGE_SELF);
+    const double thread0 = cpuMs(RUSAGE_THREAD);
     const auto t0 = Clock::now();
     opt.zero_grad();
     auto loss = forwardLoss();
@@ -273,9 +288,13 @@ Samples runSteps(const std::function<at::Tensor()>& forwardLoss,
     const auto t2 = Clock::now();
     opt.step();
     const auto t3 = Clock::now();
+    const double thread = cpuMs(RUSAGE_THREAD) - thread0;
+    const double others = cpuMs(RUSAGE_SELF) - self0 - thread;
     if (i < flags.warmup) {
       continue;
     }
+    s["main_thread_cpu"].push_back(thread);
+    s["other_threads_cpu"].push_back(others);
     s["step"].push_back(ms(t3 - t0));
     s["forward"].push_back(ms(t1 - t0));
     s["backward"].push_back(ms(t2 - t1));
@@ -297,12 +316,19 @@ Samples runSteps(const std::function<at::Tensor()>& forwardLoss,
   return s;
 }
 
+// The median of `v` (the mean of the middle two for an even count).
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 // "<prefix>_<name> <median>" lines, plus the step's p10 and p90.
 std::string summary(const std::string& prefix, const Samples& s) {
   std::ostringstream out;
   out.precision(6);
   for (const auto& [name, v] : s) {
-    out << prefix << "_" << name << " " << bench::percentile(v, 0.5) << "\n";
+    out << prefix << "_" << name << " " << median(v) << "\n";
   }
   out << prefix << "_step_p10 " << bench::percentile(s.at("step"), 0.1) << "\n";
   out << prefix << "_step_p90 " << bench::percentile(s.at("step"), 0.9) << "\n";
@@ -330,7 +356,8 @@ int runSingle() {
       result += summary(name + "_single", s);
     });
   }
-  st->set("result/single", std::string_view(result));
+  st->set("result/single/" + std::to_string(flags.round),
+          std::string_view(result));
   return 0;
 }
 
@@ -365,7 +392,8 @@ int runWorker() {
   }
   pg->barrier().wait(pg->timeout());
   if (flags.rank == 0) {
-    st->set("result/ddp", std::string_view(result));
+    st->set("result/ddp/" + std::to_string(flags.round),
+            std::string_view(result));
   }
   return 0;
 }
@@ -550,8 +578,9 @@ std::string torchUnavailable() {
 }
 
 // Runs ddp_bench_torch.py; its figures as "metric value" pairs named like
-// ours (<model>_torch_single_step, ...). Throws on a failed run.
-std::map<std::string, double> runTorch() {
+// ours (<model>_torch_single_step, ...). Throws on a failed run; notes the
+// version in round 0.
+std::map<std::string, double> runTorch(int round) {
   const std::string out = tempPath("ddp_bench_torch_out_");
   std::vector<std::string> cmd = {flags.python, flags.torchScript,
                                   "--steps",    std::to_string(flags.steps),
@@ -573,9 +602,11 @@ std::map<std::string, double> runTorch() {
     throw std::runtime_error(error);
   }
   const auto j = nlohmann::json::parse(text);
-  bench::note("PyTorch " + j.at("torch_version").get<std::string>() + ", " +
-              std::to_string(j.at("threads").get<int>()) +
-              " thread(s) per process");
+  if (round == 0) {
+    bench::note("PyTorch " + j.at("torch_version").get<std::string>() + ", " +
+                std::to_string(j.at("threads").get<int>()) +
+                " thread(s) per process");
+  }
   std::map<std::string, double> figures;
   for (const auto& name : kModels) {
     for (const std::string mode : {"single", "ddp", "ddp_hooked"}) {
@@ -637,6 +668,16 @@ void addRows(const std::string& m, const std::string& lib,
              lib == "trellis" ? m + "_torch_ddp_allreduce_busy_median" : "");
   report.add(ddp + "_hidden_fraction", get(ddp + "_hooked_hidden_fraction"),
              "1");
+  // CPU per step of the step's thread and of every other thread of the
+  // process (communication, progress, watchdog): on 2 cores with a rank
+  // per core, the others' CPU is taken from the ranks' compute.
+  report.add(single + "_main_thread_cpu_median",
+             get(single + "_main_thread_cpu"), "ms");
+  report.add(ddp + "_main_thread_cpu_median", get(ddp + "_main_thread_cpu"),
+             "ms", single + "_main_thread_cpu_median");
+  report.add(ddp + "_other_threads_cpu_median", get(ddp + "_other_threads_cpu"),
+             "ms",
+             lib == "trellis" ? m + "_torch_ddp_other_threads_cpu_median" : "");
   char line[256];
   std::snprintf(line, sizeof(line),
                 "%s %s: step p10 %.1f / median %.1f / p90 %.1f ms (single "
@@ -664,52 +705,86 @@ int runMain() {
       "--threads",    std::to_string(flags.threads),
       "--timeout",    std::to_string(flags.timeoutS),
       "--store-port", std::to_string(flags.storePort)};
-  auto command = [&](const std::string& role, int rank) {
+  auto command = [&](const std::string& role, int rank, int round) {
     std::vector<std::string> c = {"/proc/self/exe"};
     c.insert(c.end(), common.begin(), common.end());
     c[2] = role;
-    c.insert(c.end(), {"--rank", std::to_string(rank)});
+    c.insert(c.end(), {"--rank", std::to_string(rank), "--round",
+                       std::to_string(round)});
     if (flags.kill == "trellis" && role == "worker" && rank == 1) {
       c.push_back("--kill-me");
     }
     return c;
   };
   const auto timeout = std::chrono::seconds(flags.timeoutS);
-  std::string error =
-      runProcesses("the single-process run", {command("single", 0)}, timeout);
-  if (!error.empty()) {
-    std::fprintf(stderr, "ddp_bench: %s\n", error.c_str());
-    return 1;
-  }
-  auto figures = parseLines(st->getString("result/single"));
-  error = runProcesses("Trellis's DDP run",
-                       {command("worker", 0), command("worker", 1)}, timeout);
-  if (!error.empty()) {
-    std::fprintf(stderr, "ddp_bench: %s\n", error.c_str());
-    return 1;
-  }
-  figures.merge(parseLines(st->getString("result/ddp")));
-  for (const auto& m : kModels) {
-    addRows(m, "trellis", figures);
-  }
-
-  std::string torchError;
   const std::string unavailable = torchUnavailable();
   if (!unavailable.empty()) {
     bench::note("the PyTorch baseline is unavailable: " + unavailable +
                 "; deploy/install-deps.sh installs python3-torch, or set "
                 "TRELLIS_PYTHON to an interpreter with torch");
-  } else {
-    try {
-      auto torch = runTorch();
-      for (const auto& m : kModels) {
-        addRows(m, "torch", torch);
+  }
+  // Rounds of single, Trellis, PyTorch in turn, so that a change in the
+  // machine's load hits all three; each figure is the median over rounds.
+  std::string torchError;
+  std::vector<std::map<std::string, double>> rounds;
+  for (int r = 0; r < flags.rounds && torchError.empty(); ++r) {
+    const std::string round = std::to_string(r);
+    std::string error = runProcesses("the single-process run",
+                                     {command("single", 0, r)}, timeout);
+    if (!error.empty()) {
+      std::fprintf(stderr, "ddp_bench: %s\n", error.c_str());
+      return 1;
+    }
+    auto figures = parseLines(st->getString("result/single/" + round));
+    error = runProcesses("Trellis's DDP run",
+                         {command("worker", 0, r), command("worker", 1, r)},
+                         timeout);
+    if (!error.empty()) {
+      std::fprintf(stderr, "ddp_bench: %s\n", error.c_str());
+      return 1;
+    }
+    figures.merge(parseLines(st->getString("result/ddp/" + round)));
+    if (unavailable.empty()) {
+      try {
+        figures.merge(runTorch(r));
+      } catch (const std::exception& e) {
+        torchError = e.what();
       }
-    } catch (const std::exception& e) {
-      torchError = e.what();
+    }
+    rounds.push_back(std::move(figures));
+  }
+  std::map<std::string, std::vector<double>> all;
+  for (const auto& round : rounds) {
+    for (const auto& [k, v] : round) {
+      all[k].push_back(v);
     }
   }
+  std::map<std::string, double> figures;
+  for (const auto& [k, v] : all) {
+    figures[k] = median(v);
+  }
   const bool haveTorch = unavailable.empty() && torchError.empty();
+  for (const auto& m : kModels) {
+    addRows(m, "trellis", figures);
+    if (haveTorch) {
+      addRows(m, "torch", figures);
+    }
+  }
+  for (const auto& lib : {"trellis", "torch"}) {
+    for (const auto& m : kModels) {
+      std::string line = m + " " + lib + " step overhead by round (ms):";
+      for (const auto& round : rounds) {
+        auto a = round.find(m + "_" + lib + "_ddp_step");
+        auto b =
+            round.find(m + (lib == std::string("trellis") ? "" : "_torch") +
+                       "_single_step");
+        if (a != round.end() && b != round.end()) {
+          line += " " + std::to_string(a->second - b->second).substr(0, 6);
+        }
+      }
+      bench::note(line);
+    }
+  }
   for (const auto& m : kModels) {
     if (!haveTorch) {
       break;
@@ -747,10 +822,13 @@ int runMain() {
 [[noreturn]] void usage(const char* self) {
   std::fprintf(
       stderr,
-      "usage: %s [--json] [--steps N] [--warmup N] [--threads N]\n"
+      "usage: %s [--json] [--rounds N] [--steps N] [--warmup N] [--threads N]\n"
       "          [--timeout S] [--python PATH] [--torch-script PATH]\n"
-      "  --steps N      timed steps per model and mode (default 40)\n"
-      "  --warmup N     steps before them, not timed (default 10)\n"
+      "  --rounds N     single, Trellis, PyTorch in turn N times; figures "
+      "are the\n"
+      "                 medians over rounds (default 3)\n"
+      "  --steps N      timed steps per model and mode (default 30)\n"
+      "  --warmup N     steps before them, not timed (default 8)\n"
       "  --threads N    intra-op (OMP/MKL/OpenBLAS) threads of every "
       "process (default 1:\n"
       "                 2 ranks x 1 thread on this 2-core machine)\n"
@@ -790,6 +868,10 @@ int main(int argc, char** argv) {
       flags.kill = argv[++i];
     } else if (a == "--role" && hasValue) {
       flags.role = argv[++i];
+    } else if (a == "--rounds" && hasValue) {
+      flags.rounds = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--round" && hasValue) {
+      flags.round = std::atoi(argv[++i]);
     } else if (a == "--rank" && hasValue) {
       flags.rank = std::atoi(argv[++i]);
     } else if (a == "--store-port" && hasValue) {

@@ -19,6 +19,7 @@ Internal: --rank R --world N --init FILE runs one rank of the DDP phase
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -132,12 +133,19 @@ class Recorder:
         return fut.then(finished)
 
 
+def cpu_ms(who):
+    """CPU time (user + system, ms) of the process or the calling thread."""
+    u = resource.getrusage(who)
+    return (u.ru_utime + u.ru_stime) * 1e3
+
+
 def run_steps(model, x, loss_fn, steps, warmup, recorder=None, kill_at=None):
     """warmup + steps training steps; per-step times in ms of the timed ones.
     With a recorder: the last-bucket wait, the allreduce busy time and the
     share of it that lies before the end of local backward compute."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    keys = ["step", "forward", "backward", "optim"]
+    keys = ["step", "forward", "backward", "optim", "main_thread_cpu",
+            "other_threads_cpu"]
     if recorder is not None:
         keys += ["last_bucket_wait", "allreduce_busy", "hidden_fraction"]
     out = {k: [] for k in keys}
@@ -147,6 +155,8 @@ def run_steps(model, x, loss_fn, steps, warmup, recorder=None, kill_at=None):
         if recorder is not None:
             recorder.launch.clear()
             recorder.done.clear()
+        self0 = cpu_ms(resource.RUSAGE_SELF)
+        thread0 = cpu_ms(resource.RUSAGE_THREAD)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(model(x))
@@ -155,8 +165,12 @@ def run_steps(model, x, loss_fn, steps, warmup, recorder=None, kill_at=None):
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
+        thread = cpu_ms(resource.RUSAGE_THREAD) - thread0
+        others = cpu_ms(resource.RUSAGE_SELF) - self0 - thread
         if i < warmup:
             continue
+        out["main_thread_cpu"].append(thread)
+        out["other_threads_cpu"].append(others)
         out["step"].append((t3 - t0) * 1e3)
         out["forward"].append((t1 - t0) * 1e3)
         out["backward"].append((t2 - t1) * 1e3)
