@@ -345,8 +345,14 @@ std::shared_ptr<store::Store> connectStore() {
       "ddp-bench", std::make_shared<store::TCPStore>(o));
 }
 
-int runSingle() {
+// The same thread settings as ddp_bench_torch.py's set_threads().
+void setThreads() {
   at::set_num_threads(flags.threads);
+  at::set_num_interop_threads(1);
+}
+
+int runSingle() {
+  setThreads();
   auto st = connectStore();
   std::string result;
   for (const auto& name : kModels) {
@@ -363,7 +369,7 @@ int runSingle() {
 
 int runWorker() {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  at::set_num_threads(flags.threads);
+  setThreads();
   auto st = connectStore();
   collectives::ProcessGroupOptions o;
   o.name = "ddp-bench";
@@ -479,9 +485,12 @@ std::string runProcesses(const std::string& what,
         continue;
       }
       running[i] = false;
-      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && error.empty()) {
-        error = what + (pids.size() > 1 ? " rank " + std::to_string(i) : "") +
-                " " + describeStatus(status);
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        // Every failure is named: the rank that died first may be reaped
+        // after a peer that failed because of it.
+        error += (error.empty() ? what : ";") +
+                 (pids.size() > 1 ? " rank " + std::to_string(i) : "") + " " +
+                 describeStatus(status);
       }
     }
     if (!error.empty() && !graceSet) {
@@ -678,6 +687,14 @@ void addRows(const std::string& m, const std::string& lib,
   report.add(ddp + "_other_threads_cpu_median", get(ddp + "_other_threads_cpu"),
              "ms",
              lib == "trellis" ? m + "_torch_ddp_other_threads_cpu_median" : "");
+  // What DDP costs in CPU per step, all threads: steadier than the wall
+  // time on a loaded machine, where a rank's wall time includes waiting
+  // for a core.
+  report.add(ddp + "_cpu_overhead",
+             get(ddp + "_main_thread_cpu") + get(ddp + "_other_threads_cpu") -
+                 get(single + "_main_thread_cpu") -
+                 get(single + "_other_threads_cpu"),
+             "ms", lib == "trellis" ? m + "_torch_ddp_cpu_overhead" : "");
   char line[256];
   std::snprintf(line, sizeof(line),
                 "%s %s: step p10 %.1f / median %.1f / p90 %.1f ms (single "
