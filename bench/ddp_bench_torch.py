@@ -4,7 +4,7 @@ thread settings, single process and torch.nn.parallel.DistributedDataParallel
 over gloo with 2 ranks (2 processes), timed the way ddp_bench times
 Trellis's DDP (docs/benchmarks.md, "DDP").
 
-  /usr/bin/python3 bench/ddp_bench_torch.py [--steps 40] [--warmup 10]
+  /usr/bin/python3 bench/ddp_bench_torch.py [--steps 30] [--warmup 8]
       [--threads 1] [--timeout 300] [--out FILE]
 
 ddp_bench runs it and reads the JSON object it writes to --out (without
@@ -280,8 +280,8 @@ def run_ranks(args, out_file):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=300,
                    help="bound on the DDP phase, and gloo's op timeout (s)")
