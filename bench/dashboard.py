@@ -30,6 +30,7 @@ PROGRAMS = {
     "rpc": ("rpc_bench", [], "rpc_bench"),
     "dist_autograd": ("dist_autograd_bench", [], "dist_autograd_bench"),
     "collectives": ("collectives_bench", [], "collectives_bench"),
+    "ddp": ("ddp_bench", [], "ddp_bench"),
     "hybrid": ("hybrid_bench", [], "hybrid_bench"),
     "elastic": ("elastic_bench", [], "elastic_bench"),
 }
@@ -72,6 +73,18 @@ ROWS = [
     ("collectives", "trellis_allreduce_8B_median_4r", "gloo_best_allreduce_8B_median_4r", None, None),
     ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_throughput_64MiB", ">=", 0.9),
     ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_both_ways_64MiB", None, None),
+    ("ddp", "mlp_trellis_ddp_step_overhead", "mlp_torch_ddp_step_overhead", "<=", 0.5),
+    ("ddp", "cnn_trellis_ddp_step_overhead", "cnn_torch_ddp_step_overhead", "<=", 0.5),
+    ("ddp", "mlp_trellis_ddp_cpu_overhead", "mlp_torch_ddp_cpu_overhead", None, None),
+    ("ddp", "cnn_trellis_ddp_cpu_overhead", "cnn_torch_ddp_cpu_overhead", None, None),
+    ("ddp", "mlp_trellis_ddp_step_median", "mlp_single_step_median", None, None),
+    ("ddp", "mlp_torch_ddp_step_median", "mlp_torch_single_step_median", None, None),
+    ("ddp", "cnn_trellis_ddp_step_median", "cnn_single_step_median", None, None),
+    ("ddp", "cnn_torch_ddp_step_median", "cnn_torch_single_step_median", None, None),
+    ("ddp", "mlp_trellis_ddp_last_bucket_wait_median", "mlp_torch_ddp_last_bucket_wait_median", None, None),
+    ("ddp", "cnn_trellis_ddp_last_bucket_wait_median", "cnn_torch_ddp_last_bucket_wait_median", None, None),
+    ("ddp", "cnn_trellis_ddp_hidden_fraction", None, ">=", 0.5),
+    ("ddp", "cnn_trellis_ddp_hidden_fraction_vs_torch", "cnn_torch_ddp_hidden_fraction", None, None),
     ("hybrid", "hybrid_2s2t_samples_per_s", "one_process_samples_per_s", ">=", 0.5),
     ("hybrid", "hybrid_1s1t_samples_per_s", "one_process_samples_per_s", None, None),
     ("elastic", "elastic_run_launch_overhead_ms", None, "<=", 50),
@@ -147,7 +160,14 @@ def dashboard(results, bindir_shown):
         if base not in figs:
             continue
         bvalue, bunit = figs[base]
-        ratio = value / bvalue if bvalue else float("nan")
+        if bvalue <= 0:
+            # A difference (an overhead) that came out at or below zero in
+            # this run: load noise, no ratio to judge.
+            target = f"{op} {threshold:g} (baseline <= 0: not judged)" if op else ""
+            lines.append(f"| `{figure}` | {fmt(value)} {unit} | `{base}` "
+                         f"{fmt(bvalue)} {bunit} | — | {target} | {cmd} |")
+            continue
+        ratio = value / bvalue
         target = verdict(ratio, op, threshold) if op else ""
         lines.append(f"| `{figure}` | {fmt(value)} {unit} | `{base}` "
                      f"{fmt(bvalue)} {bunit} | {ratio:.2f} | {target} | {cmd} |")

@@ -27,6 +27,8 @@ DEV_PACKAGES=(
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev etcd-server
   libtensorpipe-dev libgloo-dev
+  # bench/ddp_bench: PyTorch's DDP (gloo) as the baseline, run by /usr/bin/python3
+  python3-torch
   # tests/deploy: a one-node Slurm cluster; Open MPI's mpirun
   slurmctld slurmd slurm-client munge openmpi-bin
   # PyTorch for the torchrun compatibility test and the DDP benchmark's
