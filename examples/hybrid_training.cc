@@ -1,7 +1,7 @@
 // Hybrid DDP + RPC training, DLRM-shaped (docs/examples.md): the main job.
 //
-//   elastic-run --standalone --nproc-per-node 4 --max-restarts 1 \
-//       hybrid_training --fail-at-step 120
+//   elastic-run --standalone --nproc-per-node 4 --max-restarts 1
+//       hybrid_training --fail-at-step 120   (one command line)
 //
 // Roles come from the rank: ranks 0 .. S-1 are parameter servers (S =
 // --servers), the others trainers. Every embedding table is split by rows

@@ -923,7 +923,8 @@ class LossMetrics : public Joinable {
               allreduceInto(torch::zeros({2}, torch::kDouble));
               ++shadowed;
             },
-            [this](bool isLastJoiner) { lastJoiner = isLastJoiner; }};
+            [this](bool isLastJoiner) { lastJoiner = isLastJoiner; },
+            {}};
   }
   at::Device joinDevice() const override { return at::kCPU; }
   std::shared_ptr<ProcessGroup> joinProcessGroup() const override {
