@@ -161,7 +161,11 @@ struct EtcdStore::Impl {
     if (put || cancelled) {
       return put;
     }
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    // Our deadline passed: nothing changed. etcd's server sometimes ends the
+    // stream first, as UNKNOWN "context deadline exceeded" (the deadline
+    // travels with the call), racing the client's own DEADLINE_EXCEEDED.
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+        (s.error_code() == grpc::StatusCode::UNKNOWN && deadline.expired())) {
       return false;
     }
     fail("Watch", k, s);

@@ -807,6 +807,16 @@ int main(int argc, char** argv) {
     // Servers serve until every trainer is done (graceful shutdown waits
     // for all of them).
     rpc::shutdown();
+    // Rank 0 serves the store: it stays until every rank is past its own
+    // shutdown, which still talks to the store after rank 0's returned.
+    store->set("exit/" + std::to_string(rank), std::string_view("1"));
+    if (rank == 0) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < worldSize; ++r) {
+        keys.push_back("exit/" + std::to_string(r));
+      }
+      store->wait(keys, co.timeout);
+    }
     if (isServer) {
       int64_t changedUnlooked = 0;
       for (auto& [t, shard] : gShards) {
