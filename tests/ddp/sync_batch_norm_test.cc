@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "ranks.h"
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
 #include <trellis/ddp/distributed_data_parallel.h>
@@ -24,35 +25,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using collectives::ProcessGroup;
+using testing::runRanks;
 
 constexpr double kTol = 1e-5;
-
-// Runs fn(rank, group) on n threads; an exception on any rank fails the
-// test naming the rank.
-void runRanks(
-    int n, const std::function<void(int, std::shared_ptr<ProcessGroup>)>& fn) {
-  auto store = std::make_shared<store::HashStore>();
-  collectives::ProcessGroupOptions options;
-  options.timeout = 60s;
-  options.watchdogMode = collectives::WatchdogMode::kFail;
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, ProcessGroup::create("cpu", store, r, n, options));
-      } catch (const std::exception& e) {
-        failures[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) {
-    t.join();
-  }
-  for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(failures[static_cast<size_t>(r)], "") << "rank " << r;
-  }
-}
 
 double maxDiff(const torch::Tensor& a, const torch::Tensor& b) {
   if (!a.defined() || !b.defined()) {
