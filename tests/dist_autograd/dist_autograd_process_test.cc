@@ -99,9 +99,14 @@ TEST(DistAutogradProcess,
     const std::string mode = std::array{"now", "graceful", "exit"}[i % 3];
     SCOPED_TRACE("round " + std::to_string(i) + ", shutdown " + mode);
     Job job(DIST_AUTOGRAD_WORKER, "stopped", 2, {mode, "{dir}/go"});
+    // Both ranks' logs on a failure: rank 0's init waits for rank 1's.
     ASSERT_EQ(lineStartingWith(job[0], "serving", 60000), "serving")
-        << job.stderrOf(0);
+        << "rank 0:\n"
+        << job.stderrOf(0) << "rank 1:\n"
+        << job.stderrOf(1);
     ASSERT_EQ(lineStartingWith(job[1], "ready", 60000), "ready")
+        << "rank 0:\n"
+        << job.stderrOf(0) << "rank 1:\n"
         << job.stderrOf(1);
     ASSERT_EQ(::kill(job[0].pid, SIGSTOP), 0);  // a pid this test started
     ASSERT_TRUE(waitUntilStopped(job[0].pid, 5000ms));
