@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <sys/wait.h>
@@ -130,6 +131,9 @@ Split hybrid(const std::string& elasticRun, const std::string& job, int servers,
     out += buf;
   }
   const int status = ::pclose(p);
+  std::error_code ec;
+  std::filesystem::remove_all(
+      "/tmp/trellis-hybrid-bench-" + std::to_string(::getpid()), ec);
   Split s;
   const char* line = std::strstr(out.c_str(), "trainer0: per step: ");
   double perTrainer = 0;

@@ -807,16 +807,6 @@ int main(int argc, char** argv) {
     // Servers serve until every trainer is done (graceful shutdown waits
     // for all of them).
     rpc::shutdown();
-    // Rank 0 serves the store: it stays until every rank is past its own
-    // shutdown, which still talks to the store after rank 0's returned.
-    store->set("exit/" + std::to_string(rank), std::string_view("1"));
-    if (rank == 0) {
-      std::vector<std::string> keys;
-      for (int r = 0; r < worldSize; ++r) {
-        keys.push_back("exit/" + std::to_string(r));
-      }
-      store->wait(keys, co.timeout);
-    }
     if (isServer) {
       int64_t changedUnlooked = 0;
       for (auto& [t, shard] : gShards) {
@@ -829,6 +819,28 @@ int main(int argc, char** argv) {
       }
       std::fflush(stdout);
       rc = changedUnlooked == 0 ? 0 : 6;
+    }
+    // Rank 0 serves the store: it stays until every rank is past its own
+    // shutdown, which still talks to the store after rank 0's returned.
+    // Each rank leaves its exit status.
+    store->set("exit/" + std::to_string(rank), std::to_string(rc));
+    if (rank == 0) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < worldSize; ++r) {
+        keys.push_back("exit/" + std::to_string(r));
+      }
+      store->wait(keys, co.timeout);
+      bool allZero = true;
+      for (const auto& v : store->multiGet(keys)) {
+        allZero = allZero && v.size() == 1 && v[0] == '0';
+      }
+      // A job that ended well needs its checkpoints in the default place
+      // no more (a given --checkpoint-dir is the user's to keep); after a
+      // failure elastic-run may restart the group from them.
+      if (allZero && f.checkpointDir.empty()) {
+        std::error_code ec;
+        fs::remove_all(dir, ec);
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hybrid_training rank %d: %s\n", rank, e.what());
