@@ -201,8 +201,6 @@ TEST_F(Hybrid, DenseDdpAndRemoteTableStepTogetherAsOneProcessWould) {
           at::embedding_bag(table, b.ids, b.offsets, false, 0, false));
       losses.push_back(at::mse_loss(ref(rows), b.y));
     }
-    std::vector<at::Tensor> inputs = ref->parameters();
-    inputs.push_back(table);
     auto denseGrads = torch::autograd::grad({(losses[0] + losses[1]) / 2},
                                             ref->parameters(), {}, true);
     auto tableGrad = torch::autograd::grad({losses[0] + losses[1]}, {table});
