@@ -9,6 +9,7 @@
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
 #include <trellis/core/text.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/store/store.h>
 
 namespace trellis::collectives::detail {
@@ -181,8 +182,14 @@ Watchdog::Watchdog(WatchdogConfig config, Hooks hooks)
     MutexLock lock(mu_);
     phaseSince_ = Clock::now();
   }
-  thread_ = std::thread([this] { run(); });
-  monitor_ = std::thread([this] { monitor(); });
+  thread_ = std::thread([this] {
+    setThreadName("pg-watchdog");
+    run();
+  });
+  monitor_ = std::thread([this] {
+    setThreadName("pg-monitor");
+    monitor();
+  });
 }
 
 Watchdog::~Watchdog() { stop(); }

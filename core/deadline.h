@@ -53,4 +53,10 @@ Duration timeoutOr(const std::optional<Duration>& timeout, Duration fallback,
 // "250ms", "1.5s", "20us", "2m30s", "none" for zero.
 std::string formatDuration(Duration d);
 
+// A duration in microseconds from the environment variable `name`, in
+// [0, max]; `fallback` when it is unset or empty. A value that is not such
+// a number is reported on stderr (naming the variable and the range) and
+// `fallback` is used. For knobs read once per process.
+Duration microsFromEnv(const char* name, Duration fallback, Duration max);
+
 }  // namespace trellis

@@ -1,8 +1,10 @@
 // Small definitions of core that have no file of their own.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 
 #include <trellis/core/check.h>
+#include <trellis/core/deadline.h>
 #include <trellis/core/future.h>
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
@@ -36,26 +38,32 @@ void throwNotCompleted() {
 
 }  // namespace detail
 
+Duration microsFromEnv(const char* name, Duration fallback, Duration max) {
+  using std::chrono::duration_cast;
+  using std::chrono::microseconds;
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') {
+    return fallback;
+  }
+  const long long maxUs = duration_cast<microseconds>(max).count();
+  char* end = nullptr;
+  const long long us = std::strtoll(env, &end, 10);
+  if (*end != '\0' || us < 0 || us > maxUs) {
+    std::fprintf(
+        stderr,
+        "trellis: %s='%s' is not a number of microseconds in "
+        "[0, %lld]; using %lld\n",
+        name, env, maxUs,
+        static_cast<long long>(duration_cast<microseconds>(fallback).count()));
+    return fallback;
+  }
+  return Duration(microseconds(us));
+}
+
 Duration spinBudget() {
-  static const Duration budget = [] {
-    constexpr int64_t kDefaultUs = 50;
-    constexpr int64_t kMaxUs = 100000;
-    const char* env = std::getenv("TRELLIS_SPIN_US");
-    if (env == nullptr || *env == '\0') {
-      return Duration(std::chrono::microseconds(kDefaultUs));
-    }
-    char* end = nullptr;
-    const long long us = std::strtoll(env, &end, 10);
-    if (*end != '\0' || us < 0 || us > kMaxUs) {
-      std::fprintf(stderr,
-                   "trellis: TRELLIS_SPIN_US='%s' is not a number of "
-                   "microseconds in [0, %lld]; using %lld\n",
-                   env, static_cast<long long>(kMaxUs),
-                   static_cast<long long>(kDefaultUs));
-      return Duration(std::chrono::microseconds(kDefaultUs));
-    }
-    return Duration(std::chrono::microseconds(us));
-  }();
+  static const Duration budget =
+      microsFromEnv("TRELLIS_SPIN_US", std::chrono::microseconds(50),
+                    std::chrono::microseconds(100000));
   return budget;
 }
 

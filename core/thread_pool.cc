@@ -1,4 +1,5 @@
 #include <pthread.h>
+#include <system_error>
 
 #include <trellis/core/check.h>
 #include <trellis/core/logging.h>
@@ -13,16 +14,41 @@ namespace {
 thread_local const ThreadPool* tWorkerOf = nullptr;
 }  // namespace
 
+void setThreadName(const std::string& name) {
+  // Linux limits thread names to 15 characters.
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+}
+
 ThreadPool::ThreadPool(size_t numThreads, std::string name)
-    : name_(std::move(name)) {
+    : name_(std::move(name)), maxThreads_(numThreads) {
   if (numThreads == 0) {
     throw InvalidArgumentError(Error::invalidArgument(
         "ThreadPool '" + name_ + "' needs at least one thread"));
   }
+  MutexLock lock(mu_);
   threads_.reserve(numThreads);
-  for (size_t i = 0; i < numThreads; ++i) {
-    threads_.emplace_back([this, i] { workerLoop(i); });
+  threads_.emplace_back([this] { workerLoop(0); });
+  started_ = 1;
+}
+
+void ThreadPool::growLocked() {
+  if (started_ >= maxThreads_ || queue_.size() <= idle_) {
+    return;
   }
+  const size_t index = started_;
+  try {
+    threads_.emplace_back([this, index] { workerLoop(index); });
+    ++started_;
+  } catch (const std::system_error& e) {
+    // The queued task runs on a thread the pool has, later.
+    TRELLIS_LOG_WARN("thread pool '{}': could not start thread {} of {}: {}",
+                     name_, index + 1, maxThreads_, e.what());
+  }
+}
+
+size_t ThreadPool::startedThreads() const {
+  MutexLock lock(mu_);
+  return started_;
 }
 
 ThreadPool::~ThreadPool() {
@@ -35,6 +61,7 @@ void ThreadPool::post(Task task) {
     MutexLock lock(mu_);
     if (!stopping_) {
       queue_.push_back(std::move(task));
+      growLocked();
       cv_.notifyOne();
       return;
     }
@@ -64,8 +91,16 @@ void ThreadPool::shutdown(ShutdownMode mode) {
 void ThreadPool::join() {
   TRELLIS_CHECK(!inPool(),
                 "ThreadPool::join() called from one of its own workers");
-  MutexLock lock(joinMu_);
-  for (auto& t : threads_) {
+  MutexLock joinLock(joinMu_);
+  std::vector<std::thread> threads;
+  {
+    // Joined without mu_, which the workers need to exit; a pool that is
+    // not shut down gains no thread after this (workers only start on
+    // post), and its workers never exit, as before.
+    MutexLock lock(mu_);
+    threads.swap(threads_);
+  }
+  for (auto& t : threads) {
     if (t.joinable()) {
       t.join();
     }
@@ -80,17 +115,16 @@ size_t ThreadPool::queued() const {
 }
 
 void ThreadPool::workerLoop(size_t index) {
-  // Linux limits thread names to 15 characters.
-  const std::string threadName =
-      (name_ + "/" + std::to_string(index)).substr(0, 15);
-  pthread_setname_np(pthread_self(), threadName.c_str());
+  setThreadName(name_ + "/" + std::to_string(index));
   tWorkerOf = this;
   for (;;) {
     Task task;
     {
       MutexLock lock(mu_);
       while (!stopping_ && queue_.empty()) {
+        ++idle_;
         cv_.wait(mu_);
+        --idle_;
       }
       if (queue_.empty()) {
         return;  // stopping and drained

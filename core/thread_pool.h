@@ -1,6 +1,12 @@
 #pragma once
 
-// A fixed-size pool of worker threads.
+// A pool of up to N worker threads.
+//
+// It starts one thread and adds one (up to N) whenever a task is posted
+// while every thread it has is busy or already claimed by a queued task,
+// so a task never waits for a thread while fewer than N exist, and an idle
+// process does not keep N sleeping threads (docs/threads.md). Threads stay
+// once started.
 //
 // Contract
 //  - post(task): `task(Error)` runs exactly once: on a worker with an OK
@@ -28,6 +34,7 @@
 #include <trellis/core/future.h>
 #include <trellis/core/mutex.h>
 #include <trellis/core/thread_annotations.h>
+#include <trellis/core/thread_name.h>
 
 namespace trellis {
 
@@ -36,7 +43,8 @@ class ThreadPool {
   using Task = std::function<void(const Error&)>;
   enum class ShutdownMode { kDrain, kCancel };
 
-  // `numThreads` >= 1; `name` prefixes the threads' names ("name/3").
+  // `numThreads` >= 1: the most threads it starts; `name` prefixes the
+  // threads' names ("name/3").
   explicit ThreadPool(size_t numThreads, std::string name = "pool");
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -64,23 +72,30 @@ class ThreadPool {
 
   // True on one of this pool's worker threads.
   bool inPool() const;
-  size_t numThreads() const { return threads_.size(); }
+  // The most threads it starts / how many it has started.
+  size_t numThreads() const { return maxThreads_; }
+  size_t startedThreads() const TRELLIS_EXCLUDES(mu_);
   size_t queued() const TRELLIS_EXCLUDES(mu_);
   const std::string& name() const { return name_; }
 
  private:
   void workerLoop(size_t index) TRELLIS_EXCLUDES(mu_);
+  // Starts one more worker when the queued tasks outnumber the idle ones.
+  void growLocked() TRELLIS_REQUIRES(mu_);
 
   const std::string name_;
+  const size_t maxThreads_;
   mutable Mutex mu_;
   CondVar cv_;
   std::deque<Task> queue_ TRELLIS_GUARDED_BY(mu_);
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
-  // Filled by the constructor before any worker runs, joined under
-  // joinMu_; never resized, so numThreads() reads it without a lock.
-  std::vector<std::thread> threads_;
-  // Serialises concurrent join() calls (std::thread::join is not safe to
-  // call twice at once on the same thread object).
+  // Workers waiting for a task.
+  size_t idle_ TRELLIS_GUARDED_BY(mu_) = 0;
+  // Grows under mu_ until stopping_; join() takes them out.
+  std::vector<std::thread> threads_ TRELLIS_GUARDED_BY(mu_);
+  size_t started_ TRELLIS_GUARDED_BY(mu_) = 0;
+  // Serialises concurrent join() calls, so that a second one returns only
+  // once the workers have exited.
   Mutex joinMu_;
 };
 

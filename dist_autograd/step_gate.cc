@@ -3,6 +3,7 @@
 #include <utility>
 
 #include <trellis/core/error.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/dist_autograd/messages.h>
 #include <trellis/dist_autograd/step_gate.h>
 
@@ -275,7 +276,10 @@ StepGate::Counts StepGate::counts() const {
 
 void StepGate::ensureTimer() {
   if (!timer_.joinable() && !stopping_) {
-    timer_ = std::thread([this] { timerLoop(); });
+    timer_ = std::thread([this] {
+      setThreadName("dag-step-timer");
+      timerLoop();
+    });
   }
 }
 

@@ -12,6 +12,7 @@
 #include <trellis/core/mutex.h>
 #include <trellis/core/net.h>
 #include <trellis/core/text.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/store_rendezvous.h>
@@ -85,7 +86,10 @@ class StoreRendezvous final : public Rendezvous {
                toHex(std::span(nonce.data(), 4));
     // The first heartbeat before anyone can see us; then a thread.
     beat_(self_.id, true);
-    heartbeat_ = std::thread([this] { beat(); });
+    heartbeat_ = std::thread([this] {
+      setThreadName("rdzv-heartbeat");
+      beat();
+    });
   }
 
   ~StoreRendezvous() override {

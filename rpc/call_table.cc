@@ -3,6 +3,7 @@
 #include <functional>
 
 #include "rendezvous.h"
+#include <trellis/core/thread_name.h>
 #include <trellis/rpc/profiler.h>
 
 namespace trellis::rpc::detail {
@@ -21,7 +22,10 @@ CallTable::CallTable(Agent* agent, ThreadPool& completions,
 CallTable::~CallTable() { join(); }
 
 void CallTable::start() {
-  timerThread_ = std::thread([this] { timerLoop(); });
+  timerThread_ = std::thread([this] {
+    setThreadName("rpc-timer");
+    timerLoop();
+  });
 }
 
 bool CallTable::add(uint64_t id, Call call) {

@@ -14,6 +14,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
 #include <trellis/core/thread_annotations.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/core/wire.h>
 #include <trellis/store/protocol.h>
 #include <trellis/store/tcp_store.h>
@@ -104,7 +105,10 @@ void TCPStoreServer::Impl::start() {
         std::to_string(opts.port) + ": " + e.code().message()));
   }
   asio::co_spawn(ioc, acceptLoop(), asio::detached);
-  thread = std::thread([this] { ioc.run(); });
+  thread = std::thread([this] {
+    setThreadName("store-server");
+    ioc.run();
+  });
   TRELLIS_LOG_INFO("{}: listening on {}:{}{}", id, opts.host, port,
                    opts.jobToken ? " (job token required)" : "");
 }

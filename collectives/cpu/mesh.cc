@@ -10,6 +10,7 @@
 #include <trellis/core/mutex.h>
 #include <trellis/core/net.h>
 #include <trellis/core/pending_count.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/core/worker_env.h>
 #include <trellis/store/store.h>
 #include <trellis/transport/context.h>
@@ -1045,6 +1046,7 @@ class Mesh::Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     closer_ = std::thread([flush, pipes = std::move(pipes)] {
+      setThreadName("pg-mesh-closer");
       const auto until = Clock::now() + kAbortFlushTime;
       {
         MutexLock lock(flush->mu);
@@ -1137,6 +1139,7 @@ Mesh::~Mesh() {
     PendingCount& pending = detachedTeardowns();
     pending.add();
     std::thread([impl = std::move(impl_), &pending]() mutable {
+      setThreadName("pg-teardown");
       impl->shutdown();
       impl.reset();
       pending.done();

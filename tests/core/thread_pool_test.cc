@@ -2,6 +2,7 @@
 #include <future>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -138,6 +139,49 @@ TEST(ThreadPoolTest, ManyProducers) {
     waitAll(fs, Deadline::after(10s));
   }
   EXPECT_EQ(sum.load(), 4000);
+}
+
+// Threads start on demand: one at first, another only when every thread is
+// busy or claimed by a queued task, up to the limit; and then N tasks that each
+// wait for all the others still run at once (a task never waits for a thread
+// while fewer than N exist).
+TEST(ThreadPoolTest, StartsThreadsOnlyWhenEveryOneIsBusy) {
+  constexpr size_t kThreads = 4;
+  ThreadPool pool(kThreads, "t");
+  EXPECT_EQ(pool.startedThreads(), 1u);
+  for (int i = 0; i < 20; ++i) {
+    // One at a time. How many threads that starts depends on scheduling
+    // (the next task may be posted before the worker that finished the
+    // last one is back waiting), but never more than the limit.
+    pool.submit([] {}).wait(5s);
+  }
+  EXPECT_LE(pool.startedThreads(), kThreads);
+
+  std::atomic<size_t> arrived{0};
+  std::vector<Future<bool>> all;
+  for (size_t i = 0; i < kThreads; ++i) {
+    all.push_back(pool.submit([&arrived] {
+      arrived.fetch_add(1);
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (arrived.load() < kThreads) {
+        if (std::chrono::steady_clock::now() > until) {
+          return false;
+        }
+        std::this_thread::sleep_for(1ms);
+      }
+      return true;
+    }));
+  }
+  for (auto& f : all) {
+    EXPECT_TRUE(f.wait(20s)) << "the tasks did not all run at once";
+  }
+  EXPECT_EQ(pool.startedThreads(), kThreads);
+  for (int i = 0; i < 50; ++i) {
+    pool.post([](const Error&) {});
+  }
+  pool.shutdown();
+  pool.join();
+  EXPECT_EQ(pool.startedThreads(), kThreads);
 }
 
 TEST(ThreadPoolDeathTest, JoinFromOwnWorkerIsACheckedError) {

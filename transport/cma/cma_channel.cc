@@ -16,6 +16,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
 #include <trellis/core/thread_annotations.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/cma/record.h>
@@ -103,7 +104,10 @@ class CopyPool final {
       state_->tasks.push_back(std::move(task));
       if (workers_.size() < threads_ &&
           workers_.size() < state_->tasks.size() + state_->busy) {
-        workers_.emplace_back([state = state_] { work(*state); });
+        workers_.emplace_back([state = state_] {
+          setThreadName("cma-copy");
+          work(*state);
+        });
       }
     }
     state_->cv.notifyOne();

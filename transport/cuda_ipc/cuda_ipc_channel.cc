@@ -24,6 +24,7 @@
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
 #include <trellis/core/thread_annotations.h>
+#include <trellis/core/thread_name.h>
 #include <trellis/transport/channel.h>
 #include <trellis/transport/cuda_ipc/factory.h>
 #include <trellis/transport/cuda_ipc/record.h>
@@ -421,7 +422,10 @@ void State::enqueue(Job job) {
       if (!thread_.joinable()) {
         // Holds the state, so it outlives a channel dropped by a callback
         // running on this very thread.
-        thread_ = std::thread([self = shared_from_this()] { self->run(); });
+        thread_ = std::thread([self = shared_from_this()] {
+          setThreadName("cuda-ipc");
+          self->run();
+        });
       }
     }
   }
