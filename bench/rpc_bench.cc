@@ -57,6 +57,10 @@ namespace tp = trellis::transport;
 // ---- functions the caller runs on the callee --------------------------------
 
 void noop() {}
+// The same, registered with TRELLIS_REMOTE_INLINE: run on the callee's
+// transport loop instead of its worker pool.
+void noopInline() {}
+at::Tensor echoInline(const at::Tensor& t) { return t; }
 at::Tensor addTensors(const at::Tensor& a, const at::Tensor& b) {
   return a.add(b);
 }
@@ -72,6 +76,10 @@ TRELLIS_REMOTE_FUNCTION(addTensors);
 TRELLIS_REMOTE_FUNCTION(echoTensor);
 TRELLIS_REMOTE_FUNCTION(answer);
 TRELLIS_REMOTE_FUNCTION(sleepMs);
+TRELLIS_REMOTE_FUNCTION(noopInline);
+TRELLIS_REMOTE_INLINE(noopInline);
+TRELLIS_REMOTE_FUNCTION(echoInline);
+TRELLIS_REMOTE_INLINE(echoInline);
 
 namespace {
 
@@ -464,6 +472,10 @@ void rpcCaller(const Phase& p, store::Store& st) {
   report.add(pre + "_noop_rtt_median_vs_grpc", bench::percentile(us, 0.5), "us",
              "grpc_unary_rtt_8B_median");
 
+  timeCalls(warmup, [] { rpc::rpcSync<noopInline>("callee"); });
+  us = timeCalls(flags.iters, [] { rpc::rpcSync<noopInline>("callee"); });
+  addLatency(pre + "_noop_inline_rtt", us, base);
+
   const at::Tensor one = at::ones({1});
   timeCalls(warmup, [&] { rpc::rpcSync<addTensors>("callee", one, one); });
   us = timeCalls(flags.iters,
@@ -516,7 +528,22 @@ void rpcCaller(const Phase& p, store::Store& st) {
     report.add(pre + "_echo_" + n,
                static_cast<double>(size) * reps / total / 1e3, "GB/s",
                "transport_" + p.tag + "_echo_" + n);
+    if (size <= 64 * kKiB) {
+      timeCalls(2, [&] { rpc::rpcSync<echoInline>("callee", t); });
+      total = 0;
+      for (double x :
+           timeCalls(reps, [&] { rpc::rpcSync<echoInline>("callee", t); })) {
+        total += x;
+      }
+      report.add(pre + "_echo_inline_" + n,
+                 static_cast<double>(size) * reps / total / 1e3, "GB/s",
+                 "transport_" + p.tag + "_echo_" + n);
+    }
   }
+  // Threads of the callee once its agent is up and idle (it counts them
+  // before its first call arrives, less those its earlier phases left).
+  report.add(pre + "_idle_worker_threads",
+             std::stod(st.getString("rpc/" + p.tag + "/idle_threads")), "1");
 
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
   us = timeCalls(flags.iters, [] { rpc::remote<answer>("callee").toHere(); });
@@ -546,8 +573,19 @@ void rpcCaller(const Phase& p, store::Store& st) {
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
 }
 
+size_t threadCount() {
+  return static_cast<size_t>(
+      std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                    std::filesystem::directory_iterator{}));
+}
+
 void rpcCallee(const Phase& p, store::Store& st) {
+  const size_t before = threadCount();
   rpc::init("callee", 1, 2, rpcOptions(p));
+  // The agent's threads plus the main thread: what an RPC worker process
+  // has while it waits for calls.
+  st.set("rpc/" + p.tag + "/idle_threads",
+         std::to_string(threadCount() - before + 1));
   st.wait({"rpc/done"}, std::chrono::milliseconds(600'000));
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
 }

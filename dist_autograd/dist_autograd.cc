@@ -43,6 +43,10 @@ bool releaseContext(uint64_t contextId, int32_t from);
 
 TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::propagateGradients);
 TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::releaseContext);
+// A release only forgets the context (and tells the workers it reached):
+// answered on the transport loop. Gradients stay on worker threads, since
+// they run this worker's part of the backward.
+TRELLIS_REMOTE_INLINE(trellis::dist_autograd::detail::releaseContext);
 
 namespace trellis::dist_autograd {
 namespace {

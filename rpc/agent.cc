@@ -258,6 +258,7 @@ Agent::Stats Agent::stats() const {
   s.lateReplies = impl_->calls->lateReplies();
   s.pendingCalls = impl_->calls->size();
   s.openPipes = impl_->connections->openPipes();
+  s.slowInlineRuns = impl_->dispatcher->slowInlineRuns();
   return s;
 }
 

@@ -208,10 +208,9 @@ void Connections::armRead(const std::shared_ptr<PipeState>& ps) {
 void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
                                tp::Descriptor desc) {
   auto env = std::make_shared<wire::Envelope>();
-  const std::string where = "rpc agent '" + self_.name + "': message from " +
-                            ps->pipe->peerAddress() + ": ";
   auto bad = [&](const std::string& what) {
-    fail(ps, Error::protocol(where + what));
+    fail(ps, Error::protocol("rpc agent '" + self_.name + "': message from " +
+                             ps->pipe->peerAddress() + ": " + what));
   };
   if (Error e =
           parseEnvelope(desc.descriptor, worldSize_, !ps->outgoing, env.get());

@@ -31,15 +31,32 @@ void Dispatcher::close() {
   }
 }
 
+namespace {
+
+// How long an inline function may hold the loop before it is reported.
+Duration inlineWarnThreshold() {
+  static const Duration threshold =
+      microsFromEnv("TRELLIS_RPC_INLINE_WARN_US", std::chrono::milliseconds(1),
+                    std::chrono::seconds(60));
+  return threshold;
+}
+
+}  // namespace
+
 void Dispatcher::dispatch(Request request) {
   running_.fetch_add(1);
-  if (const FunctionEntry* entry =
-          Registry::global().find(request.env->function());
-      entry != nullptr && entry->runOnLoop) {
-    handle(request);
+  const FunctionEntry* entry = Registry::global().find(request.env->function());
+  if (entry != nullptr && entry->runOnLoop) {
+    CurrentAgentScope scope(agent_);
+    const auto start = Clock::now();
+    handle(request, entry);
+    const Duration took = Clock::now() - start;
+    if (took > inlineWarnThreshold()) {
+      reportSlowInline(*entry, took);
+    }
     return;
   }
-  pool_.post([this, r = std::make_shared<Request>(std::move(request))](
+  pool_.post([this, entry, r = std::make_shared<Request>(std::move(request))](
                  const Error& e) {
     if (!e.ok()) {  // pool shut down (closed at once)
       running_.fetch_sub(1);
@@ -47,13 +64,34 @@ void Dispatcher::dispatch(Request request) {
       return;
     }
     CurrentAgentScope scope(agent_);
-    handle(*r);
+    handle(*r, entry);
   });
 }
 
-void Dispatcher::handle(Request& request) {
+void Dispatcher::reportSlowInline(const FunctionEntry& entry, Duration took) {
+  slowInlineRuns_.fetch_add(1, std::memory_order_relaxed);
+  const auto now = Clock::now();
+  {
+    // One warning per function per 10 s: a function that is always slow
+    // should not flood the log from the loop it already slows down.
+    MutexLock lock(slowMu_);
+    auto [it, fresh] = lastSlowWarning_.try_emplace(entry.name, now);
+    if (!fresh && now - it->second < std::chrono::seconds(10)) {
+      return;
+    }
+    it->second = now;
+  }
+  TRELLIS_LOG_WARN(
+      "rpc agent {}: inline function '{}' held the transport loop for {} "
+      "(TRELLIS_RPC_INLINE_WARN_US: {}); no message of this worker moved "
+      "meanwhile. Inline functions must not block: drop its "
+      "TRELLIS_REMOTE_INLINE, or make it async",
+      self_.name, entry.name, formatDuration(took),
+      formatDuration(inlineWarnThreshold()));
+}
+
+void Dispatcher::handle(Request& request, const FunctionEntry* entry) {
   const wire::Envelope& env = *request.env;
-  const FunctionEntry* entry = Registry::global().find(env.function());
   const int64_t profileStartUs = env.profile() ? profilerNowUs() : 0;
   std::shared_ptr<NestedEvents> nested;
   if (env.profile()) {

@@ -3,19 +3,22 @@
 // The callee's side of a call (internal; docs/rpc.md, "Threads"): checks a
 // request against the registry, lets the extension it names (rref/'s, for
 // remote() and methods on RRefs) and distributed autograd take part, runs
-// the user function on the worker pool (or on the loop for the few
-// functions marked runOnLoop), and encodes the response with its profile
-// event.
+// the user function on the worker pool (or on the loop for functions
+// marked runOnLoop: internal messages that never block and user functions
+// registered with TRELLIS_REMOTE_INLINE), and encodes the response with its
+// profile event.
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "envelope.h"
 #include <trellis/core/deadline.h>
 #include <trellis/core/lifeline.h>
+#include <trellis/core/mutex.h>
 #include <trellis/core/thread_pool.h>
 #include <trellis/rpc/agent.h>
 #include <trellis/rpc/extension.h>
@@ -57,6 +60,10 @@ class Dispatcher {
 
   // Requests received and not yet answered.
   uint64_t running() const { return running_.load(); }
+  // Inline functions that held the loop longer than the threshold.
+  uint64_t slowInlineRuns() const {
+    return slowInlineRuns_.load(std::memory_order_relaxed);
+  }
   bool inPool() const { return pool_.inPool(); }
   // Closing at once: queued requests are dropped (their callers' calls
   // fail on their side), running ones finish; joins the pool. A result
@@ -66,7 +73,9 @@ class Dispatcher {
   void close();
 
  private:
-  void handle(Request& request);
+  // `entry`: the request's function, null when it is not registered here.
+  void handle(Request& request, const FunctionEntry* entry);
+  void reportSlowInline(const FunctionEntry& entry, Duration took);
   // `nested` (profiled requests only) collects the events of the calls the
   // function makes; they ride the response.
   // The second half of handle(), once the request is admitted. `gate`:
@@ -89,6 +98,10 @@ class Dispatcher {
   std::function<void()> resumed_;
   ThreadPool pool_;
   std::atomic<uint64_t> running_{0};
+  std::atomic<uint64_t> slowInlineRuns_{0};
+  Mutex slowMu_;
+  std::unordered_map<std::string, Clock::time_point> lastSlowWarning_
+      TRELLIS_GUARDED_BY(slowMu_);
   // The callbacks on futures (results, admissions) run through it; close()
   // cuts it, since those futures may complete on any thread at any time.
   const std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>();

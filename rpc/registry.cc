@@ -4,6 +4,7 @@
 #include <memory>
 #include <typeinfo>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
@@ -11,10 +12,26 @@
 
 namespace trellis::rpc {
 
+namespace {
+
+// Lookups by string_view without building a std::string (every request
+// looks its function up).
+struct NameHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const {
+    return std::hash<std::string_view>{}(s);
+  }
+};
+
+}  // namespace
+
 struct Registry::Impl {
   mutable Mutex mu;
-  std::unordered_map<std::string, FunctionEntry> entries TRELLIS_GUARDED_BY(mu);
+  std::unordered_map<std::string, FunctionEntry, NameHash, std::equal_to<>>
+      entries TRELLIS_GUARDED_BY(mu);
   std::string duplicates TRELLIS_GUARDED_BY(mu);
+  // Names marked inline before their registration ran.
+  std::unordered_set<std::string> inlineNames TRELLIS_GUARDED_BY(mu);
 };
 
 Registry& Registry::global() {
@@ -33,6 +50,9 @@ bool Registry::add(FunctionEntry entry) {
   Impl& d = impl();
   MutexLock lock(d.mu);
   std::string name = entry.name;
+  if (d.inlineNames.count(name) != 0) {
+    entry.runOnLoop = true;
+  }
   if (!d.entries.emplace(name, std::move(entry)).second) {
     d.duplicates += (d.duplicates.empty() ? "'" : ", '") + name + "'";
     return false;
@@ -43,8 +63,18 @@ bool Registry::add(FunctionEntry entry) {
 const FunctionEntry* Registry::find(std::string_view name) const {
   Impl& d = impl();
   MutexLock lock(d.mu);
-  auto it = d.entries.find(std::string(name));
+  auto it = d.entries.find(name);
   return it == d.entries.end() ? nullptr : &it->second;
+}
+
+void Registry::markInline(std::string_view name) {
+  Impl& d = impl();
+  MutexLock lock(d.mu);
+  std::string key(name);
+  if (auto it = d.entries.find(key); it != d.entries.end()) {
+    it->second.runOnLoop = true;
+  }
+  d.inlineNames.insert(std::move(key));
 }
 
 Error Registry::status() const {

@@ -64,8 +64,10 @@ struct FunctionEntry {
   // Decodes the arguments and runs the function (for a method: on `self`,
   // a Class*). Never throws: an exception becomes the future's error.
   Future<AnyValue> (*invoke)(Decoder& args, void* self) = nullptr;
-  // Internal protocol messages that never block (the shutdown's ping) are
-  // answered on the transport loop thread instead of a worker thread.
+  // Run on the transport loop thread instead of a worker thread: internal
+  // protocol messages that never block (the shutdown's ping, RRef forks
+  // and fetches, a context's release) and user functions registered with
+  // TRELLIS_REMOTE_INLINE. Saves the hand-off to the pool and back.
   bool runOnLoop = false;
 };
 
@@ -76,6 +78,11 @@ class Registry {
   // and reported by rpc::init() (FailedPrecondition naming it).
   bool add(FunctionEntry entry);
   const FunctionEntry* find(std::string_view name) const;
+  // Static-init time only: `name` runs on the transport loop
+  // (FunctionEntry::runOnLoop), whether it was added before or is added
+  // after this call (the macros of different translation units run in no
+  // fixed order).
+  void markInline(std::string_view name);
   // Non-OK when registration went wrong (a duplicate name).
   Error status() const;
   size_t size() const;
@@ -309,6 +316,16 @@ bool registerRemote() {
   return Registry::global().add(std::move(e));
 }
 
+template <auto Fn>
+bool markInline() {
+  static_assert(RemoteName<Fn>::kRegistered,
+                "TRELLIS_REMOTE_INLINE names a function or method that is not "
+                "registered in this translation unit: put it after the "
+                "TRELLIS_REMOTE_FUNCTION / TRELLIS_REMOTE_METHODS line");
+  Registry::global().markInline(RemoteName<Fn>::value);
+  return true;
+}
+
 }  // namespace detail
 }  // namespace trellis::rpc
 
@@ -381,3 +398,22 @@ bool registerRemote() {
                       TRELLIS_RPC_FE_5, TRELLIS_RPC_FE_4, TRELLIS_RPC_FE_3,    \
                       TRELLIS_RPC_FE_2, TRELLIS_RPC_FE_1)                      \
   (Class, __VA_ARGS__) static_assert(true, "")
+
+// Runs a registered function or method on the callee's transport loop
+// thread instead of its worker pool (docs/rpc.md, "Inline functions"): one
+// thread hand-off fewer each way, for functions that never block (a table
+// lookup, a little tensor math). "Never block" means: no lock another
+// thread may hold for long, no I/O, no sleep, no wait on a future and no
+// synchronous RPC (an async function returning a Future is fine), and
+// microseconds to a millisecond of work. While it runs, no message of any
+// pipe of that worker moves. A run longer than TRELLIS_RPC_INLINE_WARN_US
+// (default 1000) is logged as a warning naming the function and counted in
+// Agent::Stats::slowInlineRuns. Use after the registration, in the same
+// file:
+//
+//   TRELLIS_REMOTE_METHODS(Table, lookup, push);
+//   TRELLIS_REMOTE_INLINE(Table::lookup);
+#define TRELLIS_REMOTE_INLINE(fn)                                             \
+  [[maybe_unused]] static const bool TRELLIS_RPC_CONCAT(trellisRemoteInline_, \
+                                                        __COUNTER__) =        \
+      ::trellis::rpc::detail::markInline<&fn>()

@@ -239,14 +239,17 @@ class RRefContext : public AgentExtension,
   }
 
   // Sends one protocol message; its reply (an ack) is only logged.
+  // `ackOnLoop`: the caller's callback on the ack is that cheap log, so
+  // the transport loop may run it (CallSpec::completeOnLoop).
   Future<Reply> send(int32_t to, std::string_view fn, const RRefId& a,
-                     const RRefId& b) {
+                     const RRefId& b, bool ackOnLoop = false) {
     Encoder e;
     encodeArgs(e, a.worker, a.local, b.worker, b.local);
     CallSpec spec;
     spec.function = fn;
     spec.signature = protocolSignature(fn);
     spec.recordAutograd = false;
+    spec.completeOnLoop = ackOnLoop;
     return agent_->call(to, spec, std::move(e));
   }
 
@@ -264,7 +267,7 @@ class RRefContext : public AgentExtension,
     if (agent_->isShutDown()) {
       return;
     }
-    auto f = send(owner, kDeleteFn, id, fork);
+    auto f = send(owner, kDeleteFn, id, fork, /*ackOnLoop=*/true);
     f.addDoneCallback([id, fork](const Future<Reply>& r) {
       if (r.hasError()) {
         TRELLIS_LOG_DEBUG("RRef {} fork {}: deletion not acknowledged: {}",
@@ -441,17 +444,25 @@ uint64_t fetchSignature() {
 
 bool registerProtocol() {
   auto add = [](std::string_view name, uint64_t sig,
-                Future<AnyValue> (*fn)(Decoder&, void*)) {
+                Future<AnyValue> (*fn)(Decoder&, void*), bool onLoop) {
     FunctionEntry e;
     e.name = std::string(name);
     e.signature = sig;
     e.invoke = fn;
+    e.runOnLoop = onLoop;
     Registry::global().add(std::move(e));
   };
-  add(kForkFn, RRefContext::protocolSignature(kForkFn), &handleFork);
-  add(kDeleteFn, RRefContext::protocolSignature(kDeleteFn), &handleDelete);
-  add(kAcceptFn, RRefContext::protocolSignature(kAcceptFn), &handleAccept);
-  add(kFetchFn, fetchSignature(), &handleFetch);
+  // Forks and fetches only touch the context's tables (a fetch chains on
+  // the owner value's future), so they are answered on the transport loop
+  // (docs/rref.md). Deletes and accepts stay on a worker thread: they may
+  // drop the last reference to an owner value, and a user object's
+  // destructor may block.
+  add(kForkFn, RRefContext::protocolSignature(kForkFn), &handleFork, true);
+  add(kDeleteFn, RRefContext::protocolSignature(kDeleteFn), &handleDelete,
+      false);
+  add(kAcceptFn, RRefContext::protocolSignature(kAcceptFn), &handleAccept,
+      false);
+  add(kFetchFn, fetchSignature(), &handleFetch, true);
   registerExtension<RRefContext>();
   return true;
 }
@@ -566,6 +577,9 @@ Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
   spec.function = kFetchFn;
   spec.signature = fetchSignature();
   spec.timeout = timeout;
+  // The callback below only hands the reply on to the promise, whose one
+  // waiter is toHere()'s thread: the loop may run it (CallSpec).
+  spec.completeOnLoop = true;
   // Keeps this fork alive until the value has arrived, and says what the
   // failed call was for.
   Promise<Reply> promise;

@@ -91,7 +91,8 @@ std::shared_ptr<RRefState> makeCreatorState(Agent& agent, int32_t owner,
 std::shared_ptr<RRefState> makeLocalOwnerState(Agent& agent, AnyValue value);
 // Owner value of `state` (owner only) as the erased pointer; throws.
 std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout);
-// Fetches the owner's value encoded; decode as T.
+// Fetches the owner's value encoded; decode as T. The future completes on
+// the transport loop: wait on it, never chain work on it.
 Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
                          std::optional<Duration> timeout);
 void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state);

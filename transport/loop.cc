@@ -36,6 +36,7 @@ std::shared_ptr<Loop> Loop::create(std::string id) {
   // Nobody else can reach the loop yet; the lock is for the analysis.
   MutexLock lock(loop->joinMu_);
   loop->thread_ = std::thread([loop]() mutable {
+    setThreadName("trellis-loop");
     loop->threadMain();
     loop.reset();
   });
@@ -183,8 +184,11 @@ void Loop::onSpin(uv_idle_t* h) {
   {
     MutexLock lock(self->mu_);
     work = !self->remote_.empty();
-    if (!work && uv_hrtime() >= self->hotUntilNs_) {
-      // Cold: sleep in epoll again; from now on defer() wakes us.
+    if (!work && (uv_hrtime() >= self->hotUntilNs_ ||
+                  self->expecting_.load(std::memory_order_relaxed) <= 0)) {
+      // Cold (the budget is spent, or the work expected came or was
+      // called off: a request answered inline, an RPC reply written):
+      // sleep in epoll again; from now on defer() wakes us.
       self->polling_ = false;
       uv_idle_stop(&self->spin_);
       return;

@@ -11,6 +11,7 @@
 // fail rather than silently fall back to basic.
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <algorithm>
 #include <atomic>
@@ -99,6 +100,7 @@ std::optional<std::tuple<int32_t, std::string>> maybePair(bool some) {
   return std::make_tuple(7, std::string("seven"));
 }
 at::Tensor addOneTensor(const at::Tensor& t) { return t.add(1); }
+at::Tensor echoTensor(const at::Tensor& t) { return t; }
 int64_t throwsOutOfRange(int64_t n) {
   throw std::out_of_range("index " + std::to_string(n) + " is out of range");
 }
@@ -120,6 +122,7 @@ TRELLIS_REMOTE_FUNCTION(doNothing);
 TRELLIS_REMOTE_FUNCTION(echoMap);
 TRELLIS_REMOTE_FUNCTION(maybePair);
 TRELLIS_REMOTE_FUNCTION(addOneTensor);
+TRELLIS_REMOTE_FUNCTION(echoTensor);
 TRELLIS_REMOTE_FUNCTION(throwsOutOfRange);
 TRELLIS_REMOTE_FUNCTION(throwsNotFound);
 TRELLIS_REMOTE_FUNCTION(whoAmI);
@@ -290,6 +293,37 @@ TEST_P(RpcContractTest, TensorsRoundTripSmallStridedAndLarge) {
   // Received into a pooled buffer aligned for 2 MiB huge pages (docs/rpc.md,
   // "Threads"), which is what lets the kernel back it with them.
   EXPECT_EQ(reinterpret_cast<uintptr_t>(rb.data_ptr()) % (size_t{2} << 20), 0u);
+}
+
+// Received tensors of pooled sizes (1 MiB and up, docs/rpc.md "Threads")
+// held alive together never share memory: 48 echoes in flight at once, of
+// three sizes that share size classes, each with its own fill, all kept
+// until every one is checked; then again, so that the second round reuses
+// the buffers the first gave back.
+TEST_P(RpcContractTest, ReceivedTensorsHeldAtOnceNeverShareABuffer) {
+  Group g(2, options());
+  rpc::CurrentAgentScope scope(&g[0]);
+  const std::vector<int64_t> sizes = {
+      int64_t{1} << 20, (int64_t{1} << 20) + 4096, int64_t{3} << 20};
+  for (int round = 0; round < 2; ++round) {
+    std::vector<at::Tensor> sent;
+    std::vector<Future<at::Tensor>> replies;
+    for (int i = 0; i < 48; ++i) {
+      sent.push_back(at::full({sizes[i % sizes.size()]}, (i * 7 + round) % 251,
+                              at::kByte));
+      replies.push_back(rpc::rpcAsync<echoTensor>("w1", sent.back()));
+    }
+    std::vector<at::Tensor> got;
+    for (auto& f : replies) {
+      got.push_back(f.wait(60s));
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(got[i].equal(sent[i])) << "round " << round << ", echo " << i;
+      for (size_t j = 0; j < i; ++j) {
+        EXPECT_NE(got[i].data_ptr(), got[j].data_ptr());
+      }
+    }
+  }
 }
 
 // w1 closes while w0's call to it runs: that call fails with a
