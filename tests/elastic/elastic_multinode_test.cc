@@ -364,7 +364,8 @@ TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
   store.set("trellis/rdzv/round", std::string_view("round 7\nphase ???\n"));
   EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
   EXPECT_NE(job.err(0).find("rendezvous record 'trellis/rdzv/round' is not "
-                            "valid: expected 'trellis-rdzv-round 1' on line 1"),
+                            "valid: line 1 is not 'trellis-rdzv-round 1': "
+                            "not a round record"),
             std::string::npos)
       << job.err(0);
 }
