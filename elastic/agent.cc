@@ -331,13 +331,20 @@ RunResult Agent::run() {
     return fail(kExitSignalBase + agentSignal,
                 "stopped by " + signalName(agentSignal) + " " + when);
   };
+  std::string storeNote;
+  const bool shareStore =
+      agentStoreForWorkers(options_, config_.env, &storeNote);
+  if (!storeNote.empty()) {
+    log(storeNote);
+  }
   std::unique_ptr<Rendezvous> rdzv =
       options_.rdzvBackend == RdzvBackend::kEtcd
           ? makeEtcdRendezvous(options_, result.runLogDir, token,
                                [this](const std::string& l) { log(l); })
       : usesC10d(options_)
-          ? makeC10dRendezvous(options_, result.runLogDir, token,
-                               [this](const std::string& l) { log(l); })
+          ? makeC10dRendezvous(
+                options_, result.runLogDir, token,
+                [this](const std::string& l) { log(l); }, shareStore)
           : makeLocalRendezvous(options_, result.runLogDir, token);
 
   for (;;) {

@@ -16,8 +16,10 @@
 // node. While RUNNING the agent polls it every --monitor-interval: a new
 // round (another node failed, died, or a node waits to join) stops the
 // workers and goes back to RENDEZVOUS; workers that all exit 0 wait at the
-// exit barrier. TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts the
-// workers' store).
+// exit barrier. TORCHELASTIC_USE_AGENT_STORE is True with c10d (the workers
+// use the rendezvous store, under a prefix of their own;
+// agentStoreForWorkers in worker_env.h says when not), else False (rank 0
+// hosts the workers' store).
 //
 // Workers: fork + execvp of ElasticOptions::workerArgv with the environment
 // of workerEnvironment(); each is the leader of its own process group, gets

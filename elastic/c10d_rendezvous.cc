@@ -12,8 +12,8 @@ using namespace detail;
 
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
-                                               auth::JobToken token,
-                                               LogFn log) {
+                                               auth::JobToken token, LogFn log,
+                                               bool shareWithWorkers) {
   checkToken("--rdzv-id", options.rdzvId);
   const RdzvConf& conf = options.rdzvConf;
   const auto joinTimeout = conf.joinTimeout.value_or(kDefaultJoinTimeout);
@@ -58,6 +58,15 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
     (void)hb->add(heartbeatKey(id), 1);
   };
   parts.liveness = LivenessMode::kCounter;
+  if (shareWithWorkers) {
+    // torchrun's agent store: the workers use this store too, under
+    // /worker/attempt_<N>/round_<R> (core/worker_env.h), far from
+    // trellis/rdzv/. It lives as long as the hosting agent, across every
+    // restart and round.
+    parts.workerStore = WorkerStoreEndpoint{
+        ep.host,
+        ep.port != 0 || !parts.server ? ep.port : parts.server->port()};
+  }
   return makeStoreRendezvous(options, std::move(runLogDir), std::move(token),
                              std::move(log), std::move(parts));
 }

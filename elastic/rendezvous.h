@@ -221,10 +221,13 @@ using LogFn = std::function<void(const std::string&)>;
 // is_host=true) or connects to it (bounded by join_timeout), starts the
 // heartbeat thread, and runs rounds as above. Throws ConnectionError naming
 // the endpoint when it cannot be reached, InvalidArgumentError for a bad
-// configuration (the message names the flag).
+// configuration (the message names the flag). `shareWithWorkers`: the
+// workers use this store too (TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR
+// and MASTER_PORT the endpoint; agentStoreForWorkers says when).
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
-                                               auth::JobToken token, LogFn log);
+                                               auth::JobToken token, LogFn log,
+                                               bool shareWithWorkers = false);
 
 // The etcd rendezvous (--rdzv-backend etcd): the same rounds in etcd under
 // /trellis/rdzv/<run id>/ (etcd_store.h), liveness by etcd leases. Waits

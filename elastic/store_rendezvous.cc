@@ -70,6 +70,7 @@ class StoreRendezvous final : public Rendezvous {
     const Endpoint& ep = options.rdzvEndpoint;
     endpointText_ = ep.toString();
     server_ = std::move(parts.server);
+    workerStore_ = std::move(parts.workerStore);
     store_ = std::move(parts.store);
     beat_ = std::move(parts.beat);
     awaitChange_ = std::move(parts.awaitChange);
@@ -152,7 +153,14 @@ class StoreRendezvous final : public Rendezvous {
       o.runId = params_.runId;
       o.runLogDir = runLogDir_;
       o.jobToken = token_;
-      if (g == 0) {
+      o.round = current_.round;
+      if (workerStore_) {
+        // The workers meet in the store the agents use (c10d): its
+        // endpoint, which every node reached; nothing to publish.
+        o.useAgentStore = true;
+        o.masterAddr = workerStore_->addr;
+        o.masterPort = workerStore_->port;
+      } else if (g == 0) {
         o.masterAddr = self_.addr;
         o.masterPort = pickFreePort(self_.addr);
         store_->set(masterKey,
@@ -202,13 +210,21 @@ class StoreRendezvous final : public Rendezvous {
                                      "' is not 'ADDR PORT'"));
         }
         o.masterAddr = m.substr(0, sp);
+        if (!isRecordToken(o.masterAddr)) {
+          throwError(Error::protocol("rendezvous key '" + masterKey +
+                                     "' holds no valid address"));
+        }
         o.masterPort = static_cast<uint16_t>(*port);
       }
       log_("round " + std::to_string(current_.round) + ": group rank " +
            std::to_string(g) + " of " + std::to_string(n) + " nodes, world " +
            std::to_string(o.worldSize) + ", restart " +
-           std::to_string(current_.restarts) + ", master " + o.masterAddr +
-           ":" + std::to_string(o.masterPort));
+           std::to_string(current_.restarts) + ", master " +
+           net::bracketIfIpv6(o.masterAddr) + ":" +
+           std::to_string(o.masterPort) +
+           (o.useAgentStore ? " (the rendezvous store, shared with the "
+                              "workers)"
+                            : ""));
       return o;
     }
   }
@@ -401,6 +417,7 @@ class StoreRendezvous final : public Rendezvous {
   std::chrono::seconds barrierTimeout_{};
   std::chrono::seconds keepAlive_{};
   std::unique_ptr<store::TCPStoreServer> server_;
+  std::optional<WorkerStoreEndpoint> workerStore_;
   std::unique_ptr<store::Store> store_;
   std::function<void(const std::string&, bool)> beat_;
   std::function<void(const std::string&, const std::string&)> awaitChange_;
