@@ -220,10 +220,14 @@ TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
   const std::string ep = loopback();
   auto flags = c10d(ep, "2", 2);
   flags.insert(flags.end(), {"--max-restarts", "1"});
+  // --store: the workers meet before rank 3 fails, so every node has
+  // started its group (with the agents' store, group rank 1 no longer waits
+  // for group rank 0 to publish a master, and could fail round 0 before
+  // node 0 has seen it close).
   for (int i = 0; i < 2; ++i) {
     job.start(i, flags,
-              {"--fail-rank", "3", "--fail-restart", "0", "--sleep-first-ms",
-               "3000"});
+              {"--store", "--fail-rank", "3", "--fail-restart", "0",
+               "--sleep-first-ms", "3000"});
   }
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
