@@ -229,6 +229,18 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                auth::JobToken token, LogFn log,
                                                bool shareWithWorkers = false);
 
+// The static rendezvous of several nodes (--rdzv-backend static, --nnodes
+// N > 1, --node-rank R): the rounds of c10d with MIN = MAX = N, the store
+// hosted by node rank 0 at the endpoint (--master-addr:--master-port unless
+// --rdzv-endpoint is given; the others connect, bounded by join_timeout or
+// else `timeout`), group rank = --node-rank (a rank taken twice is an
+// InvalidArgumentError). Workers: TORCHELASTIC_USE_AGENT_STORE=False, their
+// rank 0 serves their store on a port node rank 0 picks.
+std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
+                                                 std::string runLogDir,
+                                                 auth::JobToken token,
+                                                 LogFn log);
+
 // The etcd rendezvous (--rdzv-backend etcd): the same rounds in etcd under
 // /trellis/rdzv/<run id>/ (etcd_store.h), liveness by etcd leases. Waits
 // up to join_timeout for etcd to answer; throws ConnectionError naming the

@@ -47,6 +47,10 @@ struct RoundStore {
   // TORCHELASTIC_USE_AGENT_STORE=True instead of a port group rank 0
   // picks. Unset: group rank 0's rank 0 serves the workers' store.
   std::optional<WorkerStoreEndpoint> workerStore;
+  // static: this node's group rank is fixed (--node-rank), not its place in
+  // the join order; the node claims it in the store first, so two nodes
+  // with one --node-rank are refused by name.
+  std::optional<int32_t> fixedGroupRank;
 };
 
 std::unique_ptr<Rendezvous> makeStoreRendezvous(const ElasticOptions& options,

@@ -11,6 +11,7 @@
 // processes it started (by pid) and removes its namespaces even when it
 // fails.
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -450,6 +451,90 @@ TEST(ElasticMultiNode, TorchsOptOutMakesRankZeroServeTheWorkersStore) {
     EXPECT_EQ(st.at("seen"), "4");
   }
   EXPECT_NE(job.err(0).find("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"),
+            std::string::npos)
+      << job.allErr();
+}
+
+// ---- The static rendezvous of several nodes ---------------------------------
+
+std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc) {
+  return {"--rdzv-backend",     "static",
+          "--nnodes",           "2",
+          "--node-rank",        std::to_string(nodeRank),
+          "--master-addr",      "127.0.0.1",
+          "--master-port",      std::to_string(port),
+          "--nproc-per-node",   std::to_string(nproc),
+          "--rdzv-id",          "mnjob",
+          "--rdzv-conf",        kConf,
+          "--monitor-interval", "0.05",
+          "--max-restarts",     "1"};
+}
+
+// Two agents on this host, --node-rank 0 and 1, form one world of four
+// ranks: group ranks are the node ranks (whoever joins first), node rank 0
+// hosts the agents' store at --master-addr:--master-port, the workers'
+// rank 0 serves theirs on another port, and a worker crash on node 1
+// restarts both nodes.
+TEST(ElasticMultiNode, StaticTwoNodesFormOneWorldAndRestartTogether) {
+  Job job;
+  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  // Node rank 1 first: it waits for node rank 0's store.
+  for (int node : {1, 0}) {
+    job.start(node, staticNode(port, node, 2),
+              {"--store", "--fail-rank", "3", "--fail-restart", "0",
+               "--sleep-first-ms", "2000"});
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 40s)), 0) << job.allErr();
+  }
+  for (int restart = 0; restart < 2; ++restart) {
+    expectConsistentRanks(job, 2, 2, restart);
+    for (int rank = 0; rank < 4; ++rank) {
+      const auto e = job.env(rank, restart);
+      ASSERT_FALSE(e.empty()) << job.allErr();
+      // The worker ran under the agent of its node rank (its log folder).
+      EXPECT_NE(e.at("TORCHELASTIC_ERROR_FILE")
+                    .find("/logs" + std::to_string(rank / 2) + "/"),
+                std::string::npos)
+          << rank << ": " << e.at("TORCHELASTIC_ERROR_FILE");
+      EXPECT_EQ(e.at("TORCHELASTIC_USE_AGENT_STORE"), "False");
+      EXPECT_EQ(e.at("MASTER_ADDR"), "127.0.0.1");
+      EXPECT_NE(e.at("MASTER_PORT"), std::to_string(port));
+      const auto st = job.store(rank, restart);
+      ASSERT_FALSE(st.empty()) << rank << "/" << restart << job.allErr();
+      EXPECT_EQ(st.at("server"), rank == 0 ? "1" : "0");
+      EXPECT_EQ(st.at("seen"), "4");
+    }
+  }
+  EXPECT_NE(job.err(0).find("hosting the static rendezvous store on "
+                            "127.0.0.1:" +
+                            std::to_string(port)),
+            std::string::npos)
+      << job.allErr();
+  EXPECT_NE(job.allErr().find("a new rendezvous round opened; stopping the "
+                              "workers"),
+            std::string::npos)
+      << job.allErr();
+}
+
+// A second node with a --node-rank already taken is refused by name (exit
+// status 2); the job of the other two goes on.
+TEST(ElasticMultiNode, StaticNodeRankTakenTwiceIsRefused) {
+  Job job;
+  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  job.start(0, staticNode(port, 0, 1), {"--sleep-ms", "1500"});
+  job.start(1, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
+  job.start(2, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
+  std::vector<int> codes;
+  for (int i = 0; i < 3; ++i) {
+    codes.push_back(exitCode(job.wait(i, 40s)));
+  }
+  EXPECT_EQ(codes[0], 0) << job.allErr();
+  // One of the two node-rank-1 agents got there first.
+  EXPECT_EQ(std::min(codes[1], codes[2]), 0) << job.allErr();
+  EXPECT_EQ(std::max(codes[1], codes[2]), 2) << job.allErr();
+  EXPECT_NE(job.allErr().find("--node-rank 1 is already taken by another "
+                              "node of run 'mnjob'"),
             std::string::npos)
       << job.allErr();
 }

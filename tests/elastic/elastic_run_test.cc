@@ -327,11 +327,13 @@ TEST(ElasticRun, CommandLineErrorsExit2) {
         << run.agentErr();
   }
   {
+    // So do several static nodes.
     AgentRun run;
-    run.start({"--nnodes", "2", "--node-rank", "0"}, {});
+    run.start({"--nnodes", "2", "--node-rank", "0"}, {},
+              {"TRELLIS_JOB_TOKEN="});
     EXPECT_EQ(exitCode(run.wait(10s)), 2);
-    EXPECT_NE(run.agentErr().find("a static rendezvous of several nodes is "
-                                  "not implemented yet"),
+    EXPECT_NE(run.agentErr().find("--rdzv-backend static with --nnodes 2:2 "
+                                  "needs TRELLIS_JOB_TOKEN"),
               std::string::npos)
         << run.agentErr();
   }
