@@ -74,10 +74,6 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                              std::move(log), std::move(parts));
 }
 
-}  // namespace trellis::elastic
-
-namespace trellis::elastic {
-
 std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
                                                  std::string runLogDir,
                                                  auth::JobToken token,
