@@ -58,10 +58,7 @@ FUZZERS := wire:512 store_request:512 store_handshake:128 \
     shm_ring:512 \
     rpc_envelope:1024 rpc_codec:1024 rpc_protocol:1024 \
     collective_message:256 flight_records:4096 elastic_error_file:4096 \
-    worker_env:512
-# elastic_round_record runs as a replay in the dev and ASan suites only: its
-# decoder shares a file with the c10d rendezvous, which links the store,
-# whose server clang 14 (this fuzz build) cannot compile.
+    worker_env:512 elastic_round_record:4096
 
 test-fuzz: deps
 	cmake --preset fuzz

@@ -17,6 +17,7 @@
 #include <trellis/core/worker_env.h>
 #include <trellis/store/prefix_store.h>
 #include <trellis/store/tcp_store.h>
+#include <trellis/store/worker_store.h>
 
 namespace trellis::collectives {
 
@@ -361,23 +362,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::fromEnvironment(
   const auto initTimeout =
       std::chrono::duration_cast<std::chrono::milliseconds>(
           options.initTimeout.value_or(timeout));
-  std::shared_ptr<store::TCPStoreServer> server;
-  if (env.rank == 0) {
-    store::TCPStoreServerOptions so;
-    so.host = env.master.addr;
-    so.port = env.master.port;
-    so.jobToken = options.token;
-    server = std::make_shared<store::TCPStoreServer>(so);
-  }
-  store::TCPStoreOptions co;
-  co.host = env.master.addr;
-  co.port = env.master.port;
-  co.jobToken = options.token;
-  co.timeout = timeout;
-  co.connectTimeout = initTimeout;
-  auto client = std::make_shared<store::TCPStore>(co);
+  // Rank 0 serves the store, or the launcher does
+  // (TORCHELASTIC_USE_AGENT_STORE=True: store/worker_store.h).
+  store::WorkerStoreOptions so;
+  so.jobToken = options.token;
+  so.timeout = timeout;
+  so.connectTimeout = initTimeout;
+  store::WorkerStore ws = store::connectWorkerStore(env.master, env.rank, so);
   // The group's store keeps the server (rank 0) alive as long as it lives.
-  std::shared_ptr<store::Store> s(client.get(), [client, server](auto*) {});
+  std::shared_ptr<store::Store> s(
+      ws.store.get(), [client = ws.store, server = ws.server](auto*) {});
   return create(backend, std::move(s), env.rank, env.worldSize,
                 std::move(options));
 }

@@ -106,7 +106,9 @@ class ProcessGroup {
       int worldSize, ProcessGroupOptions options = {});
 
   // The torchrun way: RANK and WORLD_SIZE from the environment, the store
-  // at MASTER_ADDR:MASTER_PORT (rank 0 hosts it), TRELLIS_JOB_TOKEN.
+  // at MASTER_ADDR:MASTER_PORT (rank 0 hosts it, or the launcher when
+  // TORCHELASTIC_USE_AGENT_STORE=True: store/worker_store.h),
+  // TRELLIS_JOB_TOKEN.
   static std::shared_ptr<ProcessGroup> fromEnvironment(
       const std::string& backend = "cpu", ProcessGroupOptions options = {});
 

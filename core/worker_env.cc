@@ -165,6 +165,31 @@ MasterEndpoint masterFromVariables(const WorkerEnv::Lookup& lookup) {
     m.port = static_cast<uint16_t>(
         parseInt("MASTER_PORT", *port, 1, 65535, "a port is 1-65535"));
   }
+  if (auto use = read(lookup, "TORCHELASTIC_USE_AGENT_STORE")) {
+    if (*use != "True" && *use != "False") {
+      bad("TORCHELASTIC_USE_AGENT_STORE", *use,
+          "is neither 'True' nor 'False' (Python's spelling, as torchrun and "
+          "elastic-run write it)");
+    }
+    m.agentStore = *use == "True";
+  }
+  if (m.agentStore) {
+    const auto count = read(lookup, "TORCHELASTIC_RESTART_COUNT");
+    if (!count) {
+      throw InvalidArgumentError(Error::invalidArgument(
+          "TORCHELASTIC_USE_AGENT_STORE=True but TORCHELASTIC_RESTART_COUNT "
+          "is not set: the workers' keys in the launcher's store go under "
+          "/worker/attempt_<count>"));
+    }
+    m.keyPrefix = "/worker/attempt_" +
+                  std::to_string(parseInt("TORCHELASTIC_RESTART_COUNT", *count,
+                                          0, 1 << 30, "0-2^30"));
+    if (auto round = read(lookup, "TRELLIS_RDZV_ROUND")) {
+      m.keyPrefix +=
+          "/round_" + std::to_string(parseInt("TRELLIS_RDZV_ROUND", *round, 0,
+                                              int64_t{1} << 62, "0-2^62"));
+    }
+  }
   // Under srun nothing sets them: the first host of the step (or job) and
   // a port every task of the job derives alike.
   if (m.addr.empty()) {

@@ -5,7 +5,10 @@
 //
 //   RANK, WORLD_SIZE               this worker's rank in the job, job size
 //   LOCAL_RANK, LOCAL_WORLD_SIZE   the same among the workers of this host
-//   MASTER_ADDR, MASTER_PORT       where rank 0 serves the rendezvous store
+//   MASTER_ADDR, MASTER_PORT       where the rendezvous store is served:
+//                                  by rank 0, or by the launcher when
+//   TORCHELASTIC_USE_AGENT_STORE   is "True" (then every rank is a client
+//                                  and keys go under a prefix, below)
 //   TRELLIS_JOB_TOKEN              the job's shared secret (Trellis only)
 //
 // Every layer and example reads them here, once, so a value is checked the
@@ -41,6 +44,16 @@
 // <= 65535. A variable set to the empty string counts as unset. Anything
 // else throws InvalidArgumentError naming the variable and its value (the
 // token's value is never shown).
+//
+// The launcher's store (torchrun's TORCHELASTIC_USE_AGENT_STORE, Python's
+// spelling "True"/"False"; unset or empty is False, anything else an
+// error): with "True" the store at MASTER_ADDR:MASTER_PORT is the agent's,
+// it outlives the workers, so no rank serves one and every worker keeps
+// its keys under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>" (torch's
+// prefix; the count is then required, 0..2^30), and under
+// "/round_<TRELLIS_RDZV_ROUND>" below it when elastic-run sets that (a
+// scale-up round does not count as a restart, and must not meet the
+// previous group's keys). store/worker_store.h connects accordingly.
 
 #include <cstdint>
 #include <functional>
@@ -56,6 +69,10 @@ namespace trellis {
 struct MasterEndpoint {
   std::string addr;   // empty: MASTER_ADDR unset
   uint16_t port = 0;  // 0: MASTER_PORT unset
+  // TORCHELASTIC_USE_AGENT_STORE=True: the launcher serves the store; no
+  // rank does, and every key goes under keyPrefix (never empty then).
+  bool agentStore = false;
+  std::string keyPrefix;
   bool complete() const { return !addr.empty() && port != 0; }
 };
 

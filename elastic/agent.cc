@@ -214,19 +214,17 @@ void checkSupported(const ElasticOptions& options) {
     throw InvalidArgumentError(Error::invalidArgument(
         "--rdzv-backend etcd-v2: etcd v2 API is not supported; use etcd (v3)"));
   }
-  if (options.rdzvBackend == RdzvBackend::kStatic &&
-      (options.maxNodes > 1 || options.minNodes > 1)) {
-    throw InvalidArgumentError(Error::invalidArgument(
-        "--nnodes " + std::to_string(options.minNodes) + ":" +
-        std::to_string(options.maxNodes) +
-        " with --rdzv-backend static: a static rendezvous of several nodes "
-        "is not implemented yet; use --rdzv-backend c10d"));
-  }
+}
+
+bool staticSeveral(const ElasticOptions& options) {
+  return options.rdzvBackend == RdzvBackend::kStatic && !options.standalone &&
+         options.maxNodes > 1;
 }
 
 void checkJobToken(const ElasticOptions& options, const Environment& env) {
-  const bool several =
-      usesC10d(options) || options.rdzvBackend == RdzvBackend::kEtcd;
+  const bool several = usesC10d(options) ||
+                       options.rdzvBackend == RdzvBackend::kEtcd ||
+                       staticSeveral(options);
   if (!several || options.maxNodes <= 1) {
     return;
   }
@@ -331,13 +329,23 @@ RunResult Agent::run() {
     return fail(kExitSignalBase + agentSignal,
                 "stopped by " + signalName(agentSignal) + " " + when);
   };
+  std::string storeNote;
+  const bool shareStore =
+      agentStoreForWorkers(options_, config_.env, &storeNote);
+  if (!storeNote.empty()) {
+    log(storeNote);
+  }
   std::unique_ptr<Rendezvous> rdzv =
       options_.rdzvBackend == RdzvBackend::kEtcd
           ? makeEtcdRendezvous(options_, result.runLogDir, token,
                                [this](const std::string& l) { log(l); })
       : usesC10d(options_)
-          ? makeC10dRendezvous(options_, result.runLogDir, token,
-                               [this](const std::string& l) { log(l); })
+          ? makeC10dRendezvous(
+                options_, result.runLogDir, token,
+                [this](const std::string& l) { log(l); }, shareStore)
+      : staticSeveral(options_)
+          ? makeStaticRendezvous(options_, result.runLogDir, token,
+                                 [this](const std::string& l) { log(l); })
           : makeLocalRendezvous(options_, result.runLogDir, token);
 
   for (;;) {

@@ -11,13 +11,16 @@
 //
 // RENDEZVOUS is a Rendezvous (rendezvous.h): on one node it picks the
 // workers' MASTER_PORT (a free port for --standalone, --master-port for a
-// static node) and counts restarts itself; with --rdzv-backend c10d it is a
+// static node) and counts restarts itself; with --rdzv-backend c10d (and
+// etcd, and static with several nodes) it is a
 // round over the store, and the round record decides restarts for every
 // node. While RUNNING the agent polls it every --monitor-interval: a new
 // round (another node failed, died, or a node waits to join) stops the
 // workers and goes back to RENDEZVOUS; workers that all exit 0 wait at the
-// exit barrier. TORCHELASTIC_USE_AGENT_STORE is False (rank 0 hosts the
-// workers' store).
+// exit barrier. TORCHELASTIC_USE_AGENT_STORE is True with c10d (the workers
+// use the rendezvous store, under a prefix of their own;
+// agentStoreForWorkers in worker_env.h says when not), else False (rank 0
+// hosts the workers' store).
 //
 // Workers: fork + execvp of ElasticOptions::workerArgv with the environment
 // of workerEnvironment(); each is the leader of its own process group, gets
@@ -124,14 +127,17 @@ struct RunResult {
 };
 
 // Throws InvalidArgumentError (naming the flags) for what elastic-run
-// cannot do: etcd-v2 (etcd's v2 API; use etcd, its v3 API), a static
-// rendezvous of several nodes.
+// cannot do: etcd-v2 (etcd's v2 API; use etcd, its v3 API).
 void checkSupported(const ElasticOptions& options);
 
 // Whether the agent runs the c10d rendezvous (not --standalone's one node).
 bool usesC10d(const ElasticOptions& options);
+// Whether it runs the static rendezvous of several nodes (rendezvous.h,
+// makeStaticRendezvous).
+bool staticSeveral(const ElasticOptions& options);
 
-// Several c10d or etcd nodes must share one job token: InvalidArgumentError
+// Several c10d, etcd or static nodes must share one job token:
+// InvalidArgumentError
 // when `env` has no TRELLIS_JOB_TOKEN for such a run (docs/elastic.md,
 // "Authentication").
 void checkJobToken(const ElasticOptions& options, const Environment& env);

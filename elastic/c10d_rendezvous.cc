@@ -1,6 +1,9 @@
 // The c10d rendezvous (docs/elastic.md, "Several nodes: the c10d
 // rendezvous"): one agent hosts a Trellis TCPStore at the endpoint, every
 // agent connects to it, and the rounds run as store_rendezvous.h says.
+// The static rendezvous of several nodes is the same with a fixed world:
+// node rank 0 hosts the store at --master-addr:--master-port and every
+// node's group rank is its --node-rank.
 #include <trellis/core/deadline.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/store_rendezvous.h>
@@ -12,8 +15,8 @@ using namespace detail;
 
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
-                                               auth::JobToken token,
-                                               LogFn log) {
+                                               auth::JobToken token, LogFn log,
+                                               bool shareWithWorkers) {
   checkToken("--rdzv-id", options.rdzvId);
   const RdzvConf& conf = options.rdzvConf;
   const auto joinTimeout = conf.joinTimeout.value_or(kDefaultJoinTimeout);
@@ -58,7 +61,76 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
     (void)hb->add(heartbeatKey(id), 1);
   };
   parts.liveness = LivenessMode::kCounter;
+  if (shareWithWorkers) {
+    // torchrun's agent store: the workers use this store too, under
+    // /worker/attempt_<N>/round_<R> (core/worker_env.h), far from
+    // trellis/rdzv/. It lives as long as the hosting agent, across every
+    // restart and round.
+    parts.workerStore = WorkerStoreEndpoint{
+        ep.host,
+        ep.port != 0 || !parts.server ? ep.port : parts.server->port()};
+  }
   return makeStoreRendezvous(options, std::move(runLogDir), std::move(token),
+                             std::move(log), std::move(parts));
+}
+
+std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
+                                                 std::string runLogDir,
+                                                 auth::JobToken token,
+                                                 LogFn log) {
+  checkToken("--rdzv-id", options.rdzvId);
+  if (options.minNodes != options.maxNodes) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        "a static rendezvous has a fixed number of nodes (--nnodes N)"));
+  }
+  // torchrun's static rendezvous is bounded by `timeout`; join_timeout
+  // means the same here, and wins when both are given.
+  ElasticOptions o = options;
+  if (!o.rdzvConf.joinTimeout && o.rdzvConf.timeout) {
+    o.rdzvConf.joinTimeout = o.rdzvConf.timeout;
+  }
+  const RdzvConf& conf = o.rdzvConf;
+  const auto joinTimeout = conf.joinTimeout.value_or(kDefaultJoinTimeout);
+  const auto readTimeout = conf.readTimeout.value_or(kDefaultReadTimeout);
+  const Endpoint& ep = o.rdzvEndpoint;
+  const std::string endpointText = ep.toString();
+  RoundStore parts;
+  if (o.nodeRank == 0) {
+    store::TCPStoreServerOptions so;
+    so.host = ep.host;
+    so.port = ep.port;
+    so.jobToken = token;
+    try {
+      parts.server = std::make_unique<store::TCPStoreServer>(so);
+    } catch (const Exception& e) {
+      throw ConnectionError(Error::connection(
+          "--node-rank 0 hosts the static rendezvous store at " + endpointText +
+          " (--master-addr, --master-port) but cannot bind it: " +
+          e.error().message()));
+    }
+    log("hosting the static rendezvous store on " + endpointText);
+  }
+  store::TCPStoreOptions co;
+  co.host = ep.host;
+  co.port = ep.port;
+  co.timeout = readTimeout;
+  co.connectTimeout = joinTimeout;
+  co.jobToken = token;
+  try {
+    parts.store = std::make_unique<store::TCPStore>(co);
+  } catch (const ConnectionError& e) {
+    throw ConnectionError(Error::connection(
+        "cannot reach the static rendezvous store of node rank 0 at " +
+        endpointText + " (--master-addr, --master-port) within " +
+        formatDuration(joinTimeout) + ": " + e.error().message()));
+  }
+  std::shared_ptr<store::Store> hb = parts.store->clone(readTimeout);
+  parts.beat = [hb](const std::string& id, bool) {
+    (void)hb->add(heartbeatKey(id), 1);
+  };
+  parts.liveness = LivenessMode::kCounter;
+  parts.fixedGroupRank = o.nodeRank;
+  return makeStoreRendezvous(o, std::move(runLogDir), std::move(token),
                              std::move(log), std::move(parts));
 }
 

@@ -38,6 +38,8 @@
 // A dead node in an open round is struck from it; a dead node in a closed
 // round ends that round: a new one opens, counted as a restart.
 //
+// The record and its codec are in round_record.h.
+//
 // Thread safety: RoundRecord and its codec are values; RoundJoin,
 // Liveness and the Rendezvous objects belong to the agent's thread.
 
@@ -53,6 +55,7 @@
 
 #include <trellis/core/error.h>
 #include <trellis/elastic/options.h>
+#include <trellis/elastic/round_record.h>
 #include <trellis/elastic/worker_env.h>
 
 namespace trellis::store {
@@ -62,61 +65,6 @@ class Store;
 namespace trellis::elastic {
 
 using RdzvClock = std::chrono::steady_clock;
-
-// ---- The round record ------------------------------------------------------
-
-// The store keys, all under kKeyPrefix.
-inline constexpr const char* kKeyPrefix = "trellis/rdzv/";
-inline constexpr const char* kRoundKey = "trellis/rdzv/round";
-// Limits the decoder enforces (a record is read from the network).
-inline constexpr size_t kMaxRecordNodes = 4096;
-inline constexpr size_t kMaxRecordField = 512;
-
-enum class RoundPhase : uint8_t {
-  kJoining,  // open: nodes join until MAX, or MIN and the last call
-  kClosed,   // the group is fixed; latecomers go to the waiting list
-  kFailed,   // the restart budget is spent: every node gives up
-};
-const char* roundPhaseName(RoundPhase phase);
-
-struct RoundNode {
-  std::string id;    // unique per agent process (host:pid:random)
-  std::string addr;  // where this node's workers can be reached
-  friend bool operator==(const RoundNode&, const RoundNode&) = default;
-};
-
-struct RoundRecord {
-  std::string runId;  // --rdzv-id of the node that created the record
-  int32_t nproc = 0;  // --nproc-per-node every node must have
-  int64_t round = 0;
-  RoundPhase phase = RoundPhase::kJoining;
-  // Failure restarts so far: TORCHELASTIC_RESTART_COUNT of this round.
-  int32_t restarts = 0;
-  std::vector<RoundNode> participants;  // join order = group rank
-  std::vector<std::string> waiting;     // node ids that came after close
-  std::string note;  // why the round opened or the job failed (one line)
-  friend bool operator==(const RoundRecord&, const RoundRecord&) = default;
-};
-
-// Text, one field per line:
-//   trellis-rdzv-round 1
-//   run <id>
-//   nproc <n>
-//   round <n>
-//   phase joining|closed|failed
-//   restarts <n>
-//   node <id> <addr>        (one per participant, in order)
-//   waiting <id>            (one per waiting node)
-//   note <text to the end of the line>
-// Ids, addresses and the run id are 1..kMaxRecordField printable ASCII
-// characters without spaces; encode() throws InvalidArgumentError for one
-// that is not (the agent checks its own first); control characters in the
-// note become '?'.
-std::string encodeRoundRecord(const RoundRecord& record);
-// An error naming kRoundKey and what was wrong; never throws.
-Error decodeRoundRecord(std::string_view text, RoundRecord* out);
-// Whether `s` can be an id, an address or a run id in a record.
-bool isRecordToken(std::string_view s);
 
 // ---- Liveness ---------------------------------------------------------------
 
@@ -273,10 +221,25 @@ using LogFn = std::function<void(const std::string&)>;
 // is_host=true) or connects to it (bounded by join_timeout), starts the
 // heartbeat thread, and runs rounds as above. Throws ConnectionError naming
 // the endpoint when it cannot be reached, InvalidArgumentError for a bad
-// configuration (the message names the flag).
+// configuration (the message names the flag). `shareWithWorkers`: the
+// workers use this store too (TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR
+// and MASTER_PORT the endpoint; agentStoreForWorkers says when).
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
-                                               auth::JobToken token, LogFn log);
+                                               auth::JobToken token, LogFn log,
+                                               bool shareWithWorkers = false);
+
+// The static rendezvous of several nodes (--rdzv-backend static, --nnodes
+// N > 1, --node-rank R): the rounds of c10d with MIN = MAX = N, the store
+// hosted by node rank 0 at the endpoint (--master-addr:--master-port unless
+// --rdzv-endpoint is given; the others connect, bounded by join_timeout or
+// else `timeout`), group rank = --node-rank (a rank taken twice is an
+// InvalidArgumentError). Workers: TORCHELASTIC_USE_AGENT_STORE=False, their
+// rank 0 serves their store on a port node rank 0 picks.
+std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
+                                                 std::string runLogDir,
+                                                 auth::JobToken token,
+                                                 LogFn log);
 
 // The etcd rendezvous (--rdzv-backend etcd): the same rounds in etcd under
 // /trellis/rdzv/<run id>/ (etcd_store.h), liveness by etcd leases. Waits
@@ -290,11 +253,6 @@ namespace detail {
 // Shared by rendezvous.cc and the backends over a store.
 // "trellis/rdzv/r<round>/<leaf>".
 std::string roundKey(int64_t round, std::string_view leaf);
-// A ProtocolError naming the round record and `why`.
-Error garbage(const std::string& why);
-// Throws InvalidArgumentError naming `what` unless `s` can be a record
-// field.
-void checkToken(std::string_view what, std::string_view s);
 // "1 node", "3 nodes".
 std::string plural(size_t n, const char* what);
 }  // namespace detail

@@ -3,6 +3,7 @@
 // joins rounds through RoundJoin (rendezvous.h), heartbeats on a thread of
 // its own, and watches the round while its workers run. The backends
 // (c10d_rendezvous.cc, etcd_rendezvous.cc) bring the store.
+#include <algorithm>
 #include <span>
 #include <thread>
 #include <unistd.h>
@@ -38,6 +39,13 @@ std::string hostName() {
   return s.substr(0, 200);
 }
 
+bool isPrintableLine(const std::string& s) {
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return static_cast<unsigned char>(c) >= 0x20 &&
+           static_cast<unsigned char>(c) < 0x7f;
+  });
+}
+
 template <class Rep, class Period>
 std::string secs(std::chrono::duration<Rep, Period> d) {
   return formatDuration(std::chrono::duration_cast<Duration>(d));
@@ -71,6 +79,7 @@ class StoreRendezvous final : public Rendezvous {
     const Endpoint& ep = options.rdzvEndpoint;
     endpointText_ = ep.toString();
     server_ = std::move(parts.server);
+    workerStore_ = std::move(parts.workerStore);
     store_ = std::move(parts.store);
     beat_ = std::move(parts.beat);
     awaitChange_ = std::move(parts.awaitChange);
@@ -84,6 +93,10 @@ class StoreRendezvous final : public Rendezvous {
     const auto nonce = auth::randomNonce();
     self_.id = hostName() + ":" + std::to_string(::getpid()) + ":" +
                toHex(std::span(nonce.data(), 4));
+    fixedGroupRank_ = parts.fixedGroupRank;
+    if (fixedGroupRank_) {
+      claimNodeRank(*fixedGroupRank_);
+    }
     // The first heartbeat before anyone can see us; then a thread.
     beat_(self_.id, true);
     heartbeat_ = std::thread([this] {
@@ -144,7 +157,9 @@ class StoreRendezvous final : public Rendezvous {
         pause(kRoundKey, join.recordText());
       }
       current_ = join.record();
-      const int32_t g = join.groupRank();
+      // static: the node's --node-rank, claimed at start (every rank
+      // 0..N-1 is claimed once by the N nodes of the closed round).
+      const int32_t g = fixedGroupRank_ ? *fixedGroupRank_ : join.groupRank();
       const auto n = static_cast<int32_t>(current_.participants.size());
       const std::string masterKey = roundKey(current_.round, "master");
       RendezvousOutcome o;
@@ -156,7 +171,14 @@ class StoreRendezvous final : public Rendezvous {
       o.runId = params_.runId;
       o.runLogDir = runLogDir_;
       o.jobToken = token_;
-      if (g == 0) {
+      o.round = current_.round;
+      if (workerStore_) {
+        // The workers meet in the store the agents use (c10d): its
+        // endpoint, which every node reached; nothing to publish.
+        o.useAgentStore = true;
+        o.masterAddr = workerStore_->addr;
+        o.masterPort = workerStore_->port;
+      } else if (g == 0) {
         o.masterAddr = self_.addr;
         o.masterPort = pickFreePort(self_.addr);
         store_->set(masterKey,
@@ -177,7 +199,10 @@ class StoreRendezvous final : public Rendezvous {
             break;
           }
           observe(r);
-          if (liveness_.dead(current_.participants[0].id, RdzvClock::now())) {
+          // (static: group rank 0 is not participants[0]; the read timeout
+          // bounds the wait, and poll() sees the dead node later.)
+          if (!fixedGroupRank_ &&
+              liveness_.dead(current_.participants[0].id, RdzvClock::now())) {
             (void)propose(text,
                           nextRound(r, params_, true,
                                     "node " + current_.participants[0].id +
@@ -206,13 +231,21 @@ class StoreRendezvous final : public Rendezvous {
                                      "' is not 'ADDR PORT'"));
         }
         o.masterAddr = m.substr(0, sp);
+        if (!isRecordToken(o.masterAddr)) {
+          throwError(Error::protocol("rendezvous key '" + masterKey +
+                                     "' holds no valid address"));
+        }
         o.masterPort = static_cast<uint16_t>(*port);
       }
       log_("round " + std::to_string(current_.round) + ": group rank " +
            std::to_string(g) + " of " + std::to_string(n) + " nodes, world " +
            std::to_string(o.worldSize) + ", restart " +
-           std::to_string(current_.restarts) + ", master " + o.masterAddr +
-           ":" + std::to_string(o.masterPort));
+           std::to_string(current_.restarts) + ", master " +
+           net::bracketIfIpv6(o.masterAddr) + ":" +
+           std::to_string(o.masterPort) +
+           (o.useAgentStore ? " (the rendezvous store, shared with the "
+                              "workers)"
+                            : ""));
       return o;
     }
   }
@@ -405,6 +438,26 @@ class StoreRendezvous final : public Rendezvous {
   std::chrono::seconds barrierTimeout_{};
   std::chrono::seconds keepAlive_{};
   std::unique_ptr<store::TCPStoreServer> server_;
+  std::optional<WorkerStoreEndpoint> workerStore_;
+  std::optional<int32_t> fixedGroupRank_;
+
+  // static: "trellis/rdzv/static/node<R>" holds the id of the node that
+  // runs with --node-rank R; a second one is refused naming the first.
+  void claimNodeRank(int32_t rank) {
+    const std::string key =
+        std::string(kKeyPrefix) + "static/node" + std::to_string(rank);
+    const std::string mine = self_.id + " " + self_.addr;
+    const std::string now = store_->compareSet(key, "", mine);
+    if (now != mine) {
+      const std::string other =
+          now.substr(0, std::min<size_t>(now.size(), 200));
+      throw InvalidArgumentError(Error::invalidArgument(
+          "--node-rank " + std::to_string(rank) +
+          " is already taken by another node of run '" + params_.runId + "' (" +
+          (isPrintableLine(other) ? other : "?") +
+          "): every node of a static rendezvous needs its own --node-rank"));
+    }
+  }
   std::unique_ptr<store::Store> store_;
   std::function<void(const std::string&, bool)> beat_;
   std::function<void(const std::string&, const std::string&)> awaitChange_;

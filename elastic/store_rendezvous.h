@@ -8,12 +8,19 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/store/tcp_store.h>
 
 namespace trellis::elastic {
+
+// Where the workers reach the store that the agents use.
+struct WorkerStoreEndpoint {
+  std::string addr;
+  uint16_t port = 0;
+};
 
 struct RoundStore {
   // Where the round record lives; every node's own handle.
@@ -35,6 +42,15 @@ struct RoundStore {
   // c10d: the store this node hosts; kept until the nodes of the last
   // round have passed the exit barrier.
   std::unique_ptr<store::TCPStoreServer> server;
+  // c10d, unless the workers cannot use it (agentStoreForWorkers): the
+  // workers get this as MASTER_ADDR:MASTER_PORT with
+  // TORCHELASTIC_USE_AGENT_STORE=True instead of a port group rank 0
+  // picks. Unset: group rank 0's rank 0 serves the workers' store.
+  std::optional<WorkerStoreEndpoint> workerStore;
+  // static: this node's group rank is fixed (--node-rank), not its place in
+  // the join order; the node claims it in the store first, so two nodes
+  // with one --node-rank are refused by name.
+  std::optional<int32_t> fixedGroupRank;
 };
 
 std::unique_ptr<Rendezvous> makeStoreRendezvous(const ElasticOptions& options,

@@ -100,6 +100,13 @@ Environment workerEnvironment(const ElasticOptions& options,
   // Python's str(bool), which is what torchrun writes.
   env["TORCHELASTIC_USE_AGENT_STORE"] =
       outcome.useAgentStore ? "True" : "False";
+  // The workers' key prefix in the agents' store takes the round too: a
+  // scale-up round keeps TORCHELASTIC_RESTART_COUNT (core/worker_env.h).
+  if (outcome.useAgentStore && outcome.round >= 0) {
+    env["TRELLIS_RDZV_ROUND"] = std::to_string(outcome.round);
+  } else {
+    env.erase("TRELLIS_RDZV_ROUND");
+  }
   env["TORCHELASTIC_ERROR_FILE"] = outcome.runLogDir + "/attempt_" +
                                    std::to_string(outcome.restartCount) + "/" +
                                    std::to_string(localRank) + "/error.json";
@@ -111,6 +118,36 @@ Environment workerEnvironment(const ElasticOptions& options,
   }
   env[auth::kTokenEnvVar] = outcome.jobToken->secret();
   return env;
+}
+
+bool agentStoreForWorkers(const ElasticOptions& options,
+                          const Environment& agentEnv, std::string* note) {
+  if (options.rdzvBackend != RdzvBackend::kC10d || options.standalone) {
+    return false;
+  }
+  auto say = [&](std::string why) {
+    if (note != nullptr) {
+      *note = std::move(why);
+    }
+    return false;
+  };
+  if (const auto it = agentEnv.find("TORCH_DISABLE_SHARE_RDZV_TCP_STORE");
+      it != agentEnv.end() && it->second == "1") {
+    return say(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers' rank 0 serves "
+        "their store (TORCHELASTIC_USE_AGENT_STORE=False)");
+  }
+  auto pythonish = [](const std::string& arg) {
+    const std::string base = arg.substr(arg.rfind('/') + 1);
+    return base.rfind("python", 0) == 0 ||
+           (base.size() > 3 && base.compare(base.size() - 3, 3, ".py") == 0);
+  };
+  if (!options.workerArgv.empty() && pythonish(options.workerArgv.front())) {
+    return say("the workers run Python ('" + options.workerArgv.front() +
+               "'), whose TCPStore cannot talk to elastic-run's store: their "
+               "rank 0 serves one (TORCHELASTIC_USE_AGENT_STORE=False)");
+  }
+  return true;
 }
 
 }  // namespace trellis::elastic

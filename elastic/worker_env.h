@@ -31,6 +31,9 @@ struct RendezvousOutcome {
   // Whether the workers use the store the agents host (torchrun's
   // TORCHELASTIC_USE_AGENT_STORE) instead of rank 0 hosting one.
   bool useAgentStore = false;
+  // The rendezvous round (c10d, etcd), -1 for none; with useAgentStore it
+  // becomes TRELLIS_RDZV_ROUND, part of the workers' key prefix.
+  int64_t round = -1;
   // This run's log folder; a worker's error file is
   // <runLogDir>/attempt_<restartCount>/<localRank>/error.json, as torchrun.
   std::string runLogDir;
@@ -50,6 +53,7 @@ auth::JobToken jobTokenForRun(const Environment& agentEnv);
 //   ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT
 //   TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCHELASTIC_RUN_ID
 //   TORCHELASTIC_USE_AGENT_STORE ("True"/"False") TORCHELASTIC_ERROR_FILE
+//   TRELLIS_RDZV_ROUND (the round; only with TORCHELASTIC_USE_AGENT_STORE=True)
 //   TORCH_NCCL_ASYNC_ERROR_HANDLING (the agent's, else "1")
 //   OMP_NUM_THREADS ("1" when more than one worker per node and the agent
 //                    has none; otherwise the agent's, if any)
@@ -61,6 +65,18 @@ auth::JobToken jobTokenForRun(const Environment& agentEnv);
 Environment workerEnvironment(const ElasticOptions& options,
                               const RendezvousOutcome& outcome,
                               int32_t localRank, const Environment& agentEnv);
+
+// Whether the workers use the store the agents already host
+// (TORCHELASTIC_USE_AGENT_STORE=True), as torchrun's c10d backend does:
+// only with --rdzv-backend c10d (not --standalone, static or etcd, whose
+// agents host no store), unless the agent's TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+// is "1" (torchrun's opt-out) or the workers run Python (CMD is run by an
+// interpreter whose name starts with "python", or ends in ".py"): PyTorch's
+// TCPStore client cannot talk to a Trellis store, so there rank 0 serves
+// one. `note`, when given, gets why not where that is worth a line.
+bool agentStoreForWorkers(const ElasticOptions& options,
+                          const Environment& agentEnv,
+                          std::string* note = nullptr);
 
 // The note to print once per run when workerEnvironment() sets
 // OMP_NUM_THREADS=1 on its own; nullopt when it does not.

@@ -58,6 +58,7 @@
 #include <trellis/rpc.h>
 #include <trellis/store/prefix_store.h>
 #include <trellis/store/tcp_store.h>
+#include <trellis/store/worker_store.h>
 
 namespace rpc = trellis::rpc;
 namespace da = trellis::dist_autograd;
@@ -757,23 +758,17 @@ int main(int argc, char** argv) {
 
   int rc = 0;
   try {
-    // One TCPStore for the job (rank 0 serves it), shared by RPC and the
-    // trainers' process group under their own prefixes.
-    std::shared_ptr<trellis::store::TCPStoreServer> server;
-    if (rank == 0) {
-      trellis::store::TCPStoreServerOptions so;
-      so.host = env.master.addr;
-      so.port = env.master.port;
-      so.jobToken = env.jobToken;
-      server = std::make_shared<trellis::store::TCPStoreServer>(so);
-    }
-    trellis::store::TCPStoreOptions co;
-    co.host = env.master.addr;
-    co.port = env.master.port;
-    co.jobToken = env.jobToken;
-    co.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
-    co.connectTimeout = co.timeout;
-    auto store = std::make_shared<trellis::store::TCPStore>(co);
+    // One store for the job, shared by RPC and the trainers' process group
+    // under their own prefixes: rank 0 serves it, or elastic-run's agents
+    // do (TORCHELASTIC_USE_AGENT_STORE=True with c10d: store/worker_store.h).
+    trellis::store::WorkerStoreOptions so;
+    so.jobToken = env.jobToken;
+    so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+    so.connectTimeout = so.timeout;
+    trellis::store::WorkerStore ws =
+        trellis::store::connectWorkerStore(env.master, rank, so);
+    const std::shared_ptr<trellis::store::TCPStoreServer> server = ws.server;
+    const std::shared_ptr<trellis::store::Store> store = ws.store;
 
     const bool isServer = rank < f.servers;
     if (isServer) {
@@ -820,7 +815,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       rc = changedUnlooked == 0 ? 0 : 6;
     }
-    // Rank 0 serves the store: it stays until every rank is past its own
+    // Rank 0 may serve the store: it stays until every rank is past its own
     // shutdown, which still talks to the store after rank 0's returned.
     // Each rank leaves its exit status.
     store->set("exit/" + std::to_string(rank), std::to_string(rc));
@@ -829,7 +824,7 @@ int main(int argc, char** argv) {
       for (int r = 0; r < worldSize; ++r) {
         keys.push_back("exit/" + std::to_string(r));
       }
-      store->wait(keys, co.timeout);
+      store->wait(keys, so.timeout);
       bool allZero = true;
       for (const auto& v : store->multiGet(keys)) {
         allZero = allZero && v.size() == 1 && v[0] == '0';

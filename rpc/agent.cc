@@ -23,6 +23,7 @@
 #include <trellis/rpc/extension.h>
 #include <trellis/rpc/profiler.h>
 #include <trellis/rpc/rpc.h>
+#include <trellis/store/prefix_store.h>
 #include <trellis/store/store.h>
 #include <trellis/store/tcp_store.h>
 
@@ -473,8 +474,13 @@ void Agent::Impl::gracefulQuiesce(Duration arrivalTimeout,
   // must fail the shutdown in time, not after the store's own timeout. Only
   // for the store this agent made; a user's store keeps its timeout.
   if (group.ownStore && quiesceTimeout > Duration::zero()) {
-    group.store->setTimeout(
-        std::chrono::duration_cast<std::chrono::milliseconds>(quiesceTimeout));
+    const auto bound =
+        std::chrono::duration_cast<std::chrono::milliseconds>(quiesceTimeout);
+    group.store->setTimeout(bound);
+    // The launcher's store: the prefix's client bounds every request too.
+    if (auto* prefixed = dynamic_cast<store::PrefixStore*>(group.store.get())) {
+      prefixed->underlying()->setTimeout(bound);
+    }
   }
   detail::QuiescenceOptions o;
   o.keyPrefix = std::string(detail::kStoreKeyPrefix) + "shutdown/";

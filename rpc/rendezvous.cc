@@ -10,6 +10,7 @@
 #include <trellis/rpc/registry.h>
 #include <trellis/store/store.h>
 #include <trellis/store/tcp_store.h>
+#include <trellis/store/worker_store.h>
 
 namespace trellis::rpc::detail {
 
@@ -31,7 +32,8 @@ std::string workerKey(int32_t rank) {
   return std::string(kStoreKeyPrefix) + "worker/" + std::to_string(rank);
 }
 
-// The store from MASTER_ADDR / MASTER_PORT, like torch's env://.
+// The store from MASTER_ADDR / MASTER_PORT, like torch's env://: rank 0
+// serves it, or the launcher does (TORCHELASTIC_USE_AGENT_STORE=True).
 void makeStore(int32_t rank, const RpcOptions& options, Group& group) {
   const MasterEndpoint master = masterFromEnvironment();
   if (!master.complete()) {
@@ -39,27 +41,18 @@ void makeStore(int32_t rank, const RpcOptions& options, Group& group) {
         "rpc::init needs a rendezvous store: set RpcOptions::store, or "
         "MASTER_ADDR and MASTER_PORT"));
   }
-  const std::string& addr = master.addr;
-  const uint16_t p = master.port;
-  if (rank == 0) {
-    store::TCPStoreServerOptions so;
-    so.host = addr;
-    so.port = p;
-    so.jobToken = options.token;
-    group.storeServer = std::make_unique<store::TCPStoreServer>(so);
-  }
-  store::TCPStoreOptions co;
-  co.host = addr;
-  co.port = p;
-  co.jobToken = options.token;
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
       options.initTimeout);
-  co.timeout = ms;
-  co.connectTimeout = ms;
-  group.store = std::make_shared<store::TCPStore>(co);
+  store::WorkerStoreOptions so;
+  so.jobToken = options.token;
+  so.timeout = ms;
+  so.connectTimeout = ms;
+  store::WorkerStore ws = store::connectWorkerStore(master, rank, so);
+  group.storeServer = std::move(ws.server);
+  group.store = std::move(ws.store);
   group.ownStore = true;
-  group.storeDescription = "the rendezvous store at " +
-                           net::bracketIfIpv6(addr) + ":" + std::to_string(p);
+  group.launcherStore = master.agentStore;
+  group.storeDescription = std::move(ws.description);
 }
 
 }  // namespace
@@ -150,7 +143,7 @@ void rendezvous(const WorkerInfo& me, int32_t worldSize,
     }
     group.workers[r] = std::move(w);
   }
-  if (group.ownStore) {
+  if (group.ownStore && !group.launcherStore) {
     group.storeDescription +=
         " (served by " + describeWorker(group.workers[0]) + ")";
   }

@@ -2,8 +2,8 @@
 
 // How an agent finds its group at start() (internal; docs/rpc.md,
 // "Starting and stopping"): the checks of start()'s arguments, the
-// rendezvous store (RpcOptions::store, or a TCPStore on MASTER_ADDR /
-// MASTER_PORT that rank 0 serves), and the exchange of WorkerInfo.
+// rendezvous store (RpcOptions::store, or the store on MASTER_ADDR /
+// MASTER_PORT: store/worker_store.h), and the exchange of WorkerInfo.
 
 #include <cstdint>
 #include <memory>
@@ -38,10 +38,13 @@ struct Group {
   std::vector<WorkerInfo> workers;  // by rank
   std::unordered_map<std::string, int32_t> byName;
   std::shared_ptr<store::Store> store;
-  // Rank 0 of an agent that made its own store serves it.
-  std::unique_ptr<store::TCPStoreServer> storeServer;
+  // Rank 0 of an agent that made its own store serves it (not with the
+  // launcher's store, TORCHELASTIC_USE_AGENT_STORE=True).
+  std::shared_ptr<store::TCPStoreServer> storeServer;
   // The store was made here from MASTER_ADDR/PORT (ours to re-time).
   bool ownStore = false;
+  // ... and it is the launcher's (a PrefixStore over a client).
+  bool launcherStore = false;
   std::string storeDescription = "the rendezvous store";
 
   Group();

@@ -138,6 +138,62 @@ TEST(WorkerEnv, MasterEndpointIsChecked) {
   EXPECT_EQ(v6.master.port, 1);
 }
 
+TEST(WorkerEnv, TheLaunchersStoreAndItsKeyPrefix) {
+  const Vars job = {{"RANK", "1"},
+                    {"WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "10.0.0.1"},
+                    {"MASTER_PORT", "29400"}};
+  auto with = [&](Vars extra) {
+    extra.insert(job.begin(), job.end());
+    return extra;
+  };
+  // Unset, empty or "False": rank 0 serves, no prefix (as before).
+  for (const Vars& v : {job, with({{"TORCHELASTIC_USE_AGENT_STORE", ""}}),
+                        with({{"TORCHELASTIC_USE_AGENT_STORE", "False"}})}) {
+    const WorkerEnv e = parse(v);
+    EXPECT_FALSE(e.master.agentStore);
+    EXPECT_EQ(e.master.keyPrefix, "");
+  }
+  // "True": torch's prefix, plus elastic-run's round when it gives one.
+  const WorkerEnv torch = parse(with({{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                      {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  EXPECT_TRUE(torch.master.agentStore);
+  EXPECT_EQ(torch.master.keyPrefix, "/worker/attempt_2");
+  const WorkerEnv ours = parse(with({{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                     {"TORCHELASTIC_RESTART_COUNT", "0"},
+                                     {"TRELLIS_RDZV_ROUND", "7"}}));
+  EXPECT_EQ(ours.master.keyPrefix, "/worker/attempt_0/round_7");
+  // The round only matters with the launcher's store.
+  EXPECT_EQ(parse(with({{"TRELLIS_RDZV_ROUND", "x"}})).master.keyPrefix, "");
+
+  EXPECT_NE(refusal(with({{"TORCHELASTIC_USE_AGENT_STORE", "true"}}))
+                .find("TORCHELASTIC_USE_AGENT_STORE='true' is neither"),
+            std::string::npos);
+  EXPECT_NE(refusal(with({{"TORCHELASTIC_USE_AGENT_STORE", "True"}}))
+                .find("TORCHELASTIC_RESTART_COUNT is not set"),
+            std::string::npos);
+  EXPECT_NE(refusal(with({{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                          {"TORCHELASTIC_RESTART_COUNT", "-1"}}))
+                .find("TORCHELASTIC_RESTART_COUNT='-1' is out of range"),
+            std::string::npos);
+  EXPECT_NE(refusal(with({{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                          {"TORCHELASTIC_RESTART_COUNT", "0"},
+                          {"TRELLIS_RDZV_ROUND", "1/../x"}}))
+                .find("TRELLIS_RDZV_ROUND='1/../x' is not a decimal"),
+            std::string::npos);
+  // masterFromVariables reads the same.
+  const MasterEndpoint m =
+      masterFromVariables([](const char* name) -> std::optional<std::string> {
+        const Vars v = {{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                        {"TORCHELASTIC_RESTART_COUNT", "4"}};
+        auto it = v.find(name);
+        return it == v.end() ? std::nullopt
+                             : std::optional<std::string>(it->second);
+      });
+  EXPECT_TRUE(m.agentStore);
+  EXPECT_EQ(m.keyPrefix, "/worker/attempt_4");
+}
+
 TEST(WorkerEnv, JobTokenIsCheckedAndNeverShown) {
   const std::string good(32, 'k');
   const WorkerEnv env =

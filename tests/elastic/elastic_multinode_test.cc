@@ -11,6 +11,7 @@
 // processes it started (by pid) and removes its namespaces even when it
 // fails.
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -75,7 +76,8 @@ class Job {
   // set, runs it inside that namespace.
   void start(int i, std::vector<std::string> flags,
              const std::vector<std::string>& workerArgs,
-             const std::string& netns = "") {
+             const std::string& netns = "",
+             const std::vector<std::string>& extraEnv = {}) {
     flags.push_back("--log-dir");
     flags.push_back(dir_ / ("logs" + std::to_string(i)));
     flags.push_back(ELASTIC_TEST_WORKER);
@@ -90,8 +92,10 @@ class Job {
     if (agents_.size() <= static_cast<size_t>(i)) {
       agents_.resize(static_cast<size_t>(i) + 1);
     }
+    std::vector<std::string> env = {"OMP_NUM_THREADS=1", token_};
+    env.insert(env.end(), extraEnv.begin(), extraEnv.end());
     agents_[static_cast<size_t>(i)] =
-        spawnHelper(program, flags, {"OMP_NUM_THREADS=1", token_}, errPath(i));
+        spawnHelper(program, flags, env, errPath(i));
   }
   int wait(int i, std::chrono::milliseconds bound = 40s) {
     return agents_[static_cast<size_t>(i)]->wait(
@@ -109,6 +113,11 @@ class Job {
   }
   std::filesystem::path dir() const { return dir_; }
   const std::string& secret() const { return secret_; }
+  // What --store wrote for `rank` of `restart` (empty when nothing).
+  std::map<std::string, std::string> store(int rank, int restart) const {
+    return readEnvFile(dir_ / ("store_" + std::to_string(rank) + "_" +
+                               std::to_string(restart) + ".txt"));
+  }
   std::map<std::string, std::string> env(int rank, int restart) const {
     return readEnvFile(dir_ / ("env_" + std::to_string(rank) + "_" +
                                std::to_string(restart) + ".txt"));
@@ -212,10 +221,14 @@ TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
   const std::string ep = loopback();
   auto flags = c10d(ep, "2", 2);
   flags.insert(flags.end(), {"--max-restarts", "1"});
+  // --store: the workers meet before rank 3 fails, so every node has
+  // started its group (with the agents' store, group rank 1 no longer waits
+  // for group rank 0 to publish a master, and could fail round 0 before
+  // node 0 has seen it close).
   for (int i = 0; i < 2; ++i) {
     job.start(i, flags,
-              {"--fail-rank", "3", "--fail-restart", "0", "--sleep-first-ms",
-               "3000"});
+              {"--store", "--fail-rank", "3", "--fail-restart", "0",
+               "--sleep-first-ms", "3000"});
   }
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
@@ -364,9 +377,166 @@ TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
   store.set("trellis/rdzv/round", std::string_view("round 7\nphase ???\n"));
   EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
   EXPECT_NE(job.err(0).find("rendezvous record 'trellis/rdzv/round' is not "
-                            "valid: expected 'trellis-rdzv-round 1' on line 1"),
+                            "valid: line 1 is not 'trellis-rdzv-round 1': "
+                            "not a round record"),
             std::string::npos)
       << job.err(0);
+}
+
+// ---- The workers' store: the agents' (TORCHELASTIC_USE_AGENT_STORE) ---------
+
+// c10d: the workers use the rendezvous store itself, every rank a client
+// (rank 0 serves nothing), under /worker/attempt_<N>/round_<R>; a worker
+// crash restarts the group and the store, hosted by an agent, survives it.
+TEST(ElasticMultiNode, WorkersUseTheAgentStoreWhichSurvivesARestart) {
+  Job job;
+  const std::string ep = loopback();
+  auto flags = c10d(ep, "2", 2);
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, flags, {"--store", "--fail-rank", "3", "--fail-restart", "0"});
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 40s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 2, 2, 1);
+  const std::string port = ep.substr(ep.rfind(':') + 1);
+  for (int restart = 0; restart < 2; ++restart) {
+    for (int rank = 0; rank < 4; ++rank) {
+      const auto e = job.env(rank, restart);
+      ASSERT_FALSE(e.empty()) << rank << "/" << restart << job.allErr();
+      EXPECT_EQ(e.at("TORCHELASTIC_USE_AGENT_STORE"), "True");
+      EXPECT_EQ(e.at("MASTER_ADDR"), "127.0.0.1");
+      EXPECT_EQ(e.at("MASTER_PORT"), port);  // the rendezvous endpoint
+      const auto st = job.store(rank, restart);
+      ASSERT_FALSE(st.empty()) << rank << "/" << restart << job.allErr();
+      EXPECT_EQ(st.at("agent"), "1");
+      EXPECT_EQ(st.at("server"), "0");  // rank 0 too: the agent serves
+      EXPECT_EQ(st.at("seen"), "4");
+      EXPECT_EQ(st.at("prefix"), "/worker/attempt_" + std::to_string(restart) +
+                                     "/round_" + std::to_string(restart));
+    }
+  }
+  // Attempt 1 sees an empty prefix of its own, and attempt 0's mark where
+  // attempt 0 left it: one store across the restart.
+  EXPECT_EQ(job.store(0, 0).at("fresh"), "1");
+  EXPECT_EQ(job.store(0, 1).at("fresh"), "1");
+  EXPECT_EQ(job.store(0, 1).at("survived"), "attempt 0");
+  EXPECT_NE(job.allErr().find("(the rendezvous store, shared with the "
+                              "workers)"),
+            std::string::npos)
+      << job.allErr();
+}
+
+// torchrun's opt-out: rank 0 serves the workers' store, as with static and
+// etcd, and the workers meet there.
+TEST(ElasticMultiNode, TorchsOptOutMakesRankZeroServeTheWorkersStore) {
+  Job job;
+  const std::string ep = loopback();
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, c10d(ep, "2", 2), {"--store"}, "",
+              {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"});
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 2, 2, 0);
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(job.env(rank, 0).at("TORCHELASTIC_USE_AGENT_STORE"), "False");
+    const auto st = job.store(rank, 0);
+    ASSERT_FALSE(st.empty()) << rank << job.allErr();
+    EXPECT_EQ(st.at("agent"), "0");
+    EXPECT_EQ(st.at("server"), rank == 0 ? "1" : "0");
+    EXPECT_EQ(st.at("prefix"), "");
+    EXPECT_EQ(st.at("seen"), "4");
+  }
+  EXPECT_NE(job.err(0).find("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"),
+            std::string::npos)
+      << job.allErr();
+}
+
+// ---- The static rendezvous of several nodes ---------------------------------
+
+std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc) {
+  return {"--rdzv-backend",     "static",
+          "--nnodes",           "2",
+          "--node-rank",        std::to_string(nodeRank),
+          "--master-addr",      "127.0.0.1",
+          "--master-port",      std::to_string(port),
+          "--nproc-per-node",   std::to_string(nproc),
+          "--rdzv-id",          "mnjob",
+          "--rdzv-conf",        kConf,
+          "--monitor-interval", "0.05",
+          "--max-restarts",     "1"};
+}
+
+// Two agents on this host, --node-rank 0 and 1, form one world of four
+// ranks: group ranks are the node ranks (whoever joins first), node rank 0
+// hosts the agents' store at --master-addr:--master-port, the workers'
+// rank 0 serves theirs on another port, and a worker crash on node 1
+// restarts both nodes.
+TEST(ElasticMultiNode, StaticTwoNodesFormOneWorldAndRestartTogether) {
+  Job job;
+  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  // Node rank 1 first: it waits for node rank 0's store.
+  for (int node : {1, 0}) {
+    job.start(node, staticNode(port, node, 2),
+              {"--store", "--fail-rank", "3", "--fail-restart", "0",
+               "--sleep-first-ms", "2000"});
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 40s)), 0) << job.allErr();
+  }
+  for (int restart = 0; restart < 2; ++restart) {
+    expectConsistentRanks(job, 2, 2, restart);
+    for (int rank = 0; rank < 4; ++rank) {
+      const auto e = job.env(rank, restart);
+      ASSERT_FALSE(e.empty()) << job.allErr();
+      // The worker ran under the agent of its node rank (its log folder).
+      EXPECT_NE(e.at("TORCHELASTIC_ERROR_FILE")
+                    .find("/logs" + std::to_string(rank / 2) + "/"),
+                std::string::npos)
+          << rank << ": " << e.at("TORCHELASTIC_ERROR_FILE");
+      EXPECT_EQ(e.at("TORCHELASTIC_USE_AGENT_STORE"), "False");
+      EXPECT_EQ(e.at("MASTER_ADDR"), "127.0.0.1");
+      EXPECT_NE(e.at("MASTER_PORT"), std::to_string(port));
+      const auto st = job.store(rank, restart);
+      ASSERT_FALSE(st.empty()) << rank << "/" << restart << job.allErr();
+      EXPECT_EQ(st.at("server"), rank == 0 ? "1" : "0");
+      EXPECT_EQ(st.at("seen"), "4");
+    }
+  }
+  EXPECT_NE(job.err(0).find("hosting the static rendezvous store on "
+                            "127.0.0.1:" +
+                            std::to_string(port)),
+            std::string::npos)
+      << job.allErr();
+  EXPECT_NE(job.allErr().find("a new rendezvous round opened; stopping the "
+                              "workers"),
+            std::string::npos)
+      << job.allErr();
+}
+
+// A second node with a --node-rank already taken is refused by name (exit
+// status 2); the job of the other two goes on.
+TEST(ElasticMultiNode, StaticNodeRankTakenTwiceIsRefused) {
+  Job job;
+  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  job.start(0, staticNode(port, 0, 1), {"--sleep-ms", "1500"});
+  job.start(1, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
+  job.start(2, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
+  std::vector<int> codes;
+  for (int i = 0; i < 3; ++i) {
+    codes.push_back(exitCode(job.wait(i, 40s)));
+  }
+  EXPECT_EQ(codes[0], 0) << job.allErr();
+  // One of the two node-rank-1 agents got there first.
+  EXPECT_EQ(std::min(codes[1], codes[2]), 0) << job.allErr();
+  EXPECT_EQ(std::max(codes[1], codes[2]), 2) << job.allErr();
+  EXPECT_NE(job.allErr().find("--node-rank 1 is already taken by another "
+                              "node of run 'mnjob'"),
+            std::string::npos)
+      << job.allErr();
 }
 
 // ---- The etcd rendezvous ----------------------------------------------------

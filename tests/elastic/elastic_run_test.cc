@@ -20,6 +20,7 @@
 
 #include "../transport/peer_process.h"
 #include "elastic_test_util.h"
+#include <trellis/elastic/agent.h>
 
 using namespace std::chrono_literals;
 using trellis::transport::testing::Child;
@@ -170,6 +171,53 @@ TEST(ElasticRun, StaticSingleNodeUsesMasterPort) {
   EXPECT_EQ(exitCode(run.wait()), 0) << run.agentErr();
   EXPECT_EQ(run.env(0, 0).at("MASTER_PORT"), "29577");
   EXPECT_EQ(run.env(0, 0).at("TORCHELASTIC_RUN_ID"), "none");
+}
+
+// c10d on one node: a Trellis worker gets the agent's store (the endpoint,
+// TORCHELASTIC_USE_AGENT_STORE=True); a Python worker does not (torch's
+// TCPStore cannot talk to ours): its rank 0 serves on another port, and
+// the agent says why.
+TEST(ElasticRun, C10dSharesTheAgentStoreExceptWithPythonWorkers) {
+  const std::string port =
+      std::to_string(trellis::elastic::pickFreePort("127.0.0.1"));
+  const std::vector<std::string> flags = {
+      "--nnodes",       "1",    "--nproc-per-node", "1",
+      "--rdzv-backend", "c10d", "--rdzv-endpoint",  "127.0.0.1:" + port,
+      "--rdzv-id",      "one"};
+  {
+    AgentRun run;
+    run.start(flags, {"--dir", run.dir().string(), "--store"});
+    EXPECT_EQ(exitCode(run.wait()), 0) << run.agentErr();
+    const auto e = run.env(0, 0);
+    ASSERT_FALSE(e.empty()) << run.agentErr();
+    EXPECT_EQ(e.at("TORCHELASTIC_USE_AGENT_STORE"), "True");
+    EXPECT_EQ(e.at("MASTER_PORT"), port);
+    const auto st = readEnvFile(run.dir() / "store_0_0.txt");
+    ASSERT_FALSE(st.empty()) << run.agentErr();
+    EXPECT_EQ(st.at("server"), "0");
+    EXPECT_EQ(st.at("prefix"), "/worker/attempt_0/round_0");
+  }
+  {
+    AgentRun run;
+    const std::string out = (run.dir() / "py.txt").string();
+    run.start(flags,
+              {"-c",
+               "import os, sys; open(sys.argv[1], 'w').write("
+               "os.environ['TORCHELASTIC_USE_AGENT_STORE'] + ' ' + "
+               "os.environ['MASTER_PORT'] + ' ' + "
+               "str('TRELLIS_RDZV_ROUND' in os.environ))",
+               out},
+              {}, "/usr/bin/python3");
+    EXPECT_EQ(exitCode(run.wait()), 0) << run.agentErr();
+    const std::string got = readFile(out);
+    EXPECT_EQ(got.substr(0, 6), "False ") << got;
+    EXPECT_NE(got.substr(6, port.size() + 1), port + " ") << got;
+    EXPECT_NE(got.find(" False"), std::string::npos) << got;
+    EXPECT_NE(
+        run.agentErr().find("the workers run Python ('/usr/bin/python3')"),
+        std::string::npos)
+        << run.agentErr();
+  }
 }
 
 TEST(ElasticRun, CrashOnceRestartsTheGroup) {
@@ -327,11 +375,13 @@ TEST(ElasticRun, CommandLineErrorsExit2) {
         << run.agentErr();
   }
   {
+    // So do several static nodes.
     AgentRun run;
-    run.start({"--nnodes", "2", "--node-rank", "0"}, {});
+    run.start({"--nnodes", "2", "--node-rank", "0"}, {},
+              {"TRELLIS_JOB_TOKEN="});
     EXPECT_EQ(exitCode(run.wait(10s)), 2);
-    EXPECT_NE(run.agentErr().find("a static rendezvous of several nodes is "
-                                  "not implemented yet"),
+    EXPECT_NE(run.agentErr().find("--rdzv-backend static with --nnodes 2:2 "
+                                  "needs TRELLIS_JOB_TOKEN"),
               std::string::npos)
         << run.agentErr();
   }

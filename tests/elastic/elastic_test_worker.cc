@@ -10,6 +10,17 @@
 //   --sleep-first-ms M sleep M ms more when TORCHELASTIC_RESTART_COUNT is 0
 //   --ignore-signals   ignore SIGTERM, SIGINT, SIGHUP (needs SIGKILL)
 //   --print TEXT       print TEXT on stdout and stderr first
+//   --store            meet the other ranks in the workers' store found the
+//                      way Trellis's layers find it (store/worker_store.h:
+//                      rank 0 serves it, or the agent does when
+//                      TORCHELASTIC_USE_AGENT_STORE=True), and write
+//                      D/store_<RANK>_<RESTART>.txt: whether it was the
+//                      agent's, the key prefix, whether this rank served
+//                      it, the ranks seen; rank 0 also leaves a mark, and
+//                      a later attempt reports the mark of attempt 0 read
+//                      through an unprefixed client (the store survived)
+//                      and whether its own prefix was empty (fresh). Done
+//                      before --fail-rank fails.
 
 #include <chrono>
 #include <csignal>
@@ -20,14 +31,82 @@
 #include <string>
 #include <thread>
 #include <unistd.h>
+#include <vector>
 
+#include <trellis/core/worker_env.h>
 #include <trellis/elastic/errors.h>
+#include <trellis/store/tcp_store.h>
+#include <trellis/store/worker_store.h>
 
 namespace {
 
 std::string env(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr ? v : "";
+}
+
+// --store: see the top. Returns false (and says why) when it fails.
+bool meetInStore(const std::string& dir, const std::string& tag) {
+  using namespace std::chrono_literals;
+  try {
+    const trellis::WorkerEnv env = trellis::WorkerEnv::fromEnvironment();
+    trellis::store::WorkerStoreOptions o;
+    o.jobToken = env.jobToken;
+    o.timeout = 20s;
+    auto ws = trellis::store::connectWorkerStore(env.master, env.rank, o);
+    trellis::store::Store& s = *ws.store;
+    const std::string restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    std::string lines;
+    lines += "agent=" + std::string(env.master.agentStore ? "1" : "0") + "\n";
+    lines += "prefix=" + env.master.keyPrefix + "\n";
+    lines += "server=" + std::string(ws.server ? "1" : "0") + "\n";
+    if (env.rank == 0) {
+      lines += "fresh=" + std::string(s.check({"mark"}) ? "0" : "1") + "\n";
+      s.set("mark", "attempt " + restart);
+      if (env.master.agentStore && restart != "0") {
+        trellis::store::TCPStoreOptions raw;
+        raw.host = env.master.addr;
+        raw.port = env.master.port;
+        raw.jobToken = env.jobToken;
+        raw.timeout = 5s;
+        trellis::store::TCPStore unprefixed(raw);
+        const std::string old = "/worker/attempt_0/round_0/mark";
+        lines += "survived=" +
+                 (unprefixed.check({old}) ? unprefixed.getString(old)
+                                          : std::string("absent")) +
+                 "\n";
+      }
+    }
+    std::vector<std::string> keys;
+    for (int r = 0; r < env.worldSize; ++r) {
+      keys.push_back("rank" + std::to_string(r));
+    }
+    s.set(keys[static_cast<size_t>(env.rank)], std::to_string(::getpid()));
+    s.wait(keys, 20s);
+    lines += "seen=" + std::to_string(keys.size()) + "\n";
+    std::ofstream(dir + "/store_" + tag + ".txt.tmp") << lines;
+    std::rename((dir + "/store_" + tag + ".txt.tmp").c_str(),
+                (dir + "/store_" + tag + ".txt").c_str());
+    // Nobody goes on (a --fail-rank would stop the group) before every rank
+    // has written its file; rank 0, which may serve the store, leaves last.
+    auto await = [&](const char* key, int64_t n) {
+      const auto end = std::chrono::steady_clock::now() + 20s;
+      while (s.add(key, 0) < n && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(10ms);
+      }
+    };
+    s.add("done", 1);
+    await("done", env.worldSize);
+    if (env.rank == 0) {
+      await("left", env.worldSize - 1);
+    } else {
+      s.add("left", 1);
+    }
+    return true;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "worker store: %s\n", e.what());
+    return false;
+  }
 }
 
 }  // namespace
@@ -38,6 +117,7 @@ int main(int argc, char** argv) {
   int failRestart = -1;
   long sleepMs = 0;
   long sleepFirstMs = 0;
+  bool store = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const char* next = i + 1 < argc ? argv[i + 1] : "";
@@ -56,6 +136,8 @@ int main(int argc, char** argv) {
     } else if (a == "--sleep-first-ms") {
       sleepFirstMs = std::atol(next);
       ++i;
+    } else if (a == "--store") {
+      store = true;
     } else if (a == "--ignore-signals") {
       for (int s : {SIGTERM, SIGINT, SIGHUP}) {
         std::signal(s, SIG_IGN);
@@ -87,6 +169,9 @@ int main(int argc, char** argv) {
     std::ofstream(dir + "/pid_" + tag + ".tmp") << ::getpid() << "\n";
     std::rename((dir + "/pid_" + tag + ".tmp").c_str(),
                 (dir + "/pid_" + tag).c_str());
+  }
+  if (store && !meetInStore(dir, rank + "_" + restart)) {
+    return 4;
   }
   if (failRank >= 0 && std::to_string(failRank) == rank &&
       (failRestart < 0 || std::to_string(failRestart) == restart)) {

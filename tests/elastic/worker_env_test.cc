@@ -80,6 +80,58 @@ TEST(WorkerEnvironment, TwoNodesTimesTwoProcesses) {
   }
 }
 
+TEST(WorkerEnvironment, TheAgentStoreGivesTheRoundForTheKeyPrefix) {
+  RendezvousOutcome o = node(1);
+  o.round = 5;
+  const Environment env = workerEnvironment(twoPerNode(), o, 0, {});
+  EXPECT_EQ(env.at("TRELLIS_RDZV_ROUND"), "5");
+  const WorkerEnv w = WorkerEnv::fromVariables(
+      [&](const char* name) -> std::optional<std::string> {
+        const auto it = env.find(name);
+        return it == env.end() ? std::nullopt
+                               : std::optional<std::string>(it->second);
+      });
+  EXPECT_TRUE(w.master.agentStore);
+  EXPECT_EQ(w.master.keyPrefix, "/worker/attempt_1/round_5");
+  // Rank 0 serves: no round, and none inherited from the agent either.
+  o.useAgentStore = false;
+  const Environment own =
+      workerEnvironment(twoPerNode(), o, 0, {{"TRELLIS_RDZV_ROUND", "9"}});
+  EXPECT_EQ(own.count("TRELLIS_RDZV_ROUND"), 0u);
+  EXPECT_EQ(own.at("TORCHELASTIC_USE_AGENT_STORE"), "False");
+}
+
+TEST(WorkerEnvironment, WhenTheWorkersUseTheAgentStore) {
+  ElasticOptions c10d = twoPerNode();
+  c10d.workerArgv = {"./train", "--epochs", "3"};
+  std::string note;
+  EXPECT_TRUE(agentStoreForWorkers(c10d, {}, &note));
+  EXPECT_EQ(note, "");
+  // torchrun's opt-out ("1" only, as torch).
+  EXPECT_FALSE(agentStoreForWorkers(
+      c10d, {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}}, &note));
+  EXPECT_THAT(note, HasSubstr("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"));
+  EXPECT_TRUE(agentStoreForWorkers(
+      c10d, {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0"}}));
+  // Python workers: PyTorch's TCPStore cannot talk to ours.
+  for (const char* argv0 : {"python3", "/usr/bin/python3.11", "train.py"}) {
+    ElasticOptions py = c10d;
+    py.workerArgv = {argv0, "-u", "train.py"};
+    note.clear();
+    EXPECT_FALSE(agentStoreForWorkers(py, {}, &note)) << argv0;
+    EXPECT_THAT(note, HasSubstr("the workers run Python"));
+  }
+  // No store hosted by an agent: static, etcd, --standalone.
+  for (const RdzvBackend b : {RdzvBackend::kStatic, RdzvBackend::kEtcd}) {
+    ElasticOptions o = c10d;
+    o.rdzvBackend = b;
+    EXPECT_FALSE(agentStoreForWorkers(o, {}));
+  }
+  ElasticOptions standalone = c10d;
+  standalone.standalone = true;
+  EXPECT_FALSE(agentStoreForWorkers(standalone, {}));
+}
+
 TEST(WorkerEnvironment, RoundTripsThroughWorkerEnv) {
   for (int32_t g = 0; g < 2; ++g) {
     for (int32_t l = 0; l < 2; ++l) {

@@ -3,7 +3,8 @@
 //
 // Checked: parsing neither crashes nor reads out of bounds, and refuses
 // only with InvalidArgumentError whose message names what was wrong; what
-// it accepts satisfies the documented invariants.
+// it accepts satisfies the documented invariants (TORCHELASTIC_USE_AGENT_STORE
+// among them: a key prefix exactly when the launcher serves the store).
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -38,6 +39,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         env.localRank >= env.localWorldSize ||
         env.localWorldSize > env.worldSize || env.launcher.empty() ||
         env.master.addr.size() > 255) {
+      std::abort();
+    }
+    // The launcher's store: a key prefix of torch's shape, else none.
+    if (env.master.agentStore !=
+        (env.master.keyPrefix.rfind("/worker/attempt_", 0) == 0)) {
       std::abort();
     }
   } catch (const trellis::InvalidArgumentError& e) {
