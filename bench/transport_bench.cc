@@ -790,6 +790,173 @@ void tensorpipeCma() {
 }
 #endif
 
+// ---- payloads and the same-host channel, measured in turns ---------------
+
+// The median of one row's rounds.
+double median(const std::vector<double>& v) {
+  return bench::percentile(v, 0.5);
+}
+
+// Rounds of the two sections below. Each round measures every row once, one
+// after the other, so that the load of this shared machine falls on all of
+// them alike; each row reports the median of its rounds.
+constexpr int kRounds = 3;
+
+// Payloads (Message::payloads, moved by the transport: what RPC requests
+// and replies carry) over shm: ours with default options (`shm_payload_*`)
+// and with spinning off (`shm_nospin_payload_*`, every wait an eventfd
+// wake-up), against TensorPipe's shm + basic (`tensorpipe_shm_payload_*`)
+// in the same rounds. The `shm_throughput_*` rows measure the same path
+// once each; `shm_basic_tensor_*` is the tensor path through the ring.
+void payloads() {
+  constexpr size_t kBytes = size_t{1} << 30;
+  PipeBench ours("shm://");
+  PipeBench nospin("shm://", [](Context& c) {
+    shm::Options o;
+    o.spin = std::chrono::microseconds(0);
+    c.registerTransport(200, shm::create(o));
+  });
+#ifdef TRELLIS_BENCH_TENSORPIPE
+  bool tpViable = true;
+  int tpPipes = 0;
+#endif
+  for (size_t size : {kMiB, 64 * kMiB}) {
+    std::vector<double> o;
+    std::vector<double> n;
+    std::vector<double> t;
+    for (int r = 0; r < kRounds; ++r) {
+      o.push_back(pipeThroughput(ours, size, false, kBytes));
+      n.push_back(pipeThroughput(nospin, size, false, kBytes));
+#ifdef TRELLIS_BENCH_TENSORPIPE
+      // TensorPipe's shm loop polls for as long as its context lives, so a
+      // context kept across the rounds would take a core from ours: each
+      // measurement gets its own, gone before the next row runs.
+      try {
+        if (tpViable) {
+          TpPipeBench tp("shm", "basic",
+                         tpShmAddress("payload" + std::to_string(tpPipes++)));
+          t.push_back(tpThroughput(tp, size, false, kBytes));
+        }
+      } catch (const std::exception& e) {
+        tpViable = false;
+        note(std::string("tensorpipe_shm_payload_* skipped: ") + e.what());
+      }
+#endif
+    }
+    const std::string mib = std::to_string(size / kMiB) + "MiB";
+    const std::string tpRow = "tensorpipe_shm_payload_" + mib;
+    report.add({"shm_payload_" + mib, median(o), "GB/s", tpRow});
+    report.add({"shm_nospin_payload_" + mib, median(n), "GB/s", tpRow});
+    if (!t.empty()) {
+      report.add({tpRow, median(t), "GB/s", ""});
+    }
+  }
+}
+
+// One-way throughput of one CPU tensor per message, as pipeThroughput,
+// but with `freshDst` each message lands in memory mapped for it in the
+// reader's readDescriptor callback and unmapped after its read: a tensor
+// allocated per step (libtorch maps large allocations anew), whose pages
+// fault as the copy first writes them.
+double tensorThroughput(PipeBench& b, size_t size, size_t total,
+                        bool freshDst) {
+  const size_t count = std::max<size_t>(total / size, 4);
+  auto src = runBuffer(size, Pages::kSmall, "tensorThroughput");
+  std::optional<bench::Buffer> dst;
+  if (!freshDst) {
+    dst.emplace(runBuffer(size, Pages::kSmall, "tensorThroughput"));
+  }
+  Promise<void> done;
+  size_t received = 0;
+  void* fresh = nullptr;
+  std::function<void()> readNext = [&] {
+    b.s->readDescriptor([&](const Error& e, Descriptor) {
+      if (!e.ok()) {
+        Promise<void>(done).setError(e);
+        return;
+      }
+      void* into = nullptr;
+      if (freshDst) {
+        fresh = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (fresh == MAP_FAILED) {
+          Promise<void>(done).setError(Error::fromErrno(errno, "mmap"));
+          return;
+        }
+        into = fresh;
+      } else {
+        into = dst->data();
+      }
+      Allocation a;
+      a.tensors.push_back({into, size});
+      b.s->read(std::move(a), [&](const Error& e) {
+        if (freshDst) {
+          ::munmap(fresh, size);
+        }
+        if (!e.ok()) {
+          Promise<void>(done).setError(e);
+        } else if (++received == count) {
+          Promise<void>(done).setValue();
+        } else {
+          readNext();
+        }
+      });
+    });
+  };
+  readNext();
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < count; ++i) {
+    Message m;
+    m.tensors.push_back({src.data(), size, Device{}});
+    b.c->write(std::move(m), [](const Error&) {});
+  }
+  done.getFuture().wait(std::chrono::seconds(120));
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  return static_cast<double>(count * size) / secs / 1e9;
+}
+
+// Which channel should carry a CPU tensor between two processes of one
+// host: cma (`channel_cma_*`: process_vm_readv straight into the reader's
+// buffer, one copy) against the shm ring (`channel_ring_*`: channel basic,
+// the tensor inline, two copies on the two loop threads), 64 KiB to
+// 64 MiB, into a reused destination and into a fresh one per message
+// (`*_fresh_dst`). Ratio = cma / ring. docs/transport.md ("cma or the
+// ring?") holds the table and the default threshold taken from it.
+void channels() {
+  PipeBench cmaPipe("shm://", [](Context& c) {
+    cma::Options o;
+    o.thresholdBytes = 0;
+    c.registerChannel(150, cma::create(o));
+  });
+  PipeBench ringPipe("shm://", [](Context& c) {
+    c.registerChannel(150, basic::create());
+    cma::Options o;
+    o.thresholdBytes = ~size_t{0};
+    c.registerChannel(100, cma::create(o));
+  });
+  const std::vector<size_t> sizes = {size_t{64} << 10, size_t{256} << 10,
+                                     size_t{1} << 20,  size_t{4} << 20,
+                                     size_t{16} << 20, size_t{64} << 20};
+  for (size_t size : sizes) {
+    const std::string n = size >= kMiB ? std::to_string(size / kMiB) + "MiB"
+                                       : std::to_string(size >> 10) + "KiB";
+    for (bool fresh : {false, true}) {
+      const size_t total =
+          std::max(fresh ? size_t{128} << 20 : size_t{256} << 20, 4 * size);
+      std::vector<double> ring;
+      std::vector<double> cma;
+      for (int r = 0; r < kRounds; ++r) {
+        ring.push_back(tensorThroughput(ringPipe, size, total, fresh));
+        cma.push_back(tensorThroughput(cmaPipe, size, total, fresh));
+      }
+      const std::string suffix = n + (fresh ? "_fresh_dst" : "");
+      report.add({"channel_ring_" + suffix, median(ring), "GB/s", ""});
+      report.add({"channel_cma_" + suffix, median(cma), "GB/s",
+                  "channel_ring_" + suffix});
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -802,6 +969,8 @@ int main(int argc, char** argv) {
       {"tensorpipe_shm", tensorpipeShm},
       {"tensorpipe_cma", tensorpipeCma},
 #endif
+      {"payload", payloads},
+      {"channels", channels},
   };
   bool json = false;
   // --only uv,shm,...: the sections to run after the baselines (for

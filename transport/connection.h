@@ -58,6 +58,13 @@ class Connection {
   virtual void close() = 0;
 
   virtual std::string peerAddress() const = 0;
+
+  // True when a read costs no system call (shm: bytes are copied out of a
+  // ring). The reading pipe then takes a frame's header, layout and
+  // descriptor in separate reads and leaves a large body in the connection
+  // until its destination is known, instead of staging bytes ahead, which
+  // would copy the start of every large body twice more.
+  virtual bool readsAreCheap() const { return false; }
 };
 
 }  // namespace trellis::transport

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -25,6 +26,8 @@ namespace {
 
 constexpr const char* kTransportsEnv = "TRELLIS_TRANSPORTS";
 constexpr const char* kChannelsEnv = "TRELLIS_CHANNELS";
+constexpr const char* kCmaThresholdEnv = "TRELLIS_CMA_THRESHOLD";
+
 // Names accepted in the filters even before their backend is registered
 // (shm, cma and cuda_ipc arrive later or only in some builds).
 const std::vector<std::string> kKnownTransports = {"uv", "shm"};
@@ -75,6 +78,27 @@ std::optional<std::set<std::string>> combineFilters(
     }
   }
   return allowed;
+}
+
+// The built-in cma channel's options: TRELLIS_CMA_THRESHOLD (a decimal
+// number of bytes; 0 = every non-empty CPU tensor) overrides the default
+// threshold. Anything else in it throws, as the name lists do.
+cma::Options builtinCmaOptions() {
+  cma::Options o;
+  const char* v = std::getenv(kCmaThresholdEnv);
+  if (v == nullptr || trim(v).empty()) {
+    return o;
+  }
+  const std::string s = trim(v);
+  size_t bytes = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), bytes);
+  if (ec != std::errc() || end != s.data() + s.size()) {
+    throw InvalidArgumentError(Error::invalidArgument(
+        std::string(kCmaThresholdEnv) + "='" + v +
+        "': expected a number of bytes (0: every CPU tensor by cma)"));
+  }
+  o.thresholdBytes = bytes;
+  return o;
 }
 
 }  // namespace
@@ -409,11 +433,12 @@ void ContextImpl::dropUpgrade(const auth::Nonce& token) {
 // ---- public handles --------------------------------------------------------
 
 std::shared_ptr<Context> Context::create(ContextOptions options) {
+  const cma::Options cmaOptions = builtinCmaOptions();
   auto impl = std::make_shared<ContextImpl>(std::move(options));
   impl->registerTransport(100, uv::create());
   impl->registerTransport(200, shm::create());
   impl->registerChannel(100, basic::create());
-  impl->registerChannel(150, cma::create());
+  impl->registerChannel(150, cma::create(cmaOptions));
 #ifdef TRELLIS_HAVE_CUDA
   // CUDA tensors only: negotiated beside the CPU channel, not instead of it.
   impl->registerChannel(200, cuda_ipc::create());

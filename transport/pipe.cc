@@ -154,7 +154,8 @@ void PipeImpl::updateReading() {
   if (conn_ == nullptr || life_.failed() || readEnd_) {
     return;
   }
-  const bool full = stageBegin_ == 0 && stageEnd_ == stage_.size();
+  const bool full =
+      (stageBegin_ == 0 && stageEnd_ == stage_.size()) || stageWant() == 0;
   if (!full && !reading_) {
     reading_ = true;
     conn_->startReading(this);

@@ -120,6 +120,11 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
   void handshakeMoved(Handshake::State before);
   bool stepFrame();
   void updateReading();
+  // Over a connection whose reads are cheap: the most bytes the current
+  // step wants staged (kNoLimit: any), 0 while a large body waits for the
+  // reader's buffers (reading then pauses).
+  static constexpr size_t kNoLimit = ~size_t{0};
+  size_t stageWant() const;
   size_t buffered() const { return stageEnd_ - stageBegin_; }
   const uint8_t* stageData() const { return stage_.data() + stageBegin_; }
   void consume(size_t n) { stageBegin_ += n; }

@@ -1,6 +1,7 @@
 // The read side of a pipe: frames parsed from the connection, descriptors
 // and bodies delivered into the reader's buffers, out-of-band tensors
 // fetched by their channels, completion frames sent back.
+#include <algorithm>
 #include <cstring>
 
 #include <trellis/core/check.h>
@@ -42,6 +43,12 @@ void PipeImpl::readBuffer(char** base, size_t* length) {
     }
   }
   direct_ = false;
+  const size_t want = stageWant();
+  if (want == 0) {
+    *base = nullptr;
+    *length = 0;
+    return;
+  }
   if (buffered() == 0) {
     stageBegin_ = stageEnd_ = 0;
   } else if (stageEnd_ == stage_.size() && stageBegin_ > 0) {
@@ -50,7 +57,56 @@ void PipeImpl::readBuffer(char** base, size_t* length) {
     stageBegin_ = 0;
   }
   *base = reinterpret_cast<char*>(stage_.data() + stageEnd_);
-  *length = stage_.size() - stageEnd_;
+  *length = std::min(stage_.size() - stageEnd_, want);
+}
+
+size_t PipeImpl::stageWant() const {
+  if (state_ != State::kEstablished || conn_ == nullptr ||
+      !conn_->readsAreCheap()) {
+    return kNoLimit;
+  }
+  // Bytes the current step still lacks; kNoLimit once it has them all
+  // (process() moves on before the next read).
+  auto lacking = [&](size_t need) {
+    return need > buffered() ? need - buffered() : kNoLimit;
+  };
+  switch (rx_) {
+    case Rx::kHeader:
+      return lacking(wf::kFrameHeaderBytes);
+    case Rx::kLayout:
+      return lacking(layoutLength_);
+    case Rx::kDescriptor:
+      return lacking(descriptor_.size() - descriptorFilled_);
+    case Rx::kDescriptorReady:
+    case Rx::kAwaitRead: {
+      // The body's first bytes: read ahead they would land in the stage
+      // and be copied twice more; left in the ring they go straight into
+      // the reader's buffer once read() names it.
+      size_t first = 0;
+      for (size_t len : layout_.payloadLengths) {
+        if (len > 0) {
+          first = len;
+          break;
+        }
+      }
+      for (size_t i = 0; first == 0 && i < layout_.tensors.size(); ++i) {
+        const bool oob =
+            i < layout_.outOfBand.size() && layout_.outOfBand[i].present;
+        if (!oob) {
+          first = layout_.tensors[i].length;
+        }
+      }
+      return first >= kDirectThreshold ? 0 : kNoLimit;
+    }
+    case Rx::kBody:
+      if (segIndex_ < segments_.size()) {
+        return lacking(segments_[segIndex_].length - segOffset_);
+      }
+      return kNoLimit;
+    case Rx::kOutOfBand:
+      return kNoLimit;
+  }
+  return kNoLimit;
 }
 
 void PipeImpl::onRead(size_t n) {

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -175,10 +176,16 @@ class RpcContractTest : public ::testing::TestWithParam<Backend> {
         if (auto e = trellis::transport::cma::create()->viable(); !e.ok()) {
           GTEST_SKIP() << "cma channel not viable here: " << e.what();
         }
+        // cma takes no tensor by default (the ring is faster here): the
+        // large tensors below must take its out-of-band path.
+        ::setenv("TRELLIS_CMA_THRESHOLD", "262144", 1);
       }
     }
   }
-  void TearDown() override { gGate.open(); }
+  void TearDown() override {
+    ::unsetenv("TRELLIS_CMA_THRESHOLD");
+    gGate.open();
+  }
 
   // Agents restricted to this backend; every call bounded by `timeout` so a
   // hang fails with a message.
@@ -286,7 +293,8 @@ TEST_P(RpcContractTest, TensorsRoundTripSmallStridedAndLarge) {
   at::Tensor r = rpc::rpcSync<addOneTensor>("w1", t);
   EXPECT_TRUE(r.equal(t.add(1)));
   EXPECT_EQ(r.strides(), t.strides());
-  // 16 MiB: above every channel's out-of-band threshold (cma: 256 KiB).
+  // 16 MiB: above every channel's out-of-band threshold (cma: the 256 KiB
+  // SetUp sets).
   at::Tensor big = at::arange(int64_t{4} << 20).to(at::kFloat);
   at::Tensor rb = rpc::rpcSync<addOneTensor>("w1", big);
   EXPECT_TRUE(rb.equal(big.add(1)));

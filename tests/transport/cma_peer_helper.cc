@@ -179,6 +179,9 @@ int sendMode(const std::string& address, size_t bytes, bool hold) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The tests send tensors of 256 KiB and more by cma, which by default
+  // takes none (a test may set another threshold).
+  ::setenv("TRELLIS_CMA_THRESHOLD", "262144", 0);
   try {
     if (argc == 4 && (std::strcmp(argv[1], "send") == 0 ||
                       std::strcmp(argv[1], "hold") == 0)) {

@@ -32,8 +32,10 @@ namespace {
 
 namespace wf = wire_format;
 
+// cma takes no tensor by default (docs/transport.md, "cma or the ring?"):
+// these tests make it take those of 256 KiB and more.
 const Backend kShmCma{"shm_cma",        "shm", "shm://",
-                      {"cma", "basic"}, "cma", std::nullopt};
+                      {"cma", "basic"}, "cma", size_t{256} << 10};
 
 ContextOptions defaults(std::string name) {
   ContextOptions o;
@@ -225,6 +227,31 @@ TEST(CmaChannel, ThresholdDecidesWhatGoesOutOfBand) {
   auto all = cma::create({0});
   EXPECT_FALSE(all->sendsOutOfBand({nullptr, 0, Device{}}));
   EXPECT_TRUE(all->sendsOutOfBand({&b, 1, Device{}}));
+  // The default: the ring carries every tensor.
+  EXPECT_FALSE(cma::create()->sendsOutOfBand({&b, size_t{1} << 30, Device{}}));
+}
+
+// TRELLIS_CMA_THRESHOLD sets the built-in channel's threshold (here: a
+// 64 KiB tensor then waits for the reader's copy); anything but a number
+// of bytes is refused when the context is created.
+TEST(CmaChannel, ThresholdFromTheEnvironment) {
+  ::setenv("TRELLIS_CMA_THRESHOLD", "65536", 1);
+  auto server = Context::create(defaults("server"));
+  auto client = Context::create(defaults("client"));
+  ::setenv("TRELLIS_CMA_THRESHOLD", "64KiB", 1);
+  EXPECT_THROW(Context::create(defaults("bad")), InvalidArgumentError);
+  ::unsetenv("TRELLIS_CMA_THRESHOLD");
+  auto l = server->listen({"shm://"});
+  auto clientPipe = client->connect(l->address("shm"));
+  auto serverPipe = acceptOne(*l);
+  auto big = patterned("big", {}, {size_t{64} << 10}, 3);
+  auto w = writeAsync(*clientPipe, big.view());
+  EXPECT_FALSE(w.waitFor(std::chrono::milliseconds(200)));
+  auto r = readAll(serverPipe);
+  ASSERT_TRUE(r.error.ok()) << r.error.what();
+  EXPECT_EQ(r.tensors.at(0), big.tensors.at(0));
+  w.wait(kWait);
+  EXPECT_EQ(clientPipe->channelName(), "cma");
 }
 
 // ---- negotiation
@@ -278,7 +305,7 @@ TEST(CmaNegotiation, OtherHostsGetBasic) {
 TEST(CmaPipe, LargeTensorsWaitForTheReaderSmallOnesDoNot) {
   auto pp = makePair(kShmCma, optionsFor(kShmCma, "server"),
                      optionsFor(kShmCma, "client"));
-  // Below the default threshold: inline, the write completes unread.
+  // Below the threshold: inline, the write completes unread.
   auto small = patterned("small", {10}, {1000}, 1);
   writeAsync(*pp.clientPipe, small.view()).wait(kWait);
   // At the threshold and above: the callback waits for the reader's copy.

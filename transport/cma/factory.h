@@ -32,10 +32,17 @@ class Channel;
 
 namespace trellis::transport::cma {
 
+// thresholdBytes: no tensor goes by cma.
+constexpr size_t kNever = ~size_t{0};
+
 struct Options {
   // Tensors of at least this many bytes go by cma; 0 = every non-empty CPU
-  // tensor (docs/benchmarks.md, "cma channel", for the measured default).
-  size_t thresholdBytes = size_t{256} << 10;
+  // tensor. Default kNever: measured here, the shm ring moved tensors of
+  // every size from 64 KiB to 64 MiB faster than cma into a reused buffer,
+  // and cma was ahead by at most a third into fresh pages
+  // (docs/transport.md, "cma or the ring?"). Context::create() takes the
+  // built-in channel's value from TRELLIS_CMA_THRESHOLD (bytes) when set.
+  size_t thresholdBytes = kNever;
   // The reader copies on threads of the channel, started on first use, not
   // on the context's loop; a tensor of at least `splitBytes` is split into
   // one page-aligned piece per thread, copied in parallel (0: never split).

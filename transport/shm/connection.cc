@@ -17,12 +17,6 @@ namespace {
 constexpr size_t kBurstBytes = size_t{8} << 20;
 constexpr auto kConnectRetry = std::chrono::milliseconds(2);
 
-void ringDoorbell(int fd) {
-  const uint64_t one = 1;
-  // EAGAIN only if the counter would overflow: the peer is already woken.
-  [[maybe_unused]] const ssize_t r = ::write(fd, &one, sizeof(one));
-}
-
 }  // namespace
 
 ShmConnection::ShmConnection(Loop& loop, const Options& opts, bool connector,
@@ -280,6 +274,8 @@ void ShmConnection::open() {
   cancelTimers();
   tx_ = seg_.writer(connector_);
   rx_ = seg_.reader(connector_);
+  tx_.setDoorbell(seg_.peerEventFd());
+  rx_.setDoorbell(seg_.peerEventFd());
   uv_poll_init(loop_.uv(), &efdPoll_, seg_.myEventFd());
   efdPoll_.data = this;
   efdPollInit_ = true;
@@ -339,10 +335,7 @@ Error ShmConnection::push(const IoBuf* bufs, size_t n, size_t* index,
     refreshed = false;
   }
   if (moved > 0) {
-    progress_ = true;
-    if (tx_.takeConsumerWaiting()) {
-      ringDoorbell(seg_.peerEventFd());
-    }
+    progress_ = true;  // the ring woke a waiting consumer chunk by chunk
   }
   return Error();
 }
@@ -391,10 +384,7 @@ void ShmConnection::drainReads() {
     }
     const size_t n = rx_.read(base, std::min(len, avail));
     moved += n;
-    progress_ = true;
-    if (rx_.takeProducerWaiting()) {
-      ringDoorbell(seg_.peerEventFd());
-    }
+    progress_ = true;  // the ring woke a waiting producer chunk by chunk
     sink_->onRead(n);  // may stop reading, write or close re-entrantly
   }
 }

@@ -51,6 +51,7 @@ class ShmConnection final : public Connection,
   void write(const IoBuf* bufs, size_t n, WriteCallback cb) override;
   void close() override;
   std::string peerAddress() const override { return peer_; }
+  bool readsAreCheap() const override { return true; }
 
  private:
   enum class State { kConnecting, kAwaitReply, kAwaitSetup, kOpen, kClosed };

@@ -90,8 +90,13 @@ class RingWriter final {
   // [last tail seen, our head].
   Error space(size_t* free);
   // Copies min(n, free) bytes (free from the last space() call) and
-  // publishes the new head. Returns the bytes copied.
+  // publishes the new head, chunk by chunk; after each chunk, a consumer
+  // that asked to be woken is woken through the doorbell (if one is set).
+  // Returns the bytes copied.
   size_t write(const void* src, size_t n);
+  // The peer's eventfd, written when the consumer waits for data (-1, the
+  // default: none; the caller then asks takeConsumerWaiting() itself).
+  void setDoorbell(int peerEventFd) { doorbell_ = peerEventFd; }
   // Sets / clears "wake me when there is space", with a full fence, so a
   // consumer that frees space afterwards sees it.
   void setWaiting(bool on);
@@ -107,6 +112,7 @@ class RingWriter final {
   uint64_t head_ = 0;
   uint64_t lastTail_ = 0;
   size_t free_ = 0;
+  int doorbell_ = -1;
 };
 
 // The reading end.
@@ -119,8 +125,11 @@ class RingReader final {
   // runs ahead of our tail by more than the capacity.
   Error available(size_t* n);
   // Copies min(n, available) bytes (from the last available() call) and
-  // publishes the new tail. Returns the bytes copied.
+  // publishes the new tail, chunk by chunk, waking a producer that waits
+  // for space after each chunk (as RingWriter::write). Returns the bytes
+  // copied.
   size_t read(void* dst, size_t n);
+  void setDoorbell(int peerEventFd) { doorbell_ = peerEventFd; }
   void setWaiting(bool on);
   [[nodiscard]] bool takeProducerWaiting();
   uint64_t tail() const { return tail_; }
@@ -132,6 +141,7 @@ class RingReader final {
   uint64_t tail_ = 0;
   uint64_t lastHead_ = 0;
   size_t avail_ = 0;
+  int doorbell_ = -1;
 };
 
 }  // namespace trellis::transport::shm
