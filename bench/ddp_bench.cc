@@ -10,13 +10,15 @@
 //  1. `--role single`: this program, each model alone (libtorch).
 //  2. `--role worker` x 2: Trellis DDP over ProcessGroup::create("cpu"),
 //     rendezvous through the TCPStoreServer this program hosts. Each model
-//     twice: plain (the step figures), then with a comm hook that wraps
-//     hooks::allreduce() and timestamps each bucket's launch and completion
-//     (the overlap figures).
+//     three times: plain (the step figures), then with a comm hook that
+//     wraps hooks::allreduce() and timestamps each bucket's launch and
+//     completion (the overlap figures), then with gradientAsBucketView
+//     (the `_bucket_view` figures).
 //  3. bench/ddp_bench_torch.py under $TRELLIS_PYTHON (default
 //     /usr/bin/python3): PyTorch single process, then DDP over gloo with 2
-//     ranks, plain and with the same timestamping hook around torch's
-//     default allreduce hook; it writes its figures as JSON to a file.
+//     ranks, plain, with the same timestamping hook around torch's
+//     default allreduce hook, and with gradient_as_bucket_view; it writes
+//     its figures as JSON to a file.
 // The three run in turn, `--rounds` times (default 3). A step is
 // zero_grad, forward + loss, backward, SGD step; warm-up steps are left out;
 // each figure is the median over the rounds of the median over the timed
