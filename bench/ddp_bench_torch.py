@@ -211,20 +211,24 @@ def run_rank(args):
         world_size=args.world, timeout=timedelta(seconds=args.timeout))
     result = {}
     for name in MODELS:
-        for hooked in (False, True):
+        # The defaults, the defaults with the timestamping hook, and
+        # gradient_as_bucket_view (ddp_bench.cc runs the same three).
+        for mode in ("", "_hooked", "_bucket_view"):
+            hooked = mode == "_hooked"
             model, x, loss_fn = make(name, args.rank)
-            ddp = DDP(model)  # defaults: 25 MiB buckets, 1 MiB first bucket
+            # Defaults: 25 MiB buckets, 1 MiB first bucket.
+            ddp = DDP(model, gradient_as_bucket_view=mode == "_bucket_view")
             recorder = None
             if hooked:
                 recorder = Recorder()
                 ddp.register_comm_hook(None, recorder.hook)
             kill_at = None
-            if args.kill_rank == args.rank and name == "mlp" and not hooked:
+            if args.kill_rank == args.rank and name == "mlp" and not mode:
                 kill_at = 3
             dist.barrier()
             stats = run_steps(ddp, x, loss_fn, args.steps, args.warmup,
                               recorder, kill_at)
-            result[f"{name}_ddp{'_hooked' if hooked else ''}"] = stats
+            result[f"{name}_ddp{mode}"] = stats
     dist.barrier()
     dist.destroy_process_group()
     if args.rank == 0:

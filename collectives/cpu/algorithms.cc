@@ -402,6 +402,14 @@ Error allreduce(AlgoContext& c, void* data, size_t count) {
   if (n > 1) {
     const bool flat = c.algo == AllreduceAlgo::kRing ||
                       c.algo == AllreduceAlgo::kRecursiveDoubling;
+    if (!flat && c.hosts != nullptr && c.hosts->hostCount() == 1 &&
+        c.team.empty()) {
+      // The whole group on this host: the rank that reduces a part of each
+      // block also divides it (kAvg) while it is in cache, rather than
+      // every rank dividing the whole buffer once more after.
+      return c.shm->allreduce(c.mesh, c.fp, c.deadline, p, count,
+                              c.fp.reduceOp == ReduceOp::kAvg ? n : 1);
+    }
     Error e = c.hosts != nullptr && !flat ? hierarchicalAllreduce(c, p, count)
                                           : flatAllreduce(c, p, count);
     if (!e.ok()) {

@@ -321,15 +321,16 @@ class HostShm::Impl {
   }
 
   Error allreduce(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                  uint8_t* data, size_t count, bool everyoneGetsIt) {
+                  uint8_t* data, size_t count, bool everyoneGetsIt,
+                  int64_t divisor) {
     const size_t es = elementSize(fp.dtype);
     const size_t perBlock = kBlockBytes / es;
     for (size_t at = 0; at < count || (at == 0 && count == 0); at += perBlock) {
       const size_t n = std::min(perBlock, count - at);
       Error e = n * es <= kSmallBytes && everyoneGetsIt
-                    ? smallBlock(mesh, fp, deadline, data + at * es, n)
+                    ? smallBlock(mesh, fp, deadline, data + at * es, n, divisor)
                     : largeBlock(mesh, fp, deadline, data + at * es, n,
-                                 everyoneGetsIt);
+                                 everyoneGetsIt, divisor);
       if (!e.ok()) {
         return e;
       }
@@ -501,7 +502,7 @@ class HostShm::Impl {
   // Up to kSmallBytes: every rank copies its block in, and every rank
   // reduces all of them in rank order (the same bits everywhere).
   Error smallBlock(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                   uint8_t* data, size_t n) {
+                   uint8_t* data, size_t n, int64_t divisor) {
     const size_t bytes = n * elementSize(fp.dtype);
     const uint64_t g = ++gen_;
     if (Error e = waitFor(&Control::released, g - 2, mesh, fp, deadline);
@@ -518,6 +519,9 @@ class HostShm::Impl {
       for (int i = 2; i < size(); ++i) {
         reduceInto(data, slot(i, g), n, fp.dtype, fp.reduceOp);
       }
+      if (divisor != 1) {
+        divideBy(data, n, fp.dtype, divisor);
+      }
     }
     control(index_)->reduced.store(g, std::memory_order_release);
     control(index_)->released.store(g, std::memory_order_release);
@@ -528,7 +532,8 @@ class HostShm::Impl {
   // others' from their slots) and publishes it in its slot; then everyone
   // (or only the leader) copies the parts in.
   Error largeBlock(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                   uint8_t* data, size_t n, bool everyoneGetsIt) {
+                   uint8_t* data, size_t n, bool everyoneGetsIt,
+                   int64_t divisor) {
     const size_t es = elementSize(fp.dtype);
     const int L = size();
     const auto part = [&](int i) {
@@ -563,6 +568,9 @@ class HostShm::Impl {
         if (i != index_) {
           reduceInto(out, slot(i, g) + off * es, len, fp.dtype, fp.reduceOp);
         }
+      }
+      if (divisor != 1) {
+        divideBy(out, len, fp.dtype, divisor);
       }
       copy(mine + off * es, out, len * es);
     }
@@ -722,15 +730,15 @@ void HostShm::noteStarted(const Fingerprint& fp) { impl_->noteStarted(fp); }
 int HostShm::localIndex() const { return impl_->index(); }
 
 Error HostShm::allreduce(Mesh& mesh, const Fingerprint& fp,
-                         const Deadline& deadline, uint8_t* data,
-                         size_t count) {
-  return impl_->allreduce(mesh, fp, deadline, data, count, true);
+                         const Deadline& deadline, uint8_t* data, size_t count,
+                         int64_t divisor) {
+  return impl_->allreduce(mesh, fp, deadline, data, count, true, divisor);
 }
 
 Error HostShm::reduceToLeader(Mesh& mesh, const Fingerprint& fp,
                               const Deadline& deadline, uint8_t* data,
                               size_t count) {
-  return impl_->allreduce(mesh, fp, deadline, data, count, false);
+  return impl_->allreduce(mesh, fp, deadline, data, count, false, 1);
 }
 
 Error HostShm::broadcastFromLeader(Mesh& mesh, const Fingerprint& fp,

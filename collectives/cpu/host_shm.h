@@ -93,9 +93,12 @@ class HostShm {
   // peer of the host that finds a desync can say what it ran instead.
   void noteStarted(const Fingerprint& fp);
 
-  // Every rank of the host ends with the op over all their `data`.
+  // Every rank of the host ends with the op over all their `data`, each
+  // element divided by `divisor` (> 0; 1: not divided). kAvg's division
+  // is done here by the rank that reduces each part, while the part is in
+  // cache, instead of in a second pass over the whole buffer.
   Error allreduce(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                  uint8_t* data, size_t count);
+                  uint8_t* data, size_t count, int64_t divisor = 1);
   // The leader ends with the op over all their `data`; the others' `data`
   // is left partly reduced.
   Error reduceToLeader(Mesh& mesh, const Fingerprint& fp,
