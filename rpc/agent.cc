@@ -136,6 +136,8 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
   try {
     d.me.address = d.connections->listen();
     detail::rendezvous(d.me, d.worldSize, d.options, d.group);
+    // Only now: a request names its caller by rank, looked up in the group.
+    d.connections->startServing();
   } catch (...) {
     d.closeAll(Error::cancelled("agent start failed"));
     throw;

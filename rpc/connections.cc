@@ -95,6 +95,7 @@ void Connections::forget() {
   forgotten_ = true;
   outPipes_.clear();
   inPipes_.clear();
+  notServed_.clear();
 }
 
 bool Connections::forgotten() const {
@@ -181,6 +182,7 @@ void Connections::accept() {
         }
         auto ps = std::make_shared<PipeState>();
         ps->pipe = std::move(pipe);
+        bool serving;
         {
           MutexLock lock(mu_);
           if (forgotten_) {
@@ -188,10 +190,31 @@ void Connections::accept() {
             return;
           }
           inPipes_.insert(ps);
+          serving = serving_;
+          if (!serving) {
+            notServed_.push_back(ps);
+          }
         }
-        armRead(ps);
+        if (serving) {
+          armRead(ps);
+        }
         accept();
       }));
+}
+
+void Connections::startServing() {
+  std::vector<std::shared_ptr<PipeState>> pipes;
+  {
+    MutexLock lock(mu_);
+    if (serving_ || forgotten_) {
+      return;
+    }
+    serving_ = true;
+    pipes.swap(notServed_);
+  }
+  for (const auto& ps : pipes) {
+    armRead(ps);
+  }
 }
 
 void Connections::armRead(const std::shared_ptr<PipeState>& ps) {

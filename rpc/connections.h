@@ -70,8 +70,15 @@ class Connections {
   Connections& operator=(const Connections&) = delete;
 
   // Creates the transport context, listens on the chosen local address and
-  // starts accepting. Returns the address to advertise.
+  // starts accepting. Returns the address to advertise. Accepted pipes are
+  // not read until startServing(): a peer that finished the rendezvous
+  // first may call before this worker knows the group (its requests wait
+  // in the transport meanwhile; reading them would look up workers that
+  // are not filled in yet).
   std::string listen();
+  // The group is known: reads the pipes accepted so far and every later
+  // one. Idempotent.
+  void startServing();
 
   // The pipe to `to`, opened on first use.
   std::shared_ptr<PipeState> outPipe(int32_t to);
@@ -131,6 +138,9 @@ class Connections {
       TRELLIS_GUARDED_BY(mu_);
   std::set<std::shared_ptr<PipeState>> inPipes_ TRELLIS_GUARDED_BY(mu_);
   bool forgotten_ TRELLIS_GUARDED_BY(mu_) = false;
+  bool serving_ TRELLIS_GUARDED_BY(mu_) = false;
+  // Accepted before startServing(), not read yet.
+  std::vector<std::shared_ptr<PipeState>> notServed_ TRELLIS_GUARDED_BY(mu_);
 
   std::atomic<uint64_t> sent_{0};
   std::atomic<uint64_t> received_{0};

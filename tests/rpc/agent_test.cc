@@ -196,6 +196,91 @@ TEST(RpcAgent, WorkerInfos) {
   EXPECT_THROW(g[0].workerInfo(3), trellis::NotFoundError);
 }
 
+// A store whose multiGet (the rendezvous's last read) answers `delay`
+// late: the worker using it is held between publishing its address and
+// knowing the group.
+class SlowReadStore : public trellis::store::Store {
+ public:
+  SlowReadStore(std::shared_ptr<trellis::store::Store> inner, Duration delay)
+      : inner_(std::move(inner)), delay_(delay) {}
+  void set(const std::string& key, std::span<const uint8_t> value) override {
+    inner_->set(key, value);
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    return inner_->add(key, delta);
+  }
+  trellis::store::Bytes compareSet(const std::string& key,
+                                   std::span<const uint8_t> expected,
+                                   std::span<const uint8_t> desired) override {
+    return inner_->compareSet(key, expected, desired);
+  }
+  bool check(const std::vector<std::string>& keys) override {
+    return inner_->check(keys);
+  }
+  bool deleteKey(const std::string& key) override {
+    return inner_->deleteKey(key);
+  }
+  int64_t numKeys() override { return inner_->numKeys(); }
+  void wait(const std::vector<std::string>& keys,
+            std::chrono::milliseconds timeout) override {
+    inner_->wait(keys, timeout);
+  }
+  trellis::store::Bytes getWithTimeout(
+      const std::string& key, std::chrono::milliseconds timeout) override {
+    inner_->wait({key}, timeout);
+    return inner_->multiGet({key}).at(0);
+  }
+  std::vector<trellis::store::Bytes> multiGet(
+      const std::vector<std::string>& keys) override {
+    auto values = inner_->multiGet(keys);
+    std::this_thread::sleep_for(delay_);
+    return values;
+  }
+  void multiSet(const std::vector<std::string>& keys,
+                const std::vector<trellis::store::Bytes>& values) override {
+    inner_->multiSet(keys, values);
+  }
+
+ private:
+  std::shared_ptr<trellis::store::Store> inner_;
+  Duration delay_;
+};
+
+// Found in CI (1 round in a few hundred, under load): a worker that
+// finished the rendezvous first called one still finishing it, whose agent
+// already read requests and looked the caller up in a group it had not
+// filled in yet (a null dereference on its worker thread). Requests now
+// wait in the transport until the callee knows the group. Here w0 is held
+// 500 ms after both addresses are in the store, and w1 calls it at once.
+TEST(RpcAgent, ARequestBeforeTheCalleeKnowsTheGroupWaitsForIt) {
+  auto store = std::make_shared<trellis::store::HashStore>();
+  auto options = [](std::shared_ptr<trellis::store::Store> s) {
+    rpc::RpcOptions o;
+    o.store = std::move(s);
+    o.localAddress = "127.0.0.1";
+    o.initTimeout = 30s;
+    return o;
+  };
+  std::shared_ptr<rpc::Agent> w0;
+  std::thread starting([&] {
+    w0 = rpc::Agent::start("w0", 0, 2,
+                           options(std::make_shared<SlowReadStore>(
+                               store, std::chrono::milliseconds(500))));
+  });
+  auto w1 = rpc::Agent::start("w1", 1, 2, options(store));
+  {
+    rpc::CurrentAgentScope scope(w1.get());
+    auto addition = rpc::rpcAsync<addInts>("w0", 2, 3);
+    auto counter = rpc::remote<makeCounter>("w0");
+    EXPECT_EQ(addition.wait(20s), 5);
+    EXPECT_EQ(counter.rpcSync<&Counter::add>(4), 4);
+  }
+  starting.join();
+  ASSERT_NE(w0, nullptr);
+  w1->shutdown({.graceful = false});
+  w0->shutdown({.graceful = false});
+}
+
 TEST(RpcAgent, UnknownFunctionAndSignatureMismatchAreRemoteErrors) {
   Group g(2);
   rpc::Encoder args;
