@@ -242,6 +242,11 @@ std::shared_ptr<EmbeddingShard> shardOf(int64_t table) {
 
 TRELLIS_REMOTE_FUNCTION(shardOf);
 TRELLIS_REMOTE_METHODS(EmbeddingShard, lookup, parameters, save, restore);
+// A lookup is a bounds check and one embedding_bag over a few hundred rows
+// (tens of microseconds, no waits; its lock is held by stats() alone, after
+// training): it runs on the server's transport loop, without a hand-off to
+// a worker thread and back (docs/rpc.md, "Inline functions").
+TRELLIS_REMOTE_INLINE(EmbeddingShard::lookup);
 
 namespace {
 
