@@ -13,6 +13,38 @@ namespace trellis::elastic {
 
 using namespace detail;
 
+namespace {
+
+// Connects to the rendezvous store at `ep` and sets up the counter
+// heartbeats over a connection of their own. `what` names the store in
+// the error ("the c10d rendezvous endpoint H:P (--rdzv-endpoint)").
+void connectRoundStore(RoundStore& parts, const Endpoint& ep,
+                       const std::string& what,
+                       std::chrono::milliseconds readTimeout,
+                       std::chrono::milliseconds joinTimeout,
+                       const auth::JobToken& token) {
+  store::TCPStoreOptions co;
+  co.host = ep.host;
+  co.port = ep.port;
+  co.timeout = readTimeout;
+  co.connectTimeout = joinTimeout;
+  co.jobToken = token;
+  try {
+    parts.store = std::make_unique<store::TCPStore>(co);
+  } catch (const ConnectionError& e) {
+    throw ConnectionError(Error::connection(
+        "cannot reach " + what + " within join_timeout " +
+        formatDuration(joinTimeout) + ": " + e.error().message()));
+  }
+  std::shared_ptr<store::Store> hb = parts.store->clone(readTimeout);
+  parts.beat = [hb](const std::string& id, bool) {
+    (void)hb->add(heartbeatKey(id), 1);
+  };
+  parts.liveness = LivenessMode::kCounter;
+}
+
+}  // namespace
+
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
                                                auth::JobToken token, LogFn log,
@@ -41,26 +73,10 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
       }
     }
   }
-  store::TCPStoreOptions co;
-  co.host = ep.host;
-  co.port = ep.port;
-  co.timeout = readTimeout;
-  co.connectTimeout = joinTimeout;
-  co.jobToken = token;
-  try {
-    parts.store = std::make_unique<store::TCPStore>(co);
-  } catch (const ConnectionError& e) {
-    throw ConnectionError(Error::connection(
-        "cannot reach the c10d rendezvous endpoint " + endpointText +
-        " (--rdzv-endpoint) within join_timeout " +
-        formatDuration(joinTimeout) + ": " + e.error().message()));
-  }
-  // Heartbeats: a counter, added to over a connection of its own.
-  std::shared_ptr<store::Store> hb = parts.store->clone(readTimeout);
-  parts.beat = [hb](const std::string& id, bool) {
-    (void)hb->add(heartbeatKey(id), 1);
-  };
-  parts.liveness = LivenessMode::kCounter;
+  connectRoundStore(
+      parts, ep,
+      "the c10d rendezvous endpoint " + endpointText + " (--rdzv-endpoint)",
+      readTimeout, joinTimeout, token);
   if (shareWithWorkers) {
     // torchrun's agent store: the workers use this store too, under
     // /worker/attempt_<N>/round_<R> (core/worker_env.h), far from
@@ -110,25 +126,10 @@ std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
     }
     log("hosting the static rendezvous store on " + endpointText);
   }
-  store::TCPStoreOptions co;
-  co.host = ep.host;
-  co.port = ep.port;
-  co.timeout = readTimeout;
-  co.connectTimeout = joinTimeout;
-  co.jobToken = token;
-  try {
-    parts.store = std::make_unique<store::TCPStore>(co);
-  } catch (const ConnectionError& e) {
-    throw ConnectionError(Error::connection(
-        "cannot reach the static rendezvous store of node rank 0 at " +
-        endpointText + " (--master-addr, --master-port) within " +
-        formatDuration(joinTimeout) + ": " + e.error().message()));
-  }
-  std::shared_ptr<store::Store> hb = parts.store->clone(readTimeout);
-  parts.beat = [hb](const std::string& id, bool) {
-    (void)hb->add(heartbeatKey(id), 1);
-  };
-  parts.liveness = LivenessMode::kCounter;
+  connectRoundStore(parts, ep,
+                    "the static rendezvous store of node rank 0 at " +
+                        endpointText + " (--master-addr, --master-port)",
+                    readTimeout, joinTimeout, token);
   parts.fixedGroupRank = o.nodeRank;
   return makeStoreRendezvous(o, std::move(runLogDir), std::move(token),
                              std::move(log), std::move(parts));
