@@ -43,10 +43,11 @@ bool releaseContext(uint64_t contextId, int32_t from);
 
 TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::propagateGradients);
 TRELLIS_REMOTE_FUNCTION(trellis::dist_autograd::detail::releaseContext);
-// A release only forgets the context (and tells the workers it reached):
-// answered on the transport loop. Gradients stay on worker threads, since
-// they run this worker's part of the backward.
-TRELLIS_REMOTE_INLINE(trellis::dist_autograd::detail::releaseContext);
+// Both stay on worker threads: gradients run this worker's part of the
+// backward, and a release frees the context's graph (autograd nodes, saved
+// tensors), whose last references the workers that ran its requests may
+// have dropped just before. Freeing it on the loop raced with those drops
+// under ThreadSanitizer (the pool's queue ordered them before).
 
 namespace trellis::dist_autograd {
 namespace {
