@@ -17,14 +17,17 @@
 
 namespace trellis::bench {
 
-// Reads `count` messages from `reader`, each into the `size` bytes at `dst`
-// (as a payload, or as one CPU tensor when `asTensor`), while `send(i)`
-// writes message i on the other end; returns GB/s from the first send to
-// the last read. A failed read ends the program through Future::wait.
+// Reads `count` messages from `reader`, each into `size` bytes that
+// `take()` returns when its descriptor arrives (`give(p)` gets them back
+// once read), as a payload or as one CPU tensor when `asTensor`, while
+// `send(i)` writes message i on the other end; returns GB/s from the first
+// send to the last read. A failed read ends the program through
+// Future::wait.
 inline double oneWayThroughput(const std::shared_ptr<transport::Pipe>& reader,
-                               uint8_t* dst, size_t size, size_t count,
-                               bool asTensor,
-                               const std::function<void(size_t)>& send) {
+                               size_t size, size_t count, bool asTensor,
+                               const std::function<void(size_t)>& send,
+                               const std::function<uint8_t*()>& take,
+                               const std::function<void(uint8_t*)>& give) {
   Promise<void> done;
   size_t received = 0;
   std::function<void()> readNext = [&] {
@@ -33,9 +36,11 @@ inline double oneWayThroughput(const std::shared_ptr<transport::Pipe>& reader,
         Promise<void>(done).setError(e);
         return;
       }
+      uint8_t* into = take();
       transport::Allocation a;
-      (asTensor ? a.tensors : a.payloads).push_back({dst, size});
-      reader->read(std::move(a), [&](const Error& e) {
+      (asTensor ? a.tensors : a.payloads).push_back({into, size});
+      reader->read(std::move(a), [&, into](const Error& e) {
+        give(into);
         if (!e.ok()) {
           Promise<void>(done).setError(e);
         } else if (++received == count) {
@@ -56,6 +61,16 @@ inline double oneWayThroughput(const std::shared_ptr<transport::Pipe>& reader,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   return static_cast<double>(count * size) / secs / 1e9;
+}
+
+// The same, every message into the `size` bytes at `dst`.
+inline double oneWayThroughput(const std::shared_ptr<transport::Pipe>& reader,
+                               uint8_t* dst, size_t size, size_t count,
+                               bool asTensor,
+                               const std::function<void(size_t)>& send) {
+  return oneWayThroughput(
+      reader, size, count, asTensor, send, [dst] { return dst; },
+      [](uint8_t*) {});
 }
 
 }  // namespace trellis::bench

@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <netinet/in.h>
@@ -866,53 +867,32 @@ double tensorThroughput(PipeBench& b, size_t size, size_t total,
   if (!freshDst) {
     dst.emplace(runBuffer(size, Pages::kSmall, "tensorThroughput"));
   }
-  Promise<void> done;
-  size_t received = 0;
-  void* fresh = nullptr;
-  std::function<void()> readNext = [&] {
-    b.s->readDescriptor([&](const Error& e, Descriptor) {
-      if (!e.ok()) {
-        Promise<void>(done).setError(e);
-        return;
-      }
-      void* into = nullptr;
-      if (freshDst) {
-        fresh = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (fresh == MAP_FAILED) {
-          Promise<void>(done).setError(Error::fromErrno(errno, "mmap"));
-          return;
-        }
-        into = fresh;
-      } else {
-        into = dst->data();
-      }
-      Allocation a;
-      a.tensors.push_back({into, size});
-      b.s->read(std::move(a), [&](const Error& e) {
-        if (freshDst) {
-          ::munmap(fresh, size);
-        }
-        if (!e.ok()) {
-          Promise<void>(done).setError(e);
-        } else if (++received == count) {
-          Promise<void>(done).setValue();
-        } else {
-          readNext();
-        }
-      });
-    });
+  auto take = [&]() -> uint8_t* {
+    if (!freshDst) {
+      return dst->data();
+    }
+    void* fresh = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (fresh == MAP_FAILED) {
+      std::fprintf(stderr, "transport_bench: mmap of %zu bytes: %s\n", size,
+                   std::strerror(errno));
+      std::exit(1);
+    }
+    return static_cast<uint8_t*>(fresh);
   };
-  readNext();
-  const auto t0 = Clock::now();
-  for (size_t i = 0; i < count; ++i) {
-    Message m;
-    m.tensors.push_back({src.data(), size, Device{}});
-    b.c->write(std::move(m), [](const Error&) {});
-  }
-  done.getFuture().wait(std::chrono::seconds(120));
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  return static_cast<double>(count * size) / secs / 1e9;
+  auto give = [&](uint8_t* p) {
+    if (freshDst) {
+      ::munmap(p, size);
+    }
+  };
+  return bench::oneWayThroughput(
+      b.s, size, count, /*asTensor=*/true,
+      [&](size_t) {
+        Message m;
+        m.tensors.push_back({src.data(), size, Device{}});
+        b.c->write(std::move(m), [](const Error&) {});
+      },
+      take, give);
 }
 
 // Which channel should carry a CPU tensor between two processes of one
