@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../rpc/worker_job.h"
 #include <trellis/core/auth.h>
 #include <trellis/core/error.h>
 #include <trellis/core/worker_env.h>
@@ -32,15 +33,11 @@ WorkerStoreOptions options() {
 }
 
 TEST(WorkerStore, RankZeroServesWithoutTheLaunchersStore) {
-  // A free port: bind 0, read it back, let it go.
-  uint16_t port = 0;
-  {
-    TCPStoreServerOptions so;
-    port = TCPStoreServer(so).port();
-  }
+  // A port no other test process takes meanwhile (worker_job.h).
+  trellis::rpc::testing::PortReservation port;
   MasterEndpoint m;
   m.addr = "127.0.0.1";
-  m.port = port;
+  m.port = static_cast<uint16_t>(port.port());
   WorkerStore rank0 = connectWorkerStore(m, 0, options());
   ASSERT_NE(rank0.server, nullptr);
   WorkerStore rank1 = connectWorkerStore(m, 1, options());
@@ -78,14 +75,11 @@ TEST(WorkerStore, TheLaunchersStoreIsUsedByEveryRankUnderThePrefix) {
 }
 
 TEST(WorkerStore, ErrorsKeepTheirTypeAndSayWhichStore) {
-  uint16_t port = 0;
-  {
-    TCPStoreServerOptions so;
-    port = TCPStoreServer(so).port();
-  }
+  // Reserved, and nobody listens on it.
+  trellis::rpc::testing::PortReservation port;
   MasterEndpoint m;
   m.addr = "127.0.0.1";
-  m.port = port;
+  m.port = static_cast<uint16_t>(port.port());
   m.agentStore = true;
   m.keyPrefix = "/worker/attempt_0";
   WorkerStoreOptions o = options();
