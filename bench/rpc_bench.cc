@@ -412,6 +412,9 @@ void transportCaller(const Phase& p, store::Store& st) {
   for (size_t size : kEchoSizes) {
     transportEcho(*pipe, size, true, 2);  // first touch, channel set-up
     auto e = transportEcho(*pipe, size, true, echoReps(size));
+    if (size == kKiB) {
+      addLatency(pre + "_echo_1KiB_rtt", e, "");
+    }
     double total = 0;
     for (double x : e) {
       total += x;
@@ -519,7 +522,15 @@ void rpcCaller(const Phase& p, store::Store& st) {
     const at::Tensor t = at::ones({static_cast<int64_t>(size)}, at::kByte);
     const int reps = echoReps(size);
     timeCalls(2, [&] { rpc::rpcSync<echoTensor>("callee", t); });
+    const double csw0 = contextSwitches();
     auto e = timeCalls(reps, [&] { rpc::rpcSync<echoTensor>("callee", t); });
+    if (size == kKiB) {
+      report.add(pre + "_echo_1KiB_csw_per_call",
+                 (contextSwitches() - csw0) / reps, "1",
+                 pre + "_noop_csw_per_call");
+      addLatency(pre + "_echo_1KiB_rtt", e,
+                 "transport_" + p.tag + "_echo_1KiB_rtt");
+    }
     double total = 0;
     for (double x : e) {
       total += x;
