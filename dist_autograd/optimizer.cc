@@ -441,19 +441,40 @@ void DistributedOptimizer::step(const Context& context) { step(context.id()); }
 void DistributedOptimizer::step(uint64_t contextId) {
   const Deadline deadline = waitDeadline(impl_->waitLimit);
   const int64_t waitUs = ownerWaitUs(impl_->waitLimit);
-  std::vector<Future<void>> done;
-  done.reserve(impl_->owners.size());
+  const size_t n = impl_->owners.size();
+  std::vector<Future<void>> done(n);
   {
     // The step is no part of the context: carrying it would make the
     // owners join it (and the context's id is an argument anyway).
     rpc::AutogradContextScope noContext(0);
-    for (size_t i = 0; i < impl_->owners.size(); ++i) {
+    auto label = [&](size_t i) {
+      return "DistributedOptimizer: step on '" + impl_->ownerNames[i] + "'";
+    };
+    // Remote owners first, so that they step while this worker does.
+    for (size_t i = 0; i < n; ++i) {
       const auto& owner = impl_->owners[i];
-      done.push_back(withContext(
-          (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
-              .rpcAsync<&LocalOptimizer::step>(contextId, waitUs),
-          "DistributedOptimizer: step on '" + impl_->ownerNames[i] + "'",
-          /*ownerTimeout=*/true));
+      if (!owner.isOwner()) {
+        done[i] = withContext(
+            (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
+                .rpcAsync<&LocalOptimizer::step>(contextId, waitUs),
+            label(i), /*ownerTimeout=*/true);
+      }
+    }
+    // This worker's own optimizer steps on this thread: an RPC to itself
+    // would cross its own transport loop twice and wake a worker thread
+    // and then this one, for the same call (docs/dist_autograd.md).
+    for (size_t i = 0; i < n; ++i) {
+      const auto& owner = impl_->owners[i];
+      if (owner.isOwner()) {
+        Future<void> f;
+        try {
+          rpc::CurrentAgentScope agentScope(owner.state()->agent().get());
+          f = owner.localValue()->step(contextId, waitUs);
+        } catch (...) {
+          f = makeErrorFuture<void>(errorFromCurrentException());
+        }
+        done[i] = withContext(f, label(i), /*ownerTimeout=*/true);
+      }
     }
   }
   waitOwners(done, impl_->ownerNames, deadline, impl_->waitLimit, "step");

@@ -539,6 +539,43 @@ TEST(DistributedOptimizer, StepFailureNamesTheOwnerAndRestoresGrad) {
   EXPECT_TRUE(table.rpcSync<&Table::value>().equal(weight));
 }
 
+// The caller's own parameters step on the calling thread, not by an RPC to
+// itself; the same failure there throws naming this worker and leaves
+// .grad and the value as they were, and the remote owner's step, sent
+// first, still happens.
+TEST(DistributedOptimizer, OwnStepRunsHereAndItsFailureNamesThisWorker) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor weight = grid(10, 3, 0.0);
+  auto mine = makeTable(weight);
+  auto layer = rpc::remote<makeLayer>("w1", grid(3, 4, 0), grid(1, 4, 0.1));
+  auto params = layer.rpcSync<&Layer::parameters>();
+  auto own = mine->parameters();
+  params.insert(params.end(), own.begin(), own.end());
+  dist::DistributedOptimizer opt(dist::Adagrad{.weightDecay = 0.1}, params,
+                                 30s);
+  const auto before = layer.rpcSync<&Layer::values>();
+  dist::Context ctx;
+  at::Tensor h = layer.rpcSync<&Layer::forward>(grid(2, 3, 0.3));
+  at::Tensor rows =
+      mine->lookup(at::tensor({1, 2}, at::kLong), at::tensor({0}, at::kLong));
+  ctx.backward({h.sum() + rows.sum()});
+  try {
+    opt.step(ctx);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    FAIL() << "the own step went through an RPC to itself: " << e.what();
+  } catch (const trellis::Exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("step on 'w0'"), std::string::npos) << what;
+    EXPECT_NE(what.find("sparse"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(mine->weight.grad().defined());
+  EXPECT_TRUE(mine->weight.detach().equal(weight));
+  // Dense gradients take weight decay: w1's step went through.
+  EXPECT_GT(maxAbsDiff(layer.rpcSync<&Layer::values>()[0], before[0]), 1e-6);
+}
+
 // stateDict / loadStateDict: the first optimizer's state (Adam moments on
 // the remote owner and here), loaded into a second one over a copy of the
 // parameters, makes it take exactly the first one's next step (and not the
