@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "thread_ranks.h"
 #include <trellis/collectives/cpu/mesh.h>
 #include <trellis/collectives/cpu/message.h>
 #include <trellis/collectives/process_group.h>
@@ -58,39 +59,13 @@ ProcessGroupOptions sharedProcessOptions(Duration timeout) {
   return o;
 }
 
-// Runs fn(pg) on n threads, one rank each; a failure on any rank fails the
-// test with that rank named.
+// Runs fn(pg) on n threads, one rank each (thread_ranks.h).
 void runRanks(int n, const std::function<void(ProcessGroup&)>& fn,
               ProcessGroupOptions options = {},
               std::shared_ptr<store::Store> store = nullptr) {
-  if (!store) {
-    store = std::make_shared<store::HashStore>();
-  }
-  if (!options.timeout) {
-    options.timeout = 60s;
-  }
-  // The ranks share this process: a failed group must not end it.
-  if (!options.watchdogMode) {
-    options.watchdogMode = WatchdogMode::kFail;
-  }
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto pg = ProcessGroup::create("cpu", store, r, n, options);
-        fn(*pg);
-      } catch (const std::exception& e) {
-        failures[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) {
-    t.join();
-  }
-  for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(failures[static_cast<size_t>(r)], "") << "rank " << r;
-  }
+  testing::runThreadRanks(
+      n, [&](int, std::shared_ptr<ProcessGroup> pg) { fn(*pg); }, options,
+      std::move(store));
 }
 
 // Rank r's deterministic input: small integers, so every reduction is exact
