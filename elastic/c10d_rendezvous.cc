@@ -5,6 +5,7 @@
 // node rank 0 hosts the store at --master-addr:--master-port and every
 // node's group rank is its --node-rank.
 #include <trellis/core/deadline.h>
+#include <trellis/elastic/change_store.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/store_rendezvous.h>
 #include <trellis/store/tcp_store.h>
@@ -14,6 +15,11 @@ namespace trellis::elastic {
 using namespace detail;
 
 namespace {
+
+// How long a node waits for a move of another node before it looks at the
+// clock and the heartbeats again (the last-call timer, dead nodes): the
+// 50 ms it used to sleep between looks, now cut short by the move itself.
+constexpr std::chrono::milliseconds kAwaitBound{50};
 
 // Connects to the rendezvous store at `ep` and sets up the counter
 // heartbeats over a connection of their own. `what` names the store in
@@ -29,17 +35,26 @@ void connectRoundStore(RoundStore& parts, const Endpoint& ep,
   co.timeout = readTimeout;
   co.connectTimeout = joinTimeout;
   co.jobToken = token;
+  std::unique_ptr<store::TCPStore> tcp;
   try {
-    parts.store = std::make_unique<store::TCPStore>(co);
+    tcp = std::make_unique<store::TCPStore>(co);
   } catch (const ConnectionError& e) {
     throw ConnectionError(Error::connection(
         "cannot reach " + what + " within join_timeout " +
         formatDuration(joinTimeout) + ": " + e.error().message()));
   }
-  std::shared_ptr<store::Store> hb = parts.store->clone(readTimeout);
+  // Heartbeats are never waited on: a plain handle, no change ticks.
+  std::shared_ptr<store::Store> hb = tcp->clone(readTimeout);
   parts.beat = [hb](const std::string& id, bool) {
     (void)hb->add(heartbeatKey(id), 1);
   };
+  auto changes = std::make_unique<ChangeStore>(std::move(tcp));
+  ChangeStore* watcher = changes.get();
+  parts.awaitChange = [watcher](const std::string& key,
+                                const std::string& seen) {
+    (void)watcher->waitForChange(key, seen, kAwaitBound);
+  };
+  parts.store = std::move(changes);
   parts.liveness = LivenessMode::kCounter;
 }
 

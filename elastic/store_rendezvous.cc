@@ -320,8 +320,10 @@ class StoreRendezvous final : public Rendezvous {
           // The host serves the store until every node has seen the
           // barrier pass (bounded: a node may die right after).
           const auto until = RdzvClock::now() + keepAlive_ * 2;
-          while (store_->add(leftKey, 0) < n && RdzvClock::now() < until) {
-            std::this_thread::sleep_for(kStepPause);
+          for (int64_t left = store_->add(leftKey, 0);
+               left < n && RdzvClock::now() < until;
+               left = store_->add(leftKey, 0)) {
+            pause(leftKey, std::to_string(left));
           }
         }
         return {};

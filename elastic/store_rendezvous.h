@@ -33,8 +33,9 @@ struct RoundStore {
   std::function<void(const std::string& id, bool first)> beat;
   // Waits up to a short bound of its own for `key`'s value to stop being
   // `seen` (empty: absent), returning at once when it already has; the
-  // rendezvous calls it between moves. Unset: the rendezvous sleeps 50 ms
-  // (c10d polls). etcd: a Watch, so a move wakes the others at once.
+  // rendezvous calls it between moves. Unset: the rendezvous sleeps 50 ms.
+  // etcd: a Watch; c10d: the change ticks of a ChangeStore
+  // (change_store.h). Either way a move wakes the others at once.
   std::function<void(const std::string& key, const std::string& seen)>
       awaitChange;
   // How the others tell that a node died.

@@ -267,4 +267,28 @@ TEST(RendezvousLiveness, ObserveReadsHeartbeatKeys) {
   EXPECT_TRUE(live.dead("b", t0 + 2s));
 }
 
+// Every key present: one check and one multiGet for all of them (the
+// batched path); each counter is still judged on its own.
+TEST(RendezvousLiveness, ObserveReadsAllCountersAtOnce) {
+  trellis::store::HashStore store(1s);
+  Liveness live(1s);
+  const auto ka = trellis::elastic::heartbeatKey("a");
+  const auto kb = trellis::elastic::heartbeatKey("b");
+  (void)store.add(ka, 1);
+  (void)store.add(kb, 1);
+  live.observe(store, {"a", "b"}, t0);
+  (void)store.add(ka, 1);
+  live.observe(store, {"a", "b"}, t0 + 1500ms);
+  EXPECT_FALSE(live.dead("a", t0 + 2s));
+  EXPECT_TRUE(live.dead("b", t0 + 2s));
+  // A heartbeat that is not a counter is an error naming its key.
+  store.set(kb, std::string_view("garbage"));
+  try {
+    live.observe(store, {"a", "b"}, t0 + 2s);
+    FAIL() << "no exception";
+  } catch (const trellis::InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find(kb), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
