@@ -1,3 +1,6 @@
+#include <optional>
+#include <thread>
+
 #include <trellis/core/error.h>
 #include <trellis/elastic/change_store.h>
 
@@ -21,7 +24,14 @@ std::string ChangeStore::tickKey(const std::string& key, int64_t n) {
 }
 
 void ChangeStore::ticked(const std::string& key) {
-  const int64_t n = inner_->add(changesKey(key), 1);
+  int64_t n = 0;
+  try {
+    n = inner_->add(changesKey(key), 1);
+  } catch (const InvalidArgumentError&) {
+    // Another client wrote something that is no counter there: the write
+    // itself stands; waiters on `key` fall back to their bound.
+    return;
+  }
   inner_->set(tickKey(key, n), std::string_view());
   if (n > kKeptTicks) {
     (void)inner_->deleteKey(tickKey(key, n - kKeptTicks));
@@ -106,7 +116,12 @@ store::Bytes ChangeStore::getWithTimeout(const std::string& key,
 bool ChangeStore::waitForChange(const std::string& key, const std::string& seen,
                                 std::chrono::milliseconds bound) {
   // The count first, then the value (change_store.h says why).
-  const int64_t n = inner_->add(changesKey(key), 0);
+  std::optional<int64_t> n;
+  try {
+    n = inner_->add(changesKey(key), 0);
+  } catch (const InvalidArgumentError&) {
+    // Not a counter (written by another client): no ticks to wait for.
+  }
   const bool present = inner_->check({key});
   if (present != !seen.empty()) {
     return true;
@@ -117,8 +132,12 @@ bool ChangeStore::waitForChange(const std::string& key, const std::string& seen,
       return true;
     }
   }
+  if (!n) {
+    std::this_thread::sleep_for(bound);
+    return false;
+  }
   try {
-    inner_->wait({tickKey(key, n + 1)}, bound);
+    inner_->wait({tickKey(key, *n + 1)}, bound);
     return true;
   } catch (const TimeoutError&) {
     return false;

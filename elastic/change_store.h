@@ -19,7 +19,9 @@
 // of an older release) only costs the waiter its bound.
 //
 // Ticks older than kKeptTicks are deleted by the writer that passes them,
-// so a long job's store holds a bounded number per key.
+// so a long job's store holds a bounded number per key. A change count
+// that is not a counter (another client wrote over it) turns the ticks of
+// that key off: writes still succeed and waiters sleep their bound.
 //
 // Thread safety: as the wrapped store (one handle per thread or a store
 // that is thread-safe).

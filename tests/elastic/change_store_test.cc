@@ -136,4 +136,19 @@ TEST_F(ChangeStoreTest, TicksAreBoundedAndPlainWritersCostOnlyTheBound) {
   EXPECT_TRUE(a->waitForChange("record", last, 100ms));  // and it moved
 }
 
+// Garbage where a change count should be (any client with the job token
+// can write it) turns that key's ticks off, and nothing else: writes
+// succeed, waits end at their bound.
+TEST_F(ChangeStoreTest, AGarbledChangeCountFallsBackToTheBound) {
+  auto a = node();
+  auto b = node();
+  a->set(ChangeStore::changesKey("record"), std::string_view("not a number"));
+  b->set("record", std::string_view("v1"));
+  EXPECT_EQ(b->compareSet("record", "v1", "v2"), "v2");
+  const auto t0 = Clock::now();
+  EXPECT_FALSE(a->waitForChange("record", "v2", 150ms));
+  EXPECT_GE(Clock::now() - t0, 150ms);
+  EXPECT_TRUE(a->waitForChange("record", "v1", 150ms));
+}
+
 }  // namespace
