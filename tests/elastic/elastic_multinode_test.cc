@@ -713,4 +713,80 @@ TEST(ElasticMultiNodeNetns, APartitionedHostIsDroppedAfterTheHeartbeatBound) {
   EXPECT_NE(exitCode(job.wait(2, 20s)), 0) << job.allErr();
 }
 
+// The etcd rendezvous across hosts: etcd on a host of its own, three agents
+// on three others. The group of 3 forms; then host 3 is cut off, its etcd
+// lease expires, and the other two go on in a new round of 2.
+TEST(ElasticMultiNodeNetns, EtcdOnItsOwnHostDropsAPartitionedNode) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root to create network namespaces";
+  }
+  if (!haveEtcd()) {
+    GTEST_SKIP() << kEtcdBinary << " is not installed (Debian etcd-server)";
+  }
+  Hosts hosts(4);
+  ASSERT_TRUE(hosts.ok()) << "could not create the namespaces";
+  EtcdServer server(hosts.host(0), hosts.address(0));
+  ASSERT_TRUE(server.start())
+      << "etcd did not start; its log is in " << server.dir();
+  Job job;
+  auto flags = etcd(server.endpoint(), "2:3", 1,
+                    "join_timeout=20,last_call_timeout=1,read_timeout=4,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=2");
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  for (int i = 0; i < 3; ++i) {
+    job.start(i, flags, {"--sleep-first-ms", "30000"}, hosts.host(i + 1));
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const auto cutAt = Clock::now();
+  ASSERT_TRUE(hosts.partition(3));  // agent 2's host
+  // Its lease (TTL 2 s) expires, then a 1 s last call.
+  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
+  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
+  EXPECT_LT(Clock::now() - cutAt, 12s);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 2, 1, 1);
+  // The cut-off node gives up on its own (etcd calls time out).
+  EXPECT_NE(exitCode(job.wait(2, 30s)), 0) << job.allErr();
+  EXPECT_NE(job.err(0).find("etcd rendezvous at " + server.endpoint()),
+            std::string::npos)
+      << job.allErr();
+}
+
+// A node added on another host: the two first form a group of 2 through
+// etcd on its own host, the third waits for the next round, which takes
+// all three (scale up, not a restart).
+TEST(ElasticMultiNodeNetns, EtcdTakesALatecomerOnAnotherHostInTheNextRound) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root to create network namespaces";
+  }
+  if (!haveEtcd()) {
+    GTEST_SKIP() << kEtcdBinary << " is not installed (Debian etcd-server)";
+  }
+  Hosts hosts(4);
+  ASSERT_TRUE(hosts.ok()) << "could not create the namespaces";
+  EtcdServer server(hosts.host(0), hosts.address(0));
+  ASSERT_TRUE(server.start())
+      << "etcd did not start; its log is in " << server.dir();
+  Job job;
+  const auto flags =
+      etcd(server.endpoint(), "2:3", 1, "join_timeout=20,last_call_timeout=1");
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, flags, {"--sleep-ms", "2500"}, hosts.host(i + 1));
+  }
+  ASSERT_TRUE(job.waitEnv(1, 0, 20s)) << job.allErr();
+  EXPECT_EQ(job.env(1, 0).at("WORLD_SIZE"), "2");
+  job.start(2, flags, {"--sleep-ms", "2500"}, hosts.host(3));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 1, 0);
+  EXPECT_NE(job.allErr().find("on its waiting list"), std::string::npos)
+      << job.allErr();
+  EXPECT_NE(job.allErr().find("(scale up)"), std::string::npos) << job.allErr();
+}
+
 }  // namespace

@@ -3,15 +3,22 @@
 // /usr/bin/etcd): a single member on 127.0.0.1, free ports, a fresh data
 // directory, started and waited for (bounded), SIGKILLed by its pid and
 // reaped when the test is done (or asks). Its log goes to <dir>/etcd.log.
+// Or, given a network namespace the test created and an address in it,
+// there on etcd's usual ports (the namespace is fresh: nothing holds them),
+// started through `ip netns exec` (which execs etcd in the same pid) and
+// found ready by its log, since this process cannot reach the namespace.
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
+#include <vector>
 
 #include "../transport/peer_process.h"
 #include <trellis/elastic/agent.h>
@@ -25,7 +32,8 @@ inline bool haveEtcd() { return ::access(kEtcdBinary, X_OK) == 0; }
 
 class EtcdServer {
  public:
-  EtcdServer() {
+  explicit EtcdServer(std::string netns = "", std::string host = "127.0.0.1")
+      : netns_(std::move(netns)), host_(std::move(host)) {
     static int counter = 0;
     dir_ = std::filesystem::temp_directory_path() /
            ("trellis_etcd_" + std::to_string(::getpid()) + "_" +
@@ -46,20 +54,38 @@ class EtcdServer {
   // it again on the same ports and data.
   bool start(std::chrono::milliseconds bound = std::chrono::seconds(20)) {
     for (int attempt = 0; attempt < 3; ++attempt) {
-      if (clientPort_ == 0 || attempt > 0) {
+      if (!netns_.empty()) {
+        clientPort_ = 2379;
+        peerPort_ = 2380;
+      } else if (clientPort_ == 0 || attempt > 0) {
         clientPort_ = pickFreePort("127.0.0.1");
         peerPort_ = pickFreePort("127.0.0.1");
       }
       const std::string client =
-          "http://127.0.0.1:" + std::to_string(clientPort_);
-      const std::string peer = "http://127.0.0.1:" + std::to_string(peerPort_);
-      child_ = transport::testing::spawnHelper(
-          kEtcdBinary,
-          {"--name", "default", "--data-dir", (dir_ / "data").string(),
-           "--listen-client-urls", client, "--advertise-client-urls", client,
-           "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-           "--initial-cluster", "default=" + peer},
-          {}, (dir_ / "etcd.log").string());
+          "http://" + host_ + ":" + std::to_string(clientPort_);
+      const std::string peer =
+          "http://" + host_ + ":" + std::to_string(peerPort_);
+      std::vector<std::string> args = {"--name",
+                                       "default",
+                                       "--data-dir",
+                                       (dir_ / "data").string(),
+                                       "--listen-client-urls",
+                                       client,
+                                       "--advertise-client-urls",
+                                       client,
+                                       "--listen-peer-urls",
+                                       peer,
+                                       "--initial-advertise-peer-urls",
+                                       peer,
+                                       "--initial-cluster",
+                                       "default=" + peer};
+      const char* binary = kEtcdBinary;
+      if (!netns_.empty()) {
+        args.insert(args.begin(), {"netns", "exec", netns_, kEtcdBinary});
+        binary = "/usr/sbin/ip";
+      }
+      child_ = transport::testing::spawnHelper(binary, args, {},
+                                               (dir_ / "etcd.log").string());
       if (waitReady(bound)) {
         return true;
       }
@@ -80,7 +106,7 @@ class EtcdServer {
 
   uint16_t port() const { return clientPort_; }
   std::string endpoint() const {
-    return "127.0.0.1:" + std::to_string(clientPort_);
+    return host_ + ":" + std::to_string(clientPort_);
   }
   pid_t pid() const { return child_ ? child_->pid : -1; }
   std::filesystem::path dir() const { return dir_; }
@@ -93,6 +119,16 @@ class EtcdServer {
       if (::waitpid(child_->pid, &status, WNOHANG) == child_->pid) {
         child_->pid = -1;  // it exited (a port taken?)
         return false;
+      }
+      if (!netns_.empty()) {
+        std::ifstream log(dir_ / "etcd.log");
+        const std::string text((std::istreambuf_iterator<char>(log)),
+                               std::istreambuf_iterator<char>());
+        if (text.find("ready to serve client requests") != std::string::npos) {
+          return true;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        continue;
       }
       try {
         EtcdStoreOptions o;
@@ -109,6 +145,8 @@ class EtcdServer {
     return false;
   }
 
+  std::string netns_;
+  std::string host_;
   std::filesystem::path dir_;
   uint16_t clientPort_ = 0;
   uint16_t peerPort_ = 0;
