@@ -21,7 +21,10 @@
 // Ticks older than kKeptTicks are deleted by the writer that passes them,
 // so a long job's store holds a bounded number per key. A change count
 // that is not a counter (another client wrote over it) turns the ticks of
-// that key off: writes still succeed and waiters sleep their bound.
+// that key off: writes still succeed and waiters sleep their bound. Ticks
+// are best effort: a write that succeeded never fails for its tick (the
+// store may be gone by then: the exit barrier's last write lets the host
+// stop it).
 //
 // Thread safety: as the wrapped store (one handle per thread or a store
 // that is thread-safe).
