@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -200,6 +201,58 @@ void expectConsistentRanks(const Job& job, int nodes, int nproc, int restart) {
   EXPECT_EQ(addrs.size(), 1u);
 }
 
+// Starts agent i with the scenario's worker arguments (the flags, the
+// backend and the host are the caller's).
+using StartAgent =
+    std::function<void(int agent, const std::vector<std::string>& worker)>;
+
+// Three agents (2:3, one rank each) run; then the agent `pickVictim()`
+// names is SIGKILLed. The other two go on in round 1 with 2 nodes within
+// the heartbeat bound and a last call, exit 0, and the logs say `why`.
+void killedAgentScenario(Job& job, const StartAgent& start,
+                         const std::function<int()>& pickVictim,
+                         const std::string& why) {
+  for (int i = 0; i < 3; ++i) {
+    start(i, {"--sleep-first-ms", "30000"});
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
+  }
+  const int victim = pickVictim();
+  ASSERT_GE(victim, 0) << job.allErr();
+  const auto killedAt = Clock::now();
+  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
+  job.wait(victim, 5s);
+  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
+  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
+  EXPECT_LT(Clock::now() - killedAt, 12s);
+  for (int i = 0; i < 3; ++i) {
+    if (i != victim) {
+      EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
+    }
+  }
+  expectConsistentRanks(job, 2, 1, 1);
+  EXPECT_NE(job.allErr().find(why), std::string::npos) << job.allErr();
+}
+
+// Two agents (2:3) form a group of 2; a third comes later, waits for the
+// next round, and that round (a scale up, not a restart) takes all three.
+void latecomerScenario(Job& job, const StartAgent& start) {
+  for (int i = 0; i < 2; ++i) {
+    start(i, {"--sleep-ms", "2500"});
+  }
+  ASSERT_TRUE(job.waitEnv(1, 0, 20s)) << job.allErr();
+  EXPECT_EQ(job.env(1, 0).at("WORLD_SIZE"), "2");
+  start(2, {"--sleep-ms", "2500"});
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  expectConsistentRanks(job, 3, 1, 0);
+  EXPECT_NE(job.allErr().find("on its waiting list"), std::string::npos)
+      << job.allErr();
+  EXPECT_NE(job.allErr().find("(scale up)"), std::string::npos) << job.allErr();
+}
+
 TEST(ElasticMultiNode, ThreeNodesAgreeOnEveryRank) {
   Job job;
   const std::string ep = loopback();
@@ -258,36 +311,18 @@ TEST(ElasticMultiNode, TheBudgetSpentOnOneNodeFailsEveryNode) {
 
 TEST(ElasticMultiNode, AKilledAgentIsDroppedAndTheOthersGoOn) {
   Job job;
-  const std::string ep = loopback();
-  auto flags = c10d(ep, "2:3", 1,
+  auto flags = c10d(loopback(), "2:3", 1,
                     "join_timeout=20,last_call_timeout=1,read_timeout=10,"
                     "keep_alive_interval=1,keep_alive_max_attempt=2");
   flags.insert(flags.end(), {"--max-restarts", "1"});
-  const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
-  for (int i = 0; i < 3; ++i) {
-    job.start(i, flags, worker);
-  }
-  for (int rank = 0; rank < 3; ++rank) {
-    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
-  }
-  const int host = job.host(3);
-  ASSERT_GE(host, 0) << job.allErr();
-  const int victim = (host + 1) % 3;
-  const auto killedAt = Clock::now();
-  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
-  job.wait(victim, 5s);
-  // Noticed within the heartbeat bound (2 s), then a 1 s last call.
-  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
-  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
-  EXPECT_LT(Clock::now() - killedAt, 10s);
-  for (int i = 0; i < 3; ++i) {
-    if (i != victim) {
-      EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
-    }
-  }
-  expectConsistentRanks(job, 2, 1, 1);
-  EXPECT_NE(job.allErr().find("sent no heartbeat"), std::string::npos)
-      << job.allErr();
+  killedAgentScenario(
+      job, [&](int i, const auto& worker) { job.start(i, flags, worker); },
+      [&] {
+        // Not the store's host: losing it ends the job (docs/elastic.md).
+        const int host = job.host(3);
+        return host < 0 ? -1 : (host + 1) % 3;
+      },
+      "sent no heartbeat");
 }
 
 // shared/USERS.md 6: a round survives an agent that restarts. The new
@@ -319,22 +354,9 @@ TEST(ElasticMultiNode, AnAgentThatRestartsRejoinsTheJob) {
 
 TEST(ElasticMultiNode, ALatecomerIsTakenByTheNextRound) {
   Job job;
-  const std::string ep = loopback();
-  const auto flags = c10d(ep, "2:3", 1);
-  for (int i = 0; i < 2; ++i) {
-    job.start(i, flags, {"--sleep-ms", "2500"});
-  }
-  ASSERT_TRUE(job.waitEnv(1, 0, 20s)) << job.allErr();
-  EXPECT_EQ(job.env(1, 0).at("WORLD_SIZE"), "2");
-  job.start(2, flags, {"--sleep-ms", "2500"});
-  // Scale up: a new round (not a restart) with all three.
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
-  }
-  expectConsistentRanks(job, 3, 1, 0);
-  EXPECT_NE(job.allErr().find("on its waiting list"), std::string::npos)
-      << job.allErr();
-  EXPECT_NE(job.allErr().find("(scale up)"), std::string::npos) << job.allErr();
+  const auto flags = c10d(loopback(), "2:3", 1);
+  latecomerScenario(
+      job, [&](int i, const auto& worker) { job.start(i, flags, worker); });
 }
 
 TEST(ElasticMultiNode, AnUnreachableEndpointIsNamedWithinTheJoinTimeout) {
@@ -592,30 +614,10 @@ TEST_F(ElasticMultiNodeEtcd, AKilledAgentIsDroppedAndTheOthersGoOn) {
                     "join_timeout=20,last_call_timeout=1,read_timeout=10,"
                     "keep_alive_interval=1,keep_alive_max_attempt=2");
   flags.insert(flags.end(), {"--max-restarts", "1"});
-  const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
-  for (int i = 0; i < 3; ++i) {
-    job.start(i, flags, worker);
-  }
-  for (int rank = 0; rank < 3; ++rank) {
-    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
-  }
-  const int victim = 1;
-  const auto killedAt = Clock::now();
-  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
-  job.wait(victim, 5s);
   // Its lease (TTL 2 s) expires, then a 1 s last call.
-  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
-  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
-  EXPECT_LT(Clock::now() - killedAt, 10s);
-  for (int i = 0; i < 3; ++i) {
-    if (i != victim) {
-      EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
-    }
-  }
-  expectConsistentRanks(job, 2, 1, 1);
-  EXPECT_NE(job.allErr().find("its etcd lease (TTL 2s) expired"),
-            std::string::npos)
-      << job.allErr();
+  killedAgentScenario(
+      job, [&](int i, const auto& worker) { job.start(i, flags, worker); },
+      [] { return 1; }, "its etcd lease (TTL 2s) expired");
 }
 
 TEST_F(ElasticMultiNodeEtcd, AnUnreachableEtcdIsNamedWithinTheJoinTimeout) {
@@ -741,44 +743,17 @@ TEST_P(ElasticNetns, AKilledAgentIsDroppedAndTheOthersGoOn) {
   Job job;
   auto f = flags(kFast);
   f.insert(f.end(), {"--max-restarts", "1"});
-  for (int i = 0; i < 3; ++i) {
-    start(job, i, f, {"--sleep-first-ms", "30000"});
-  }
-  for (int rank = 0; rank < 3; ++rank) {
-    ASSERT_TRUE(job.waitEnv(rank, 0, 20s)) << job.allErr();
-  }
-  const int victim = 2;  // not the c10d store's host
-  const auto killedAt = Clock::now();
-  ASSERT_EQ(::kill(job.agent(victim).pid, SIGKILL), 0);  // ours, by pid
-  job.wait(victim, 5s);
-  ASSERT_TRUE(job.waitEnv(0, 1, 15s)) << job.allErr();
-  ASSERT_TRUE(job.waitEnv(1, 1, 5s)) << job.allErr();
-  EXPECT_LT(Clock::now() - killedAt, 12s);
-  for (int i = 0; i < 2; ++i) {
-    EXPECT_EQ(exitCode(job.wait(i, 20s)), 0) << job.allErr();
-  }
-  expectConsistentRanks(job, 2, 1, 1);
-  EXPECT_NE(job.allErr().find(vanishedNote()), std::string::npos)
-      << job.allErr();
+  killedAgentScenario(
+      job, [&](int i, const auto& worker) { start(job, i, f, worker); },
+      [] { return 2; },  // not the c10d store's host
+      vanishedNote());
 }
 
 TEST_P(ElasticNetns, ALatecomerOnAnotherHostIsTakenByTheNextRound) {
   Job job;
   const auto f = flags("join_timeout=20,last_call_timeout=1");
-  for (int i = 0; i < 2; ++i) {
-    start(job, i, f, {"--sleep-ms", "2500"});
-  }
-  ASSERT_TRUE(job.waitEnv(1, 0, 20s)) << job.allErr();
-  EXPECT_EQ(job.env(1, 0).at("WORLD_SIZE"), "2");
-  start(job, 2, f, {"--sleep-ms", "2500"});
-  // Scale up: a new round (not a restart) with all three.
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
-  }
-  expectConsistentRanks(job, 3, 1, 0);
-  EXPECT_NE(job.allErr().find("on its waiting list"), std::string::npos)
-      << job.allErr();
-  EXPECT_NE(job.allErr().find("(scale up)"), std::string::npos) << job.allErr();
+  latecomerScenario(
+      job, [&](int i, const auto& worker) { start(job, i, f, worker); });
 }
 
 TEST_P(ElasticNetns, APartitionedHostIsDroppedAfterTheHeartbeatBound) {
