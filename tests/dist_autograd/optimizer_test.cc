@@ -572,8 +572,17 @@ TEST(DistributedOptimizer, OwnStepRunsHereAndItsFailureNamesThisWorker) {
   }
   EXPECT_FALSE(mine->weight.grad().defined());
   EXPECT_TRUE(mine->weight.detach().equal(weight));
-  // Dense gradients take weight decay: w1's step went through.
-  EXPECT_GT(maxAbsDiff(layer.rpcSync<&Layer::values>()[0], before[0]), 1e-6);
+  // w1's step (dense gradients take weight decay) was sent first and goes
+  // through; step() threw at the first error without waiting for it.
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  double moved = 0;
+  while (moved <= 1e-6 && std::chrono::steady_clock::now() < until) {
+    moved = maxAbsDiff(layer.rpcSync<&Layer::values>()[0], before[0]);
+    if (moved <= 1e-6) {
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+  EXPECT_GT(moved, 1e-6);
 }
 
 // stateDict / loadStateDict: the first optimizer's state (Adam moments on
