@@ -91,6 +91,18 @@ inline double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
 }
 
+// The arithmetic mean of `v`; 0 for an empty sample.
+inline double mean(const std::vector<double>& v) {
+  if (v.empty()) {
+    return 0;
+  }
+  double total = 0;
+  for (double x : v) {
+    total += x;
+  }
+  return total / static_cast<double>(v.size());
+}
+
 inline void sendAll(int fd, const void* data, size_t n) {
   auto* p = static_cast<const char*>(data);
   while (n > 0) {

@@ -135,15 +135,8 @@ std::vector<double> bestBlock(
   double bestScore = 0;
   for (int b = 0; b < blocks; ++b) {
     auto us = block(reps / blocks);
-    double score = 0;
-    if (by == Best::kMedian) {
-      score = bench::percentile(us, 0.5);
-    } else {
-      for (double x : us) {
-        score += x;
-      }
-      score /= static_cast<double>(us.size());
-    }
+    const double score =
+        by == Best::kMedian ? bench::percentile(us, 0.5) : bench::mean(us);
     if (best.empty() || score < bestScore) {
       best = std::move(us);
       bestScore = score;
@@ -154,12 +147,7 @@ std::vector<double> bestBlock(
 
 // Bytes per second (GB/s) of echoes of `size` bytes taking `us` each.
 double echoRate(size_t size, const std::vector<double>& us) {
-  double total = 0;
-  for (double x : us) {
-    total += x;
-  }
-  return static_cast<double>(size) * static_cast<double>(us.size()) / total /
-         1e3;
+  return static_cast<double>(size) / bench::mean(us) / 1e3;
 }
 
 // Diagnostics go to stderr, so that stdout stays one JSON object per line.
@@ -705,12 +693,10 @@ void grpcCaller(store::Store& st) {
   trellis::bench::EchoBytes big;
   big.set_data(std::string(64 * kMiB, 'x'));
   echo(big);
-  const int reps = echoReps(64 * kMiB);
-  double total = 0;
-  for (double x : timeCalls(reps, [&] { echo(big); })) {
-    total += x;
-  }
-  report.add("grpc_echo_64MiB", 64.0 * kMiB * reps / total / 1e3, "GB/s");
+  report.add(
+      "grpc_echo_64MiB",
+      echoRate(64 * kMiB, timeCalls(echoReps(64 * kMiB), [&] { echo(big); })),
+      "GB/s");
   st.set("grpc/done", "1");
 }
 
