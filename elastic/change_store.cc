@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <optional>
 #include <thread>
 
@@ -57,8 +58,10 @@ store::Bytes ChangeStore::compareSet(const std::string& key,
                                      std::span<const uint8_t> expected,
                                      std::span<const uint8_t> desired) {
   store::Bytes now = inner_->compareSet(key, expected, desired);
-  // Swapped (the value is now `desired` and was `expected` before): a
-  // change, unless the two are equal.
+  // The value is now `desired`: swapped, a change unless `expected` equals
+  // it. (It may also have been `desired` already, the swap failing; the
+  // reply cannot tell the two apart, and a spurious tick only wakes the
+  // waiters once for nothing.)
   const bool same = std::equal(expected.begin(), expected.end(),
                                desired.begin(), desired.end());
   if (!same &&
