@@ -396,28 +396,71 @@ AllreduceAlgo allreduceAlgoFromEnvironment() {
                                     "' is not one of auto, ring, rd, hier"));
 }
 
+namespace {
+bool forcedFlat(const AlgoContext& c) {
+  return c.algo == AllreduceAlgo::kRing ||
+         c.algo == AllreduceAlgo::kRecursiveDoubling;
+}
+// The whole group on this host, reducing in its segment: the rank that
+// reduces a part of each block also divides it (kAvg) while it is in
+// cache, rather than every rank dividing the whole buffer once more after.
+bool wholeGroupInSegment(const AlgoContext& c) {
+  return c.size() > 1 && !forcedFlat(c) && c.hosts != nullptr &&
+         c.hosts->hostCount() == 1 && c.team.empty();
+}
+int64_t segmentDivisor(const AlgoContext& c) {
+  return c.fp.reduceOp == ReduceOp::kAvg ? c.size() : 1;
+}
+}  // namespace
+
 Error allreduce(AlgoContext& c, void* data, size_t count) {
   const int n = c.size();
   auto* p = static_cast<uint8_t*>(data);
+  if (wholeGroupInSegment(c)) {
+    return c.shm->allreduce(c.mesh, c.fp, c.deadline, p, count,
+                            segmentDivisor(c));
+  }
   if (n > 1) {
-    const bool flat = c.algo == AllreduceAlgo::kRing ||
-                      c.algo == AllreduceAlgo::kRecursiveDoubling;
-    if (!flat && c.hosts != nullptr && c.hosts->hostCount() == 1 &&
-        c.team.empty()) {
-      // The whole group on this host: the rank that reduces a part of each
-      // block also divides it (kAvg) while it is in cache, rather than
-      // every rank dividing the whole buffer once more after.
-      return c.shm->allreduce(c.mesh, c.fp, c.deadline, p, count,
-                              c.fp.reduceOp == ReduceOp::kAvg ? n : 1);
-    }
-    Error e = c.hosts != nullptr && !flat ? hierarchicalAllreduce(c, p, count)
-                                          : flatAllreduce(c, p, count);
+    Error e = c.hosts != nullptr && !forcedFlat(c)
+                  ? hierarchicalAllreduce(c, p, count)
+                  : flatAllreduce(c, p, count);
     if (!e.ok()) {
       return e;
     }
   }
   if (c.fp.reduceOp == ReduceOp::kAvg) {
     divideBy(p, count, c.fp.dtype, n);
+  }
+  return Error();
+}
+
+Error allreduce(AlgoContext& c, const Pieces& tensors,
+                std::vector<uint8_t>& packed) {
+  if (wholeGroupInSegment(c)) {
+    return c.shm->allreduce(c.mesh, c.fp, c.deadline, tensors,
+                            segmentDivisor(c));
+  }
+  const size_t total = tensors.count();
+  const size_t es = tensors.elementSize;
+  if (packed.size() < total * es) {
+    packed.resize(total * es);
+  }
+  size_t at = 0;
+  for (const auto& t : tensors.pieces) {
+    if (t.count > 0) {
+      std::memcpy(packed.data() + at, t.data, t.count * es);
+    }
+    at += t.count * es;
+  }
+  if (Error e = allreduce(c, packed.data(), total); !e.ok()) {
+    return e;
+  }
+  at = 0;
+  for (const auto& t : tensors.pieces) {
+    if (t.count > 0) {
+      std::memcpy(t.data, packed.data() + at, t.count * es);
+    }
+    at += t.count * es;
   }
   return Error();
 }

@@ -12,7 +12,8 @@
 //    doubling (with the non-power-of-two fold) up to kSmallAllreduceBytes,
 //    ring reduce-scatter + allgather above. TRELLIS_COLLECTIVES_ALGO=ring|rd
 //    forces a flat one over the mesh, =hier the hierarchical one where it
-//    applies (tests cover each).
+//    applies (tests cover each). allreduceCoalesced is the same over its
+//    tensors as one buffer; with the whole group on one host, unpacked.
 //  - broadcast, reduce: binomial trees rooted at the root.
 //  - allgather: ring. gather, scatter: direct to/from the root.
 //  - reduceScatter: ring. alltoall: pairwise exchange. barrier:
@@ -72,6 +73,12 @@ struct AlgoContext {
 };
 
 Error allreduce(AlgoContext& c, void* data, size_t count);
+// allreduceCoalesced's tensors (elements of c.fp.dtype each) as one
+// buffer. With the whole group on this host they are reduced where they
+// are, block by block through the segment; otherwise packed into `packed`
+// (kept by the caller, grown as needed), reduced, and unpacked.
+Error allreduce(AlgoContext& c, const Pieces& tensors,
+                std::vector<uint8_t>& packed);
 Error broadcast(AlgoContext& c, void* data, size_t bytes);
 // Only the root's `data` changes.
 Error reduce(AlgoContext& c, void* data, size_t count);

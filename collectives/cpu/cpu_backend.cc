@@ -164,34 +164,13 @@ class CpuBackend final : public Backend {
                            " reached the collective queue");
   }
 
-  // The tensors are packed into one buffer, reduced as one, unpacked.
   Error allreduceCoalesced(AlgoContext& c, OpSpec& op) {
-    const size_t es = elementSize(op.fp.dtype);
-    size_t total = 0;
-    for (size_t n : op.counts) {
-      total += n;
-    }
-    if (flat_.size() < total * es) {
-      flat_.resize(total * es);
-    }
-    size_t at = 0;
+    Pieces tensors{.pieces = {}, .elementSize = elementSize(op.fp.dtype)};
     for (size_t i = 0; i < op.counts.size(); ++i) {
-      if (op.counts[i] > 0) {
-        std::memcpy(flat_.data() + at, op.outputs[i], op.counts[i] * es);
-      }
-      at += op.counts[i] * es;
+      tensors.pieces.push_back(
+          {static_cast<uint8_t*>(op.outputs[i]), op.counts[i]});
     }
-    if (Error e = allreduce(c, flat_.data(), total); !e.ok()) {
-      return e;
-    }
-    at = 0;
-    for (size_t i = 0; i < op.counts.size(); ++i) {
-      if (op.counts[i] > 0) {
-        std::memcpy(op.outputs[i], flat_.data() + at, op.counts[i] * es);
-      }
-      at += op.counts[i] * es;
-    }
-    return Error();
+    return allreduce(c, tensors, packed_);
   }
 
   std::unique_ptr<Mesh> mesh_;
@@ -202,7 +181,7 @@ class CpuBackend final : public Backend {
   const AllreduceAlgo algo_;
   // Touched only by the worker thread.
   Scratch scratch_;
-  std::vector<uint8_t> flat_;
+  std::vector<uint8_t> packed_;  // allreduceCoalesced's, off one host
 
   Mutex mu_;
   CondVar cv_;

@@ -320,16 +320,18 @@ class HostShm::Impl {
     }
   }
 
+  // `data` as blocks of kBlockBytes of the whole (the pieces' boundaries
+  // do not matter: a block may span several).
   Error allreduce(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                  uint8_t* data, size_t count, bool everyoneGetsIt,
-                  int64_t divisor) {
+                  const Pieces& data, bool everyoneGetsIt, int64_t divisor) {
     const size_t es = elementSize(fp.dtype);
+    const size_t count = data.count();
     const size_t perBlock = kBlockBytes / es;
     for (size_t at = 0; at < count || (at == 0 && count == 0); at += perBlock) {
       const size_t n = std::min(perBlock, count - at);
       Error e = n * es <= kSmallBytes && everyoneGetsIt
-                    ? smallBlock(mesh, fp, deadline, data + at * es, n, divisor)
-                    : largeBlock(mesh, fp, deadline, data + at * es, n,
+                    ? smallBlock(mesh, fp, deadline, data, at, n, divisor)
+                    : largeBlock(mesh, fp, deadline, data, at, n,
                                  everyoneGetsIt, divisor);
       if (!e.ok()) {
         return e;
@@ -375,6 +377,20 @@ class HostShm::Impl {
     if (bytes > 0) {
       std::memcpy(to, from, bytes);
     }
+  }
+  // Elements [at, at + n) of `data` to contiguous memory, and back.
+  static void gather(uint8_t* to, const Pieces& data, size_t at, size_t n) {
+    data.forEach(at, n, [&](const uint8_t* p, size_t k) {
+      copy(to, p, k * data.elementSize);
+      to += k * data.elementSize;
+    });
+  }
+  static void scatter(const Pieces& data, size_t at, const uint8_t* from,
+                      size_t n) {
+    data.forEach(at, n, [&](uint8_t* p, size_t k) {
+      copy(p, from, k * data.elementSize);
+      from += k * data.elementSize;
+    });
   }
 
   Error mapSegment() {
@@ -500,29 +516,34 @@ class HostShm::Impl {
   }
 
   // Up to kSmallBytes: every rank copies its block in, and every rank
-  // reduces all of them in rank order (the same bits everywhere).
+  // reduces all of them in rank order (the same bits everywhere). The
+  // block is elements [at, at + n) of `data`.
   Error smallBlock(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                   uint8_t* data, size_t n, int64_t divisor) {
-    const size_t bytes = n * elementSize(fp.dtype);
+                   const Pieces& data, size_t at, size_t n, int64_t divisor) {
+    const size_t es = elementSize(fp.dtype);
     const uint64_t g = ++gen_;
     if (Error e = waitFor(&Control::released, g - 2, mesh, fp, deadline);
         !e.ok()) {
       return e;
     }
-    copy(slot(index_, g), data, bytes);
+    gather(slot(index_, g), data, at, n);
     publish(fp, g);
     if (Error e = waitArrivedAll(g, mesh, fp, deadline); !e.ok()) {
       return e;
     }
-    if (n > 0) {
-      reduceThreeWay(data, slot(0, g), slot(1, g), n, fp.dtype, fp.reduceOp);
+    size_t done = 0;  // elements of the block before this piece
+    data.forEach(at, n, [&](uint8_t* out, size_t k) {
+      const size_t skip = done * es;
+      reduceThreeWay(out, slot(0, g) + skip, slot(1, g) + skip, k, fp.dtype,
+                     fp.reduceOp);
       for (int i = 2; i < size(); ++i) {
-        reduceInto(data, slot(i, g), n, fp.dtype, fp.reduceOp);
+        reduceInto(out, slot(i, g) + skip, k, fp.dtype, fp.reduceOp);
       }
       if (divisor != 1) {
-        divideBy(data, n, fp.dtype, divisor);
+        divideBy(out, k, fp.dtype, divisor);
       }
-    }
+      done += k;
+    });
     control(index_)->reduced.store(g, std::memory_order_release);
     control(index_)->released.store(g, std::memory_order_release);
     return Error();
@@ -530,9 +551,10 @@ class HostShm::Impl {
 
   // Rank i reduces part i of the block (its own part from `data`, the
   // others' from their slots) and publishes it in its slot; then everyone
-  // (or only the leader) copies the parts in.
+  // (or only the leader) copies the parts in. The block is elements
+  // [at, at + n) of `data`.
   Error largeBlock(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
-                   uint8_t* data, size_t n, bool everyoneGetsIt,
+                   const Pieces& data, size_t at, size_t n, bool everyoneGetsIt,
                    int64_t divisor) {
     const size_t es = elementSize(fp.dtype);
     const int L = size();
@@ -552,7 +574,7 @@ class HostShm::Impl {
     for (int i = 0; i < L; ++i) {
       if (i != index_) {
         const auto [off, len] = part(i);
-        copy(mine + off * es, data + off * es, len * es);
+        gather(mine + off * es, data, at + off, len);
       }
     }
     publish(fp, g);
@@ -562,18 +584,19 @@ class HostShm::Impl {
     // Only this rank reduces its part, so every rank gets the same bits
     // whatever the order of the folds.
     const auto [off, len] = part(index_);
-    if (len > 0) {
-      uint8_t* out = data + off * es;
+    size_t done = off;  // elements of the block before this piece
+    data.forEach(at + off, len, [&](uint8_t* out, size_t k) {
       for (int i = 0; i < L; ++i) {
         if (i != index_) {
-          reduceInto(out, slot(i, g) + off * es, len, fp.dtype, fp.reduceOp);
+          reduceInto(out, slot(i, g) + done * es, k, fp.dtype, fp.reduceOp);
         }
       }
       if (divisor != 1) {
-        divideBy(out, len, fp.dtype, divisor);
+        divideBy(out, k, fp.dtype, divisor);
       }
-      copy(mine + off * es, out, len * es);
-    }
+      copy(mine + done * es, out, k * es);
+      done += k;
+    });
     control(index_)->reduced.store(g, std::memory_order_release);
     if (everyoneGetsIt || index_ == 0) {
       if (Error e = waitFor(&Control::reduced, g, mesh, fp, deadline);
@@ -583,7 +606,7 @@ class HostShm::Impl {
       for (int i = 0; i < L; ++i) {
         if (i != index_) {
           const auto [o, l] = part(i);
-          copy(data + o * es, slot(i, g) + o * es, l * es);
+          scatter(data, at + o, slot(i, g) + o * es, l);
         }
       }
     }
@@ -729,16 +752,39 @@ int HostShm::localSize() const { return impl_->size(); }
 void HostShm::noteStarted(const Fingerprint& fp) { impl_->noteStarted(fp); }
 int HostShm::localIndex() const { return impl_->index(); }
 
+size_t Pieces::count() const {
+  size_t n = 0;
+  for (const Piece& p : pieces) {
+    n += p.count;
+  }
+  return n;
+}
+
+namespace {
+Pieces onePiece(const Fingerprint& fp, uint8_t* data, size_t count) {
+  return Pieces{.pieces = {{data, count}},
+                .elementSize = elementSize(fp.dtype)};
+}
+}  // namespace
+
 Error HostShm::allreduce(Mesh& mesh, const Fingerprint& fp,
                          const Deadline& deadline, uint8_t* data, size_t count,
                          int64_t divisor) {
-  return impl_->allreduce(mesh, fp, deadline, data, count, true, divisor);
+  return impl_->allreduce(mesh, fp, deadline, onePiece(fp, data, count), true,
+                          divisor);
+}
+
+Error HostShm::allreduce(Mesh& mesh, const Fingerprint& fp,
+                         const Deadline& deadline, const Pieces& pieces,
+                         int64_t divisor) {
+  return impl_->allreduce(mesh, fp, deadline, pieces, true, divisor);
 }
 
 Error HostShm::reduceToLeader(Mesh& mesh, const Fingerprint& fp,
                               const Deadline& deadline, uint8_t* data,
                               size_t count) {
-  return impl_->allreduce(mesh, fp, deadline, data, count, false, 1);
+  return impl_->allreduce(mesh, fp, deadline, onePiece(fp, data, count), false,
+                          1);
 }
 
 Error HostShm::broadcastFromLeader(Mesh& mesh, const Fingerprint& fp,

@@ -31,6 +31,7 @@
 //    TimeoutError naming the ranks this rank waited for).
 //  - Results are bit-identical on every rank of a host: each part of the
 //    result is reduced by one rank and copied by the others.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -68,6 +69,37 @@ struct HostLayout {
   bool anyShared() const;
 };
 
+// Elements of one dtype spread over several buffers (allreduceCoalesced's
+// tensors), reduced as if they were one buffer, without packing them.
+struct Pieces {
+  struct Piece {
+    uint8_t* data;
+    size_t count;  // elements
+  };
+  std::vector<Piece> pieces;
+  size_t elementSize = 1;
+
+  size_t count() const;
+  // f(bytes, count) for the parts of elements [offset, offset + count), in
+  // order; `bytes` points into the piece that holds them.
+  template <typename F>
+  void forEach(size_t offset, size_t count, F&& f) const {
+    for (const Piece& p : pieces) {
+      if (count == 0) {
+        return;
+      }
+      if (offset >= p.count) {
+        offset -= p.count;
+        continue;
+      }
+      const size_t n = std::min(count, p.count - offset);
+      f(p.data + offset * elementSize, n);
+      offset = 0;
+      count -= n;
+    }
+  }
+};
+
 class HostShm {
  public:
   // Bytes per rank per block of an op; a segment holds two blocks per rank.
@@ -99,6 +131,10 @@ class HostShm {
   // cache, instead of in a second pass over the whole buffer.
   Error allreduce(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
                   uint8_t* data, size_t count, int64_t divisor = 1);
+  // The same over `pieces` in place, as one buffer of pieces.count()
+  // elements (the same blocks, so the same bits as the packed buffer).
+  Error allreduce(Mesh& mesh, const Fingerprint& fp, const Deadline& deadline,
+                  const Pieces& pieces, int64_t divisor = 1);
   // The leader ends with the op over all their `data`; the others' `data`
   // is left partly reduced.
   Error reduceToLeader(Mesh& mesh, const Fingerprint& fp,

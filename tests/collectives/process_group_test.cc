@@ -514,6 +514,56 @@ TEST(ProcessGroup, CoalescedBarrierAndManyOpsInFlight) {
   });
 }
 
+// allreduceCoalesced reduces its tensors where they are when the group
+// shares one host (no packing): pieces that start and end inside the
+// segment's blocks (131072 floats each), empty ones, and a small total
+// that takes the every-rank-reduces path. Each result must be the bits of
+// an allreduce of the same values packed into one tensor, with the
+// segment and with the packing path a forced ring algorithm takes.
+TEST(ProcessGroup, CoalescedUnpackedEqualsPacked) {
+  const std::vector<std::vector<int64_t>> layouts = {
+      {1, 0, 70000, 3, 200001, 0, 5000},  // large blocks, pieces split
+      {7, 1, 0, 300, 2},                  // one small block
+  };
+  for (const char* algo : {static_cast<const char*>(nullptr), "ring"}) {
+    ScopedAlgo scoped(algo);
+    for (int n : {2, 3}) {
+      for (const auto& sizes : layouts) {
+        for (ReduceOp op : {ReduceOp::kAvg, ReduceOp::kMax}) {
+          SCOPED_TRACE(std::string(algo ? algo : "auto") + ", " +
+                       std::to_string(n) + " ranks, " +
+                       std::to_string(sizes.size()) + " tensors, op " +
+                       std::to_string(static_cast<int>(op)));
+          runRanks(n, [&](ProcessGroup& pg) {
+            std::vector<torch::Tensor> ts;
+            int64_t total = 0;
+            for (int64_t s : sizes) {
+              total += s;
+            }
+            // Different values per rank and position, not exact under kAvg.
+            auto all =
+                torch::arange(total, torch::kFloat).mul(0.37 + pg.rank()).sin();
+            int64_t at = 0;
+            for (int64_t s : sizes) {
+              ts.push_back(all.narrow(0, at, s).clone());
+              at += s;
+            }
+            auto packed = all.clone();
+            pg.allreduceCoalesced(ts, op).wait();
+            pg.allreduce(packed, op).wait();
+            at = 0;
+            for (size_t i = 0; i < ts.size(); ++i) {
+              ASSERT_TRUE(torch::equal(ts[i], packed.narrow(0, at, sizes[i])))
+                  << "tensor " << i;
+              at += sizes[i];
+            }
+          });
+        }
+      }
+    }
+  }
+}
+
 TEST(ProcessGroup, SendRecvMatchByTagAndAnySource) {
   runRanks(3, [&](ProcessGroup& pg) {
     const int r = pg.rank();
