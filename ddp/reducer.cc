@@ -117,7 +117,10 @@ class Reducer::ReadyHook final : public torch::autograd::FunctionPostHook {
 
 Reducer::Reducer(std::shared_ptr<collectives::ProcessGroup> group,
                  Options options, std::vector<Param> params)
-    : group_(std::move(group)), options_(options), params_(std::move(params)) {
+    : group_(std::move(group)),
+      options_(options),
+      params_(std::move(params)),
+      cpu_(params_.empty() || params_.front().tensor.is_cpu()) {
   std::vector<size_t> order(params_.size());
   std::iota(order.rbegin(), order.rend(), size_t{0});  // reverse registration
   MutexLock lock(mu_);
@@ -229,6 +232,10 @@ void Reducer::resetIteration() {
     b.work.reset();
     b.hooked.reset();
     b.flagsWork.reset();
+  }
+  for (auto& slot : slots_) {
+    slot.reduced = at::Tensor();  // holds no .grad beyond the iteration
+    slot.direct = false;
   }
   if (flags_.defined()) {
     at::NoGradGuard noGrad;
@@ -356,7 +363,8 @@ void Reducer::shadowIteration() {
     launch(k, zeros,
            last && flags_.defined()
                ? zeros.narrow(0, bucket.numel, zeros.numel() - bucket.numel)
-               : at::Tensor());
+               : at::Tensor(),
+           /*fromSlots=*/false);
   }
   try {
     for (auto& bucket : buckets_) {
@@ -497,6 +505,8 @@ void Reducer::markReady(size_t index, bool local) {
   const at::Tensor& param = params_[index].tensor;
   const at::Tensor& grad = gradOf(index);
   at::Tensor& view = slots_[index].view;
+  slots_[index].reduced = view;
+  slots_[index].direct = false;
   if (grad.defined() && grad.is_sparse()) {
     throwError(Error(Code::kUnimplemented,
                      "DistributedDataParallel: parameter '" +
@@ -514,7 +524,17 @@ void Reducer::markReady(size_t index, bool local) {
       param.mutable_grad() = view;
     }
   } else if (grad.defined()) {
-    view.copy_(grad);
+    if (cpu_ && !hook_ && contextGrads_ == nullptr && grad.is_contiguous() &&
+        grad.scalar_type() == param.scalar_type() &&
+        grad.sizes() == param.sizes() && grad.is_cpu()) {
+      // Reduced where it is (launch): neither copied into the bucket now
+      // nor back at the end. A parameter's gradient is final once its
+      // hook fired, so nothing writes it while the group reads it.
+      slots_[index].reduced = grad;
+      slots_[index].direct = true;
+    } else {
+      view.copy_(grad);
+    }
   } else {
     view.zero_();
   }
@@ -533,15 +553,78 @@ void Reducer::launchReadyBuckets() {
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
     const size_t k = nextBucket_++;
     launch(k, buckets_[k].flat,
-           k + 1 == buckets_.size() ? flags_ : at::Tensor());
+           k + 1 == buckets_.size() ? flags_ : at::Tensor(),
+           /*fromSlots=*/true);
   }
 }
 
-void Reducer::launch(size_t k, const at::Tensor& flat,
-                     const at::Tensor& flags) {
+void Reducer::separateOverlaps(Bucket& b) {
+  struct Range {
+    uintptr_t begin, end;
+    size_t param;  // SIZE_MAX: the bucket's own memory
+  };
+  std::vector<Range> ranges;
+  const auto add = [&](const at::Tensor& t, size_t param) {
+    if (t.numel() > 0) {
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      ranges.push_back({begin, begin + bytesOf(t), param});
+    }
+  };
+  add(b.flat, SIZE_MAX);
+  for (size_t i : b.params) {
+    if (slots_[i].direct) {
+      add(slots_[i].reduced, i);
+    }
+  }
+  if (ranges.size() < 2) {
+    return;
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& x, const Range& y) { return x.begin < y.begin; });
+  std::vector<size_t> copies;
+  uintptr_t end = ranges[0].end;
+  for (size_t r = 1; r < ranges.size(); ++r) {
+    if (ranges[r].begin < end) {
+      for (size_t q : {r - 1, r}) {
+        if (ranges[q].param != SIZE_MAX) {
+          copies.push_back(ranges[q].param);
+        }
+      }
+    }
+    end = std::max(end, ranges[r].end);
+  }
+  for (size_t i : copies) {
+    Slot& slot = slots_[i];
+    if (slot.direct) {
+      slot.view.copy_(slot.reduced);
+      slot.reduced = slot.view;
+      slot.direct = false;
+    }
+  }
+}
+
+void Reducer::launch(size_t k, const at::Tensor& flat, const at::Tensor& flags,
+                     bool fromSlots) {
   Bucket& b = buckets_[k];
   if (!hook_) {
-    b.work = group_->allreduce(flat, collectives::ReduceOp::kAvg);
+    if (!cpu_) {
+      b.work = group_->allreduce(flat, collectives::ReduceOp::kAvg);
+      return;
+    }
+    std::vector<at::Tensor> tensors;
+    if (fromSlots) {
+      separateOverlaps(b);
+      for (size_t i : b.params) {
+        tensors.push_back(slots_[i].reduced);
+      }
+      if (flags.defined()) {
+        tensors.push_back(flags);
+      }
+    } else {
+      tensors.push_back(flat);
+    }
+    b.work = group_->allreduceCoalesced(std::move(tensors),
+                                        collectives::ReduceOp::kAvg);
     return;
   }
   GradBucket view;
@@ -636,16 +719,23 @@ void Reducer::finalizeLocked() {
     const at::Tensor& param = params_[i].tensor;
     const at::Tensor& grad = gradOf(i);
     at::Tensor& view = slots_[i].view;
-    if (gradScale_ != 1.0) {
-      view.mul_(gradScale_);
-    }
     if (fraction[i] != 0) {
       const long ranks = std::lround(fraction[i] * worldSize);
       unused.push_back(params_[i].name + " (" + std::to_string(ranks) + " of " +
                        std::to_string(worldSize) + " ranks)");
-      if (fraction[i] == 1 && !grad.defined()) {
-        continue;  // no rank has a gradient: none is made up
+    }
+    if (slots_[i].direct) {
+      // The average is already in .grad.
+      if (gradScale_ != 1.0) {
+        slots_[i].reduced.mul_(gradScale_);
       }
+      continue;
+    }
+    if (gradScale_ != 1.0) {
+      view.mul_(gradScale_);
+    }
+    if (fraction[i] == 1 && !grad.defined()) {
+      continue;  // no rank has a gradient: none is made up
     }
     if (contextGrads_ != nullptr) {
       // The context keeps it beyond this iteration: not the bucket's memory.

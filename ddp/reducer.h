@@ -111,6 +111,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     // The parameter-shaped part of the bucket's flat tensor (shares its
     // memory; not an autograd view).
     at::Tensor view;
+    // This iteration's tensor reduced for the parameter, in place: its
+    // .grad itself when `direct` (CPU, no hook, a contiguous gradient of
+    // the parameter's shape: no copy into the bucket or back), else `view`
+    // holding a copy.
+    at::Tensor reduced;
+    bool direct = false;
   };
   class ReadyHook;
 
@@ -131,11 +137,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Error unusedGotGradient(size_t index) const TRELLIS_REQUIRES(mu_);
   void launchReadyBuckets() TRELLIS_REQUIRES(mu_);
   // Issues bucket b's reduction of `buffer` (its slots, or zeros of their
-  // size when shadowing) and `flags` (last bucket): one allreduce of the
-  // whole flat tensor without a hook; with one, the hook, then the flags'
-  // own allreduce (a hook may change values, the flags must stay exact).
-  void launch(size_t b, const at::Tensor& flat, const at::Tensor& flags)
-      TRELLIS_REQUIRES(mu_);
+  // size when shadowing) and `flags` (last bucket). Without a hook, one
+  // allreduce of the whole bucket: on CPU an allreduceCoalesced of the
+  // slots' `reduced` tensors and the flags (`fromSlots`; the shadow's
+  // zeros as one tensor, the same op to every rank), on CUDA an allreduce
+  // of `flat`. With a hook, the hook, then the flags' own allreduce (a hook
+  // may change values, the flags must stay exact).
+  void launch(size_t b, const at::Tensor& flat, const at::Tensor& flags,
+              bool fromSlots) TRELLIS_REQUIRES(mu_);
+  // Direct slots of bucket b whose gradients share memory with another
+  // one of the bucket or with the bucket itself get a copy in their view
+  // instead: reduced in place, overlapping memory would be reduced twice.
+  void separateOverlaps(Bucket& b) TRELLIS_REQUIRES(mu_);
   // Waits for bucket b's reduction; the reduced gradients are in its slots.
   void await(Bucket& b) TRELLIS_REQUIRES(mu_);
   // The end of backward (a callback queued on the autograd engine).
@@ -158,6 +171,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   const std::shared_ptr<collectives::ProcessGroup> group_;
   const Options options_;
   const std::vector<Param> params_;
+  // CPU parameters: buckets go as allreduceCoalesced (Slot::direct).
+  const bool cpu_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   dist_autograd::LeafGradientHookHandle contextHook_;

@@ -85,6 +85,13 @@ struct Case {
   // Sets every .grad to none before each backward, as libtorch 2.x's
   // zero_grad() does by default (1.13's zeroes in place).
   bool gradsToNone = false;
+  // Before each backward, every matrix's .grad is a transposed zero tensor
+  // (autograd accumulates into it and keeps its strides): DDP reduces a
+  // copy in its bucket, not the gradient in place.
+  bool transposedGrads = false;
+  // Before each backward, the .grads are disjoint parts of one buffer of
+  // the program's (reduced in place, each on its own).
+  bool gradsInOneBuffer = false;
 };
 
 // gtest prints a parameter by name, not as bytes.
@@ -128,6 +135,30 @@ void trainAndCompare(const Case& c, const torch::Tensor& x,
           p.mutable_grad() = torch::Tensor();
         }
       }
+      if (c.transposedGrads) {
+        for (auto& p : net->parameters()) {
+          // Column-major; set_, not t(): 1.13's zero_grad() detaches it.
+          const auto zeros = torch::zeros({p.numel()});
+          p.mutable_grad() = torch::empty({0}).set_(
+              zeros.storage(), 0, p.sizes(),
+              p.dim() == 2 ? std::vector<int64_t>{1, p.size(0)}
+                           : p.strides().vec());
+        }
+      }
+      if (c.gradsInOneBuffer) {
+        int64_t total = 0;
+        for (const auto& p : net->parameters()) {
+          total += p.numel();
+        }
+        const auto buffer = torch::zeros({total});
+        int64_t at = 0;
+        for (auto& p : net->parameters()) {
+          // Not an autograd view: 1.13's zero_grad() detaches every .grad.
+          p.mutable_grad() = torch::empty({0}).set_(
+              buffer.storage(), buffer.storage_offset() + at, p.sizes());
+          at += p.numel();
+        }
+      }
       torch::mse_loss(model(xs), ys).backward();
       EXPECT_LE(maxDiff(gradsOf(*net), refGrads[it]), kTol)
           << "rank " << rank << " iteration " << it;
@@ -144,12 +175,18 @@ void trainAndCompare(const Case& c, const torch::Tensor& x,
       inBuckets += b.size();
     }
     EXPECT_EQ(inBuckets, params.size());
+    // The program's own .grad tensors are the ones that hold the averages
+    // (DDP reduced them in place or copied into them), layout kept.
     std::set<const void*> storages;
     for (const auto& p : params) {
       storages.insert(p.grad().storage().data());
+      if (c.transposedGrads && p.dim() == 2) {
+        EXPECT_FALSE(p.grad().is_contiguous()) << "rank " << rank;
+      }
     }
-    EXPECT_EQ(storages.size(),
-              c.options.gradientAsBucketView ? buckets.size() : params.size())
+    EXPECT_EQ(storages.size(), c.gradsInOneBuffer               ? 1
+                               : c.options.gradientAsBucketView ? buckets.size()
+                                                                : params.size())
         << "rank " << rank;
   });
 }
@@ -192,6 +229,15 @@ INSTANTIATE_TEST_SUITE_P(
                            3,
                            {.bucketCapMb = 0.001, .firstBucketCapMb = 0.0002}},
                       Case{"TwoRanksCnn", 2, {}, true},
+                      Case{.name = "ThreeRanksTransposedGrads",
+                           .ranks = 3,
+                           .options = {},
+                           .transposedGrads = true},
+                      Case{.name = "TwoRanksGradsInOneBuffer",
+                           .ranks = 2,
+                           .options = {.bucketCapMb = 0.001,
+                                       .firstBucketCapMb = 0.0002},
+                           .gradsInOneBuffer = true},
                       Case{"ThreeRanksCnnSmallBucketsView",
                            3,
                            {.bucketCapMb = 0.0005,
@@ -401,6 +447,56 @@ INSTANTIATE_TEST_SUITE_P(Ddp, NoSync, ::testing::Values(false, true),
 // Without findUnusedParameters, a parameter without a gradient fails the
 // backward on every rank, naming it, whichever rank skipped it; the next
 // iteration works.
+// Two small parameters whose .grad is one tensor of the program's, in a
+// bucket behind a large one: autograd adds both gradients into it. Reduced
+// in place as two tensors, that memory would be in one rank's part of a
+// block twice and reduced twice; DDP reduces copies of both instead, and
+// the shared tensor ends as one process's on the whole batch.
+struct TwinsImpl : torch::nn::Module {
+  TwinsImpl() {
+    big = register_parameter("big", torch::randn({200, 200}));
+    a = register_parameter("a", torch::randn({10, 10}));
+    b = register_parameter("b", torch::randn({10, 10}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::matmul(x, a + b) +
+           torch::matmul(x, big.narrow(0, 0, 10).narrow(1, 0, 10));
+  }
+  torch::Tensor big, a, b;
+};
+TORCH_MODULE(Twins);
+
+TEST(Ddp, ParametersSharingOneGradTensorAreReducedOnce) {
+  constexpr int kRanks = 2;
+  torch::manual_seed(7);
+  const auto x = torch::randn({kBatch, 10});
+  const auto y = torch::randn({kBatch, 10});
+  const auto shareGrad = [](Twins& net) {
+    net->big.mutable_grad() = torch::zeros({200, 200});
+    net->a.mutable_grad() = torch::zeros({10, 10});
+    net->b.mutable_grad() = net->a.grad();
+  };
+  torch::manual_seed(100);
+  Twins reference;
+  shareGrad(reference);
+  torch::mse_loss(reference(x), y).backward();
+  const auto want = gradsOf(*reference);
+  std::vector<Twins> nets;
+  for (int r = 0; r < kRanks; ++r) {
+    torch::manual_seed(100 + r);
+    nets.emplace_back();
+  }
+  runRanks(kRanks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Twins net = nets[rank];
+    DistributedDataParallel model(net, pg);
+    shareGrad(net);
+    torch::mse_loss(model(shard(x, rank, kRanks)), shard(y, rank, kRanks))
+        .backward();
+    EXPECT_TRUE(net->a.grad().is_same(net->b.grad())) << "rank " << rank;
+    EXPECT_LE(maxDiff(gradsOf(*net), want), kTol) << "rank " << rank;
+  });
+}
+
 TEST(Ddp, UnusedParameterErrorNamesThemOnEveryRank) {
   at::set_num_threads(1);
   for (int skipper : {-1, 1}) {  // -1: every rank skips the branch
