@@ -7,11 +7,16 @@
 // read from the line its trainer 0 prints.
 //
 //   build/dev/bench/hybrid_bench [--json] [--steps N] [--batch B]
+//                                [--large-batch L]
 //
 // B is the total batch per step (default 128): 1+1 runs B on its trainer,
-// 2+2 runs B/2 on each. Every process runs one libtorch thread, as the job
-// does; the machine's cores are shared by all of them (2 on the
-// development VM, where 2+2 puts 4 processes on 2 cores).
+// 2+2 runs B/2 on each. A second pass runs all three at total batch L
+// (default 1024, 0: none) for N * B / L steps (at least 100): the `_b<L>`
+// rows. `*_step_overhead_ms` is the hybrid job's time per step less one
+// process's at the same batch: what distribution costs per step. Every process
+// runs one libtorch thread, as the job does; the machine's cores are shared by
+// all of them (2 on the development VM, where 2+2 puts 4 processes on 2 cores).
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -21,6 +26,7 @@
 #include <random>
 #include <string>
 #include <sys/wait.h>
+#include <tuple>
 #include <vector>
 
 #include <torch/torch.h>
@@ -174,6 +180,7 @@ int main(int argc, char** argv) {
   bool json = false;
   int64_t steps = 400;
   int64_t batch = 128;
+  int64_t largeBatch = 1024;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") {
@@ -182,34 +189,56 @@ int main(int argc, char** argv) {
       steps = std::strtoll(argv[++i], nullptr, 10);
     } else if (a == "--batch" && i + 1 < argc) {
       batch = std::strtoll(argv[++i], nullptr, 10);
+    } else if (a == "--large-batch" && i + 1 < argc) {
+      largeBatch = std::strtoll(argv[++i], nullptr, 10);
     } else {
       std::fprintf(stderr,
-                   "usage: hybrid_bench [--json] [--steps N] [--batch B]\n");
+                   "usage: hybrid_bench [--json] [--steps N] [--batch B] "
+                   "[--large-batch L]\n");
       return 2;
     }
   }
-  if (steps < 20 || steps > 1000000 || batch < 2 || batch > 1000000 ||
-      batch % 2 != 0) {
+  const auto evenBatch = [](int64_t b) {
+    return b >= 2 && b <= 1000000 && b % 2 == 0;
+  };
+  if (steps < 20 || steps > 1000000 || !evenBatch(batch) ||
+      (largeBatch != 0 && !evenBatch(largeBatch))) {
     std::fprintf(stderr,
                  "hybrid_bench: --steps must be 20..1e6, --batch an even "
-                 "number 2..1e6\n");
+                 "number 2..1e6, --large-batch 0 or an even number 2..1e6\n");
     return 2;
   }
   torch::set_num_threads(1);
   trellis::bench::Report r("hybrid");
-  const Split local = oneProcess(steps, batch);
-  const Split one =
-      hybrid(TRELLIS_ELASTIC_RUN, TRELLIS_HYBRID_TRAINING, 1, 1, steps, batch);
-  const Split two = hybrid(TRELLIS_ELASTIC_RUN, TRELLIS_HYBRID_TRAINING, 2, 2,
-                           steps, batch / 2);
-  r.add("one_process_samples_per_s", local.samplesPerS, "1/s");
-  r.add("hybrid_1s1t_samples_per_s", one.samplesPerS, "1/s",
-        "one_process_samples_per_s");
-  r.add("hybrid_2s2t_samples_per_s", two.samplesPerS, "1/s",
-        "one_process_samples_per_s");
+  // One pass at total batch `b`: the samples/s rows (suffix `tag`), each
+  // hybrid one's ratio to one process's, and the per-step overheads.
+  const auto pass = [&](int64_t b, int64_t n, const std::string& tag) {
+    const Split local = oneProcess(n, b);
+    const Split one =
+        hybrid(TRELLIS_ELASTIC_RUN, TRELLIS_HYBRID_TRAINING, 1, 1, n, b);
+    const Split two =
+        hybrid(TRELLIS_ELASTIC_RUN, TRELLIS_HYBRID_TRAINING, 2, 2, n, b / 2);
+    const std::string base = "one_process" + tag + "_samples_per_s";
+    r.add(base, local.samplesPerS, "1/s");
+    r.add("hybrid_1s1t" + tag + "_samples_per_s", one.samplesPerS, "1/s", base);
+    r.add("hybrid_2s2t" + tag + "_samples_per_s", two.samplesPerS, "1/s", base);
+    const auto msPerStep = [&](const Split& s) {
+      return 1e3 * static_cast<double>(b) / s.samplesPerS;
+    };
+    r.add("hybrid_1s1t" + tag + "_step_overhead_ms",
+          msPerStep(one) - msPerStep(local), "ms");
+    r.add("hybrid_2s2t" + tag + "_step_overhead_ms",
+          msPerStep(two) - msPerStep(local), "ms");
+    return std::make_tuple(local, one, two);
+  };
+  const auto [local, one, two] = pass(batch, steps, "");
   addSplit(r, "one_process", local, false);
   addSplit(r, "hybrid_1s1t", one, true);
   addSplit(r, "hybrid_2s2t", two, true);
+  if (largeBatch != 0) {
+    pass(largeBatch, std::max<int64_t>(100, steps * batch / largeBatch),
+         "_b" + std::to_string(largeBatch));
+  }
   r.print(json);
   return 0;
 }
