@@ -4,6 +4,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <utility>
 
@@ -14,6 +15,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <trellis/core/auth.h>
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
 #include <trellis/core/mutex.h>
@@ -113,6 +115,55 @@ std::unique_ptr<torch::optim::Optimizer> makeTorchOptimizer(
   }
 }
 
+// A saved state is sealed: "TRLSOPT1", then an HMAC-SHA256 of the archive
+// under a fixed public key (a checksum against truncation and corruption,
+// not authentication: peers are authenticated by the job token), then the
+// archive. libtorch 1.13's archive reader can crash the process on
+// corrupted input (its TorchScript type parser), so a state whose seal
+// does not match never reaches it.
+constexpr std::string_view kStateMagic = "TRLSOPT1";
+constexpr std::string_view kStateKey = "trellis optimizer state v1";
+
+auth::Mac stateChecksum(std::string_view archive) {
+  return auth::hmacSha256(
+      {reinterpret_cast<const uint8_t*>(kStateKey.data()), kStateKey.size()},
+      {reinterpret_cast<const uint8_t*>(archive.data()), archive.size()});
+}
+
+std::string sealState(std::string_view archive) {
+  const auth::Mac mac = stateChecksum(archive);
+  std::string out;
+  out.reserve(kStateMagic.size() + mac.size() + archive.size());
+  out.append(kStateMagic);
+  out.append(reinterpret_cast<const char*>(mac.data()), mac.size());
+  out.append(archive);
+  return out;
+}
+
+// The archive inside `sealed`; InvalidArgumentError saying what is wrong.
+std::string_view openState(std::string_view sealed) {
+  const size_t header = kStateMagic.size() + auth::kMacBytes;
+  const auto refuse = [&](const std::string& why) {
+    throwError(Error::invalidArgument(
+        "optimizer state (" + std::to_string(sealed.size()) +
+        " bytes) does not load: " + why +
+        "; only what DistributedOptimizer::stateDict() returned loads"));
+  };
+  if (sealed.size() < header ||
+      sealed.substr(0, kStateMagic.size()) != kStateMagic) {
+    refuse("it does not start with the state header");
+  }
+  const std::string_view archive = sealed.substr(header);
+  const auth::Mac mac = stateChecksum(archive);
+  if (!auth::constantTimeEqual(
+          mac,
+          {reinterpret_cast<const uint8_t*>(sealed.data()) + kStateMagic.size(),
+           auth::kMacBytes})) {
+    refuse("its checksum does not match (truncated or corrupted)");
+  }
+  return archive;
+}
+
 // Steps on one worker are serialised by one lock per process, as torch's
 // _LocalOptimizer.global_lock does: two local optimizers built over the same
 // parameters (two DistributedOptimizers, or two trainers' optimizers) must
@@ -184,15 +235,17 @@ class LocalOptimizer {
     optimizer_->save(archive);
     std::ostringstream out;
     archive.save_to(out);
-    return out.str();
+    return sealState(out.str());
   }
 
-  // `bytes` came over the network: torch's reader checks the archive.
+  // `bytes` came over the network: its seal is checked (openState), then
+  // torch's reader checks the archive.
   bool loadState(const std::string& bytes) {
+    const std::string_view payload = openState(bytes);
     MutexLock lock(stepMutex());
     try {
       torch::serialize::InputArchive archive;
-      archive.load_from(bytes.data(), bytes.size());
+      archive.load_from(payload.data(), payload.size());
       optimizer_->load(archive);
     } catch (const c10::Error& e) {
       throwError(Error::invalidArgument(

@@ -119,9 +119,10 @@ class DistributedOptimizer {
   // (same parameters, same order) and loads it back. Bounded like step();
   // not concurrently with a step of this optimizer.
   std::vector<std::string> stateDict() const;
-  // InvalidArgumentError when the count is not numOwners(); RemoteError
-  // naming the owner whose optimizer rejects its part (not an archive, or
-  // shapes that do not match).
+  // InvalidArgumentError when the count is not numOwners(); an error
+  // naming the owner that refuses its part: not one stateDict() returned
+  // (each part carries a checksum, checked before libtorch reads it), or
+  // shapes that do not match.
   void loadStateDict(const std::vector<std::string>& state);
 
   struct Impl;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <ostream>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -658,6 +659,46 @@ TEST(DistributedOptimizer, StateDictRestoresEveryOwnersState) {
     EXPECT_NE(std::string(e.what()).find("does not load"), std::string::npos)
         << e.what();
   }
+
+  // Truncated or corrupted states (both owners': the remote one and this
+  // worker's own) are refused by their checksum before libtorch's archive
+  // reader sees them: that reader crashes the process on some corrupted
+  // archives (a bit flip in its TorchScript code), which this loop hit
+  // within a few hundred tries before states were sealed. Afterwards both
+  // owners still load the true state.
+  std::mt19937_64 rng(20261126);
+  for (int i = 0; i < 300; ++i) {
+    const size_t owner = static_cast<size_t>(i % 2);
+    std::string bad = state[owner];
+    switch (rng() % 3) {
+      case 0:  // truncated
+        bad.resize(rng() % bad.size());
+        break;
+      case 1:  // a few bits flipped anywhere
+        for (int k = 0; k < 1 + static_cast<int>(rng() % 8); ++k) {
+          bad[rng() % bad.size()] ^= static_cast<char>(1 << (rng() % 8));
+        }
+        break;
+      default:  // a run of random bytes
+        for (size_t at = rng() % bad.size(), k = 0;
+             k < 64 && at + k < bad.size(); ++k) {
+          bad[at + k] = static_cast<char>(rng());
+        }
+    }
+    if (bad == state[owner]) {
+      continue;
+    }
+    std::vector<std::string> parts = state;
+    parts[owner] = bad;
+    try {
+      second.loadStateDict(parts);
+      FAIL() << "a corrupted state loaded (try " << i << ")";
+    } catch (const trellis::Exception& e) {
+      EXPECT_NE(std::string(e.what()).find("does not load"), std::string::npos)
+          << e.what();
+    }
+  }
+  second.loadStateDict(state);
 }
 
 }  // namespace
