@@ -174,7 +174,7 @@ class Container : public rpc::detail::AgentExtension {
   std::string_view name() const override { return "dist_autograd"; }
   void onSend(rpc::detail::OutgoingMessage& m) override {
     m.autogradMessageId =
-        recordSend(m.autogradContextId, m.peer, *m.gradTensors);
+        recordSend(m.autogradContextId, m.peer, *m.gradTensors, m.stepSafe);
     m.autogradRecorded = true;
   }
   void onReceive(rpc::detail::IncomingMessage& m) override {
@@ -217,8 +217,12 @@ class Container : public rpc::detail::AgentExtension {
     return contexts_.size();
   }
 
+  // `stepSafe`: the graph behind `tensors` needs no parameter value of
+  // this worker (a step-safe function's reply), so the send does not make
+  // the context a reader for the step gate.
   uint64_t recordSend(uint64_t contextId, int32_t peer,
-                      const std::vector<at::Tensor>& tensors) {
+                      const std::vector<at::Tensor>& tensors,
+                      bool stepSafe = false) {
     auto state = find(contextId);
     if (state == nullptr) {
       throwError(Error(Code::kFailedPrecondition,
@@ -246,13 +250,20 @@ class Container : public rpc::detail::AgentExtension {
       node->add_input_metadata(t);
     }
     const uint64_t messageId = nextMessage_.fetch_add(1);
+    if (stepSafe) {
+      // Counted as answered from the start: its gradient (or its drop at
+      // the end of backward) never reaches the gate.
+      (void)node->markAnswered();
+    }
     {
       MutexLock lock(state->mu);
       state->sends.emplace(messageId, std::move(node));
     }
-    // Until its gradient arrives, the graph behind it may need the values
-    // of this worker's parameters as they are now.
-    gate_.sendRecorded(state->slot);
+    if (!stepSafe) {
+      // Until its gradient arrives, the graph behind it may need the
+      // values of this worker's parameters as they are now.
+      gate_.sendRecorded(state->slot);
+    }
     return messageId;
   }
 

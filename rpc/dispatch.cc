@@ -238,7 +238,7 @@ void Dispatcher::run(Request& request, const FunctionEntry* entry,
   };
   if (env.extension() == kNoExtension) {
     return respond(request, invoke(nullptr), profileStartUs, std::move(nested),
-                   gate);
+                   gate, entry->stepSafe);
   }
   AgentExtension* extension = extensions_.findWire(env.extension());
   if (extension == nullptr) {
@@ -260,13 +260,14 @@ void Dispatcher::run(Request& request, const FunctionEntry* entry,
   } catch (...) {
     result = makeErrorFuture<AnyValue>(errorFromCurrentException());
   }
-  respond(request, result, profileStartUs, std::move(nested), gate);
+  respond(request, result, profileStartUs, std::move(nested), gate,
+          entry->stepSafe);
 }
 
 void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
                          int64_t profileStartUs,
                          std::shared_ptr<NestedEvents> nested,
-                         AgentExtension* gate) {
+                         AgentExtension* gate, bool stepSafe) {
   const wire::Envelope& req = *request.env;
   const uint64_t id = req.request_id();
   const int32_t peer = static_cast<int32_t>(req.from_worker());
@@ -275,7 +276,7 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
   // A function's future may complete on any thread, also after close().
   auto reply = [this, respond = std::move(request.respond), id, peer,
                 profileStartUs, autogradContext, nested = std::move(nested),
-                gate,
+                gate, stepSafe,
                 function = std::move(function)](const Future<AnyValue>& f) {
     CurrentAgentScope scope(agent_);
     wire::Envelope env;
@@ -325,6 +326,7 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
           out.peer = peer;
           out.autogradContextId = autogradContext;
           out.gradTensors = &body.gradTensors();
+          out.stepSafe = stepSafe;
           if (!extensions_.recordSend(out)) {
             throwError(Error(Code::kFailedPrecondition,
                              "no dist_autograd support linked in"));

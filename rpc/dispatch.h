@@ -84,10 +84,12 @@ class Dispatcher {
   void run(Request& request, const FunctionEntry* entry,
            std::shared_ptr<GradReceiver> receiver, int64_t profileStartUs,
            std::shared_ptr<NestedEvents> nested, AgentExtension* gate);
+  // `stepSafe`: the function's entry is (its reply's send function does
+  // not hold the step gate).
   void respond(Request& request, const Future<AnyValue>& result,
                int64_t profileStartUs,
                std::shared_ptr<NestedEvents> nested = nullptr,
-               AgentExtension* gate = nullptr);
+               AgentExtension* gate = nullptr, bool stepSafe = false);
 
   Agent* agent_;
   const WorkerInfo& self_;

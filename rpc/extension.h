@@ -83,6 +83,10 @@ struct OutgoingMessage {
   // encoding order (maybe none).
   uint64_t autogradContextId = 0;
   const std::vector<at::Tensor>* gradTensors = nullptr;
+  // A reply of a step-safe function (FunctionEntry::stepSafe): the graph
+  // behind its tensors needs no parameter value of this worker, so the step
+  // gate does not wait for their gradient.
+  bool stepSafe = false;
   // Set by the extension that knows the context: the message id for the
   // envelope (0 when no tensor requires grad).
   bool autogradRecorded = false;

@@ -32,6 +32,7 @@ struct Registry::Impl {
   std::string duplicates TRELLIS_GUARDED_BY(mu);
   // Names marked inline before their registration ran.
   std::unordered_set<std::string> inlineNames TRELLIS_GUARDED_BY(mu);
+  std::unordered_set<std::string> stepSafeNames TRELLIS_GUARDED_BY(mu);
 };
 
 Registry& Registry::global() {
@@ -52,6 +53,9 @@ bool Registry::add(FunctionEntry entry) {
   std::string name = entry.name;
   if (d.inlineNames.count(name) != 0) {
     entry.runOnLoop = true;
+  }
+  if (d.stepSafeNames.count(name) != 0) {
+    entry.stepSafe = true;
   }
   if (!d.entries.emplace(name, std::move(entry)).second) {
     d.duplicates += (d.duplicates.empty() ? "'" : ", '") + name + "'";
@@ -75,6 +79,16 @@ void Registry::markInline(std::string_view name) {
     it->second.runOnLoop = true;
   }
   d.inlineNames.insert(std::move(key));
+}
+
+void Registry::markStepSafe(std::string_view name) {
+  Impl& d = impl();
+  MutexLock lock(d.mu);
+  std::string key(name);
+  if (auto it = d.entries.find(key); it != d.entries.end()) {
+    it->second.stepSafe = true;
+  }
+  d.stepSafeNames.insert(std::move(key));
 }
 
 Error Registry::status() const {

@@ -69,6 +69,11 @@ struct FunctionEntry {
   // and fetches, a context's release) and user functions registered with
   // TRELLIS_REMOTE_INLINE. Saves the hand-off to the pool and back.
   bool runOnLoop = false;
+  // Registered with TRELLIS_REMOTE_STEP_SAFE: the graph its forward records
+  // on the callee keeps no copy of the callee's parameters, so an optimizer
+  // step there may land between this call and its backward (the step gate
+  // does not wait for the gradient of its result).
+  bool stepSafe = false;
 };
 
 class Registry {
@@ -83,6 +88,9 @@ class Registry {
   // after this call (the macros of different translation units run in no
   // fixed order).
   void markInline(std::string_view name);
+  // Static-init time only: `name` is step-safe (FunctionEntry::stepSafe),
+  // in whichever order it and its registration run.
+  void markStepSafe(std::string_view name);
   // Non-OK when registration went wrong (a duplicate name).
   Error status() const;
   size_t size() const;
@@ -326,6 +334,16 @@ bool markInline() {
   return true;
 }
 
+template <auto Fn>
+bool markStepSafe() {
+  static_assert(RemoteName<Fn>::kRegistered,
+                "TRELLIS_REMOTE_STEP_SAFE names a function or method that is "
+                "not registered in this translation unit: put it after the "
+                "TRELLIS_REMOTE_FUNCTION / TRELLIS_REMOTE_METHODS line");
+  Registry::global().markStepSafe(RemoteName<Fn>::value);
+  return true;
+}
+
 }  // namespace detail
 }  // namespace trellis::rpc
 
@@ -413,6 +431,27 @@ bool markInline() {
 //
 //   TRELLIS_REMOTE_METHODS(Table, lookup, push);
 //   TRELLIS_REMOTE_INLINE(Table::lookup);
+// Declares that a registered function's autograd graph on the callee keeps
+// no copy of the callee's parameters: its backward needs none of their
+// values (docs/dist_autograd.md, "Steps and backward passes"). An
+// EmbeddingBag lookup without per-sample weights is such a function
+// (libtorch's EmbeddingBagBackward0 then saves the indices and offsets,
+// not the weight); a Linear layer is not (it saves its weight). The step
+// gate then lets a DistributedOptimizer step on the callee's parameters
+// land between the call and its backward, instead of waiting for the
+// gradient of its result; the call itself still waits for a step that is
+// running (it reads the values). Declaring a function that does save a
+// parameter makes a backward after such a step fail libtorch's version
+// check ("modified by an inplace operation"). Use after the registration,
+// in the same file:
+//
+//   TRELLIS_REMOTE_METHODS(Table, lookup);
+//   TRELLIS_REMOTE_STEP_SAFE(Table::lookup);
+#define TRELLIS_REMOTE_STEP_SAFE(fn)                     \
+  [[maybe_unused]] static const bool TRELLIS_RPC_CONCAT( \
+      trellisRemoteStepSafe_, __COUNTER__) =             \
+      ::trellis::rpc::detail::markStepSafe<&fn>()
+
 #define TRELLIS_REMOTE_INLINE(fn)                                             \
   [[maybe_unused]] static const bool TRELLIS_RPC_CONCAT(trellisRemoteInline_, \
                                                         __COUNTER__) =        \

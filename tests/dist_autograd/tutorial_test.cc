@@ -81,6 +81,44 @@ TRELLIS_REMOTE_FUNCTION(getServer);
 TRELLIS_REMOTE_FUNCTION(dropServer);
 TRELLIS_REMOTE_METHODS(TutorialServer, forward, parameterRRefs);
 
+// An embedding table (sum-mode bags, no per-sample weights: libtorch's
+// EmbeddingBagBackward0 keeps no copy of the weight). The same lookup is
+// registered twice, once step-safe.
+struct EmbeddingServer {
+  at::Tensor weight = at::linspace(-1.0, 1.0, 20 * 3, at::kDouble)
+                          .reshape({20, 3})
+                          .requires_grad_(true);
+  at::Tensor lookup(at::Tensor ids, at::Tensor offsets) {
+    return std::get<0>(at::embedding_bag(weight, ids, offsets));
+  }
+  at::Tensor lookupGated(at::Tensor ids, at::Tensor offsets) {
+    return lookup(std::move(ids), std::move(offsets));
+  }
+  at::Tensor values() { return weight.detach().clone(); }
+  std::vector<rpc::RRef<at::Tensor>> parameterRRefs() {
+    return dist::localParameters({weight});
+  }
+};
+std::map<std::string, std::shared_ptr<EmbeddingServer>> gTables;
+std::shared_ptr<EmbeddingServer> getTable(std::string key) {
+  std::lock_guard<std::mutex> lock(gServersMu);
+  auto& s = gTables[key];
+  if (s == nullptr) {
+    s = std::make_shared<EmbeddingServer>();
+  }
+  return s;
+}
+void dropTable(std::string key) {
+  std::lock_guard<std::mutex> lock(gServersMu);
+  gTables.erase(key);
+}
+
+TRELLIS_REMOTE_FUNCTION(getTable);
+TRELLIS_REMOTE_FUNCTION(dropTable);
+TRELLIS_REMOTE_METHODS(EmbeddingServer, lookup, lookupGated, values,
+                       parameterRRefs);
+TRELLIS_REMOTE_STEP_SAFE(EmbeddingServer::lookup);
+
 namespace {
 
 std::string testName() {
@@ -381,6 +419,110 @@ TEST(DistAutogradStepGate, StepWaitIsBoundedAndNamesTheReader) {
   EXPECT_EQ(stepFailure, "");
   EXPECT_EQ(aFailure, "");
   rpc::rpcSync<dropServer>("w0", key);
+}
+
+// ---- a step-safe function's reply does not hold steps back ----------------
+
+// Trainer A looks rows up on the server (its context alive, no backward
+// yet); trainer B looks up, runs backward and steps on the same table.
+// With the lookup registered TRELLIS_REMOTE_STEP_SAFE, B's step goes
+// through at once; A's backward afterwards passes libtorch's version check
+// (the lookup saved no weight) and A's step applies its own gradient on
+// top of B's. Registered without it, the same step of B waits for A's
+// context and fails at its timeout naming it, having changed nothing.
+TEST(DistAutogradStepGate, StepSafeRepliesDoNotHoldSteps) {
+  Group g(3);
+  const std::string key = testName();
+  rpc::RRef<EmbeddingServer> tableA, tableB;
+  {
+    rpc::CurrentAgentScope scope(&g[1]);
+    tableA = rpc::remote<getTable>("w0", key);
+  }
+  rpc::CurrentAgentScope scopeB(&g[2]);
+  tableB = rpc::remote<getTable>("w0", key);
+  const at::Tensor ids = at::tensor({1, 4, 4, 7, 2}, at::kLong);
+  const at::Tensor offsets = at::tensor({0, 2}, at::kLong);
+  // d(sum of the bags)/d(weight): how often each row was looked up.
+  const at::Tensor counts =
+      at::bincount(ids, {}, 20).to(at::kDouble).unsqueeze(1).expand({20, 3});
+  for (const bool stepSafe : {true, false}) {
+    SCOPED_TRACE(stepSafe ? "step-safe lookup" : "gated lookup");
+    const auto lookup = [&](rpc::RRef<EmbeddingServer>& table) {
+      return stepSafe
+                 ? table.rpcSync<&EmbeddingServer::lookup>(ids, offsets)
+                 : table.rpcSync<&EmbeddingServer::lookupGated>(ids, offsets);
+    };
+    const at::Tensor before = tableB.rpcSync<&EmbeddingServer::values>();
+    Flag aLooked, aGo, aDone;
+    std::atomic<uint64_t> idA{0};
+    std::string aFailure;
+    std::thread a([&] {
+      rpc::CurrentAgentScope scope(&g[1]);
+      try {
+        dist::DistributedOptimizer optA(
+            dist::SGD{.lr = 0.1},
+            tableA.rpcSync<&EmbeddingServer::parameterRRefs>(), 10s);
+        dist::Context ctx;
+        idA = ctx.id();
+        const at::Tensor bags = lookup(tableA);
+        aLooked.set();
+        if (!aGo.waitFor(30s)) {
+          aFailure = "never told to go on";
+        } else {
+          ctx.backward({bags.sum()});
+          optA.step(ctx);
+        }
+      } catch (const std::exception& e) {
+        aFailure = e.what();
+      }
+      aLooked.set();
+      aDone.set();
+    });
+    struct JoinA {
+      Flag& go;
+      std::thread& thread;
+      ~JoinA() {
+        go.set();
+        if (thread.joinable()) {
+          thread.join();
+        }
+      }
+    } joinA{aGo, a};
+    ASSERT_TRUE(aLooked.waitFor());
+    ASSERT_EQ(aFailure, "");
+
+    dist::DistributedOptimizer optB(
+        dist::SGD{.lr = 0.1},
+        tableB.rpcSync<&EmbeddingServer::parameterRRefs>(), 1s);
+    {
+      dist::Context ctx;
+      ctx.backward({lookup(tableB).sum()});
+      const auto start = std::chrono::steady_clock::now();
+      if (stepSafe) {
+        optB.step(ctx);
+        EXPECT_LT(std::chrono::steady_clock::now() - start, 500ms)
+            << "the step waited for A's lookup";
+      } else {
+        try {
+          optB.step(ctx);
+          ADD_FAILURE() << "the step did not wait for A's gated lookup";
+        } catch (const trellis::TimeoutError& e) {
+          EXPECT_NE(std::string(e.what()).find(contextName(idA)),
+                    std::string::npos)
+              << e.what();
+        }
+      }
+    }
+    aGo.set();
+    ASSERT_TRUE(aDone.waitFor());
+    a.join();
+    EXPECT_EQ(aFailure, "");
+    const at::Tensor after = tableB.rpcSync<&EmbeddingServer::values>();
+    const double steps = stepSafe ? 2 : 1;  // B's gated step changed nothing
+    EXPECT_TRUE(at::allclose(after, before - 0.1 * steps * counts, 0, 1e-12))
+        << after - before;
+  }
+  rpc::rpcSync<dropTable>("w0", key);
 }
 
 // ---- what a waiting step holds and what it does not ------------------------
