@@ -245,8 +245,12 @@ TRELLIS_REMOTE_METHODS(EmbeddingShard, lookup, parameters, save, restore);
 // A lookup is a bounds check and one embedding_bag over a few hundred rows
 // (tens of microseconds, no waits; its lock is held by stats() alone, after
 // training): it runs on the server's transport loop, without a hand-off to
-// a worker thread and back (docs/rpc.md, "Inline functions").
+// a worker thread and back (docs/rpc.md, "Inline functions"). Its graph
+// keeps no copy of the table (sum-mode bags, no per-sample weights), so it
+// is step-safe: another trainer's step may update the table before this
+// lookup's backward (docs/dist_autograd.md, "Step-safe functions").
 TRELLIS_REMOTE_INLINE(EmbeddingShard::lookup);
+TRELLIS_REMOTE_STEP_SAFE(EmbeddingShard::lookup);
 
 namespace {
 
@@ -478,12 +482,14 @@ struct Trainer {
       }
       const auto t4 = Clock::now();
       // No trainer looks rows up for the next step before every trainer's
-      // step is applied. Without this, a fast trainer's next lookups hold
-      // a server's parameters for its backward (the step gate,
-      // docs/dist_autograd.md) while that backward waits in DDP's allreduce
-      // for a slow trainer, whose optimizer step waits for the gate: a
-      // deadlock broken only by the timeout (docs/ddp.md, "DDP with
-      // distributed autograd").
+      // step is applied: every step's lookups see every trainer's previous
+      // update, as one process would (bulk-synchronous, so runs repeat).
+      // The lookups being step-safe, this is a choice, not a need: a
+      // gated lookup would make it one (a fast trainer's next lookups
+      // would hold the tables for its backward, which waits in DDP's
+      // allreduce for the slow trainer, whose step waits for them;
+      // docs/ddp.md, "DDP with distributed autograd"). Without it the job
+      // runs as fast: DDP's allreduce keeps the trainers in step anyway.
       group->barrier().wait();
       tBarrier += seconds(Clock::now() - t4);
       if (f.checkConsistency) {
