@@ -4,7 +4,7 @@
 #include <memory>
 #include <typeinfo>
 #include <unordered_map>
-#include <unordered_set>
+#include <vector>
 
 #include <trellis/core/logging.h>
 #include <trellis/core/mutex.h>
@@ -30,9 +30,19 @@ struct Registry::Impl {
   std::unordered_map<std::string, FunctionEntry, NameHash, std::equal_to<>>
       entries TRELLIS_GUARDED_BY(mu);
   std::string duplicates TRELLIS_GUARDED_BY(mu);
-  // Names marked inline before their registration ran.
-  std::unordered_set<std::string> inlineNames TRELLIS_GUARDED_BY(mu);
-  std::unordered_set<std::string> stepSafeNames TRELLIS_GUARDED_BY(mu);
+  // Flags set by a mark* call (TRELLIS_REMOTE_INLINE, _STEP_SAFE) by name,
+  // also before the registration they belong to ran.
+  std::unordered_map<std::string, std::vector<bool FunctionEntry::*>> marks
+      TRELLIS_GUARDED_BY(mu);
+
+  void mark(std::string_view name, bool FunctionEntry::*flag) {
+    MutexLock lock(mu);
+    std::string key(name);
+    if (auto it = entries.find(key); it != entries.end()) {
+      it->second.*flag = true;
+    }
+    marks[std::move(key)].push_back(flag);
+  }
 };
 
 Registry& Registry::global() {
@@ -51,11 +61,10 @@ bool Registry::add(FunctionEntry entry) {
   Impl& d = impl();
   MutexLock lock(d.mu);
   std::string name = entry.name;
-  if (d.inlineNames.count(name) != 0) {
-    entry.runOnLoop = true;
-  }
-  if (d.stepSafeNames.count(name) != 0) {
-    entry.stepSafe = true;
+  if (auto it = d.marks.find(name); it != d.marks.end()) {
+    for (bool FunctionEntry::*flag : it->second) {
+      entry.*flag = true;
+    }
   }
   if (!d.entries.emplace(name, std::move(entry)).second) {
     d.duplicates += (d.duplicates.empty() ? "'" : ", '") + name + "'";
@@ -72,23 +81,11 @@ const FunctionEntry* Registry::find(std::string_view name) const {
 }
 
 void Registry::markInline(std::string_view name) {
-  Impl& d = impl();
-  MutexLock lock(d.mu);
-  std::string key(name);
-  if (auto it = d.entries.find(key); it != d.entries.end()) {
-    it->second.runOnLoop = true;
-  }
-  d.inlineNames.insert(std::move(key));
+  impl().mark(name, &FunctionEntry::runOnLoop);
 }
 
 void Registry::markStepSafe(std::string_view name) {
-  Impl& d = impl();
-  MutexLock lock(d.mu);
-  std::string key(name);
-  if (auto it = d.entries.find(key); it != d.entries.end()) {
-    it->second.stepSafe = true;
-  }
-  d.stepSafeNames.insert(std::move(key));
+  impl().mark(name, &FunctionEntry::stepSafe);
 }
 
 Error Registry::status() const {
