@@ -649,14 +649,24 @@ class HostShm::Impl {
       if (now < spinUntil) {
         continue;
       }
+      // Each failure is checked against the counter once more: this thread
+      // may have been off its core between reading the counter and reading
+      // the failure, and a peer that got there and then left (its group
+      // destroyed once its last op was done) is not a failure of this op.
+      const auto arrived = [&] {
+        return c.load(std::memory_order_acquire) >= g;
+      };
       if (Error e = mesh.error(); !e.ok()) {
-        return e;
+        return arrived() ? Error() : e;
       }
       if (Error e = mesh.linkError(ranks_[static_cast<size_t>(i)]); !e.ok()) {
+        if (arrived()) {
+          return Error();
+        }
         mesh.abort(e);
         return mesh.error();
       }
-      if (deadline.expired()) {
+      if (deadline.expired() && !arrived()) {
         Error e = Error::timeout(
             mesh.description() + ": rank " + std::to_string(mesh.rank()) +
             " timed out in " + fp.toString() + " waiting for rank " +
