@@ -614,6 +614,11 @@ void Reducer::launch(size_t k, const at::Tensor& flat, const at::Tensor& flags,
     std::vector<at::Tensor> tensors;
     if (fromSlots) {
       separateOverlaps(b);
+    }
+    const bool anyDirect =
+        fromSlots && std::any_of(b.params.begin(), b.params.end(),
+                                 [&](size_t i) { return slots_[i].direct; });
+    if (anyDirect) {
       for (size_t i : b.params) {
         tensors.push_back(slots_[i].reduced);
       }
@@ -621,6 +626,7 @@ void Reducer::launch(size_t k, const at::Tensor& flat, const at::Tensor& flags,
         tensors.push_back(flags);
       }
     } else {
+      // Everything is in the bucket (its slots, then the flags): one piece.
       tensors.push_back(flat);
     }
     b.work = group_->allreduceCoalesced(std::move(tensors),

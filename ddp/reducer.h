@@ -138,11 +138,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launchReadyBuckets() TRELLIS_REQUIRES(mu_);
   // Issues bucket b's reduction of `buffer` (its slots, or zeros of their
   // size when shadowing) and `flags` (last bucket). Without a hook, one
-  // allreduce of the whole bucket: on CPU an allreduceCoalesced of the
-  // slots' `reduced` tensors and the flags (`fromSlots`; the shadow's
-  // zeros as one tensor, the same op to every rank), on CUDA an allreduce
-  // of `flat`. With a hook, the hook, then the flags' own allreduce (a hook
-  // may change values, the flags must stay exact).
+  // allreduce of the whole bucket: on CPU an allreduceCoalesced (the same
+  // op on every rank, a joined one's zeros included) of the slots'
+  // `reduced` tensors and the flags when some are gradients reduced in
+  // place (`fromSlots`), else of `flat` as one tensor; on CUDA an
+  // allreduce of `flat`. With a hook, the hook, then the flags' own allreduce
+  // (a hook may change values, the flags must stay exact).
   void launch(size_t b, const at::Tensor& flat, const at::Tensor& flags,
               bool fromSlots) TRELLIS_REQUIRES(mu_);
   // Direct slots of bucket b whose gradients share memory with another
