@@ -87,6 +87,11 @@ std::string firstSlurmHost(const char* name, const std::string& list) {
   if (host.empty()) {
     bad(name, list, "is not a Slurm host list (no first host)");
   }
+  if (host.size() > 255) {
+    // It becomes MASTER_ADDR, which is held to the same bound.
+    bad(name, list.substr(0, 32) + "...",
+        "has a first host name longer than a host name can be (255)");
+  }
   return host;
 }
 
