@@ -445,23 +445,11 @@ Error allreduce(AlgoContext& c, const Pieces& tensors,
   if (packed.size() < total * es) {
     packed.resize(total * es);
   }
-  size_t at = 0;
-  for (const auto& t : tensors.pieces) {
-    if (t.count > 0) {
-      std::memcpy(packed.data() + at, t.data, t.count * es);
-    }
-    at += t.count * es;
-  }
+  tensors.copyOut(0, total, packed.data());
   if (Error e = allreduce(c, packed.data(), total); !e.ok()) {
     return e;
   }
-  at = 0;
-  for (const auto& t : tensors.pieces) {
-    if (t.count > 0) {
-      std::memcpy(t.data, packed.data() + at, t.count * es);
-    }
-    at += t.count * es;
-  }
+  tensors.copyIn(0, total, packed.data());
   return Error();
 }
 

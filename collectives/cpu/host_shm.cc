@@ -377,21 +377,6 @@ class HostShm::Impl {
       std::memcpy(to, from, bytes);
     }
   }
-  // Elements [at, at + n) of `data` to contiguous memory, and back.
-  static void gather(uint8_t* to, const Pieces& data, size_t at, size_t n) {
-    data.forEach(at, n, [&](const uint8_t* p, size_t k) {
-      copy(to, p, k * data.elementSize);
-      to += k * data.elementSize;
-    });
-  }
-  static void scatter(const Pieces& data, size_t at, const uint8_t* from,
-                      size_t n) {
-    data.forEach(at, n, [&](uint8_t* p, size_t k) {
-      copy(p, from, k * data.elementSize);
-      from += k * data.elementSize;
-    });
-  }
-
   Error mapSegment() {
     void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
                      MAP_SHARED | MAP_POPULATE, fd_, 0);
@@ -525,7 +510,7 @@ class HostShm::Impl {
         !e.ok()) {
       return e;
     }
-    gather(slot(index_, g), data, at, n);
+    data.copyOut(at, n, slot(index_, g));
     publish(fp, g);
     if (Error e = waitArrivedAll(g, mesh, fp, deadline); !e.ok()) {
       return e;
@@ -573,7 +558,7 @@ class HostShm::Impl {
     for (int i = 0; i < L; ++i) {
       if (i != index_) {
         const auto [off, len] = part(i);
-        gather(mine + off * es, data, at + off, len);
+        data.copyOut(at + off, len, mine + off * es);
       }
     }
     publish(fp, g);
@@ -605,7 +590,7 @@ class HostShm::Impl {
       for (int i = 0; i < L; ++i) {
         if (i != index_) {
           const auto [o, l] = part(i);
-          scatter(data, at + o, slot(i, g) + o * es, l);
+          data.copyIn(at + o, l, slot(i, g) + o * es);
         }
       }
     }
@@ -767,6 +752,20 @@ size_t Pieces::count() const {
     n += p.count;
   }
   return n;
+}
+
+void Pieces::copyOut(size_t offset, size_t count, uint8_t* to) const {
+  forEach(offset, count, [&](const uint8_t* p, size_t k) {
+    std::memcpy(to, p, k * elementSize);
+    to += k * elementSize;
+  });
+}
+
+void Pieces::copyIn(size_t offset, size_t count, const uint8_t* from) const {
+  forEach(offset, count, [&](uint8_t* p, size_t k) {
+    std::memcpy(p, from, k * elementSize);
+    from += k * elementSize;
+  });
 }
 
 namespace {

@@ -80,6 +80,10 @@ struct Pieces {
   size_t elementSize = 1;
 
   size_t count() const;
+  // Elements [offset, offset + count) copied to contiguous memory at `to`,
+  // or from contiguous memory at `from` into the pieces.
+  void copyOut(size_t offset, size_t count, uint8_t* to) const;
+  void copyIn(size_t offset, size_t count, const uint8_t* from) const;
   // f(bytes, count) for the parts of elements [offset, offset + count), in
   // order; `bytes` points into the piece that holds them.
   template <typename F>
