@@ -50,14 +50,22 @@ function(trellis_component name)
   set(TRELLIS_INSTALL_TARGETS ${TRELLIS_INSTALL_TARGETS} ${tgt} CACHE INTERNAL "")
 endfunction()
 
-# trellis_test(<binary> SOURCES ... DEPS ...): one gtest binary per component.
-function(trellis_test name)
-  cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
-  add_executable(${name} ${A_SOURCES})
+# trellis_test_process(<executable>): a test binary, or a process that
+# tests start (a rank, a peer). Under TSan it carries the suppressions of
+# tests/tsan_suppressions.cc: a helper's report ends it with TSan's exit
+# code (66) and fails the test that started it just as the test's own would.
+function(trellis_test_process name)
   if(TRELLIS_SANITIZE STREQUAL "thread")
     target_sources(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests/tsan_suppressions.cc)
   endif()
   target_compile_options(${name} PRIVATE ${TRELLIS_WARNINGS})
+endfunction()
+
+# trellis_test(<binary> SOURCES ... DEPS ...): one gtest binary per component.
+function(trellis_test name)
+  cmake_parse_arguments(A "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${A_SOURCES})
+  trellis_test_process(${name})
   target_link_libraries(${name} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   if(NOT A_TIMEOUT)
     set(A_TIMEOUT 120)
