@@ -26,7 +26,7 @@ test-dev: build
 # code paths in the sweeps' small sizes and in the 4 MiB allreduce tests.
 test-asan: deps
 	cmake --preset asan
-	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder elastic_test elastic_run_test elastic-run elastic_test_worker elastic_error_file_fuzz_replay worker_env_fuzz_replay elastic_checkpoint_test ddp_test ddp_hybrid_test sync_batch_norm_test ddp_worker elastic_multinode_test elastic_round_record_fuzz_replay etcd_store_test
+	cmake --build --preset asan -j $(JOBS) --target core_test wire_fuzz_replay store_test store_request_fuzz_replay transport_test transport_frame_fuzz_replay transport_handshake_fuzz_replay shm_test shm_peer_helper cma_test cma_peer_helper rpc_codec_test rpc_agent_test rpc_contract_test rpc_codec_fuzz_replay rpc_envelope_fuzz_replay store_handshake_fuzz_replay transport_record_fuzz_replay shm_ring_fuzz_replay rpc_protocol_fuzz_replay collective_message_fuzz_replay flight_records_fuzz_replay rpc_quiescence_test dist_autograd_test dist_optimizer_test dist_step_gate_test dist_tutorial_test dist_autograd_process_test dist_autograd_worker collectives_kernels_test collectives_test collectives_watchdog_test collectives_process_test collectives_worker trellis-flight-recorder elastic_test elastic_run_test elastic-run elastic_test_worker elastic_error_file_fuzz_replay worker_env_fuzz_replay elastic_checkpoint_test ddp_test ddp_hybrid_test sync_batch_norm_test ddp_worker elastic_multinode_test elastic_round_record_fuzz_replay seal_fuzz_replay etcd_store_test
 	ctest --preset asan -j $(JOBS) -L 'core|fuzz|store|transport|rpc|dist_autograd|collectives|elastic|ddp' -E 'rpc_process|DistAutogradProcess.WorkerKilled|OpSweep.*_4MiB'
 
 # ThreadSanitizer pass over the components with threads and loops.
@@ -58,7 +58,7 @@ FUZZERS := wire:512 store_request:512 store_handshake:128 \
     shm_ring:512 \
     rpc_envelope:1024 rpc_codec:1024 rpc_protocol:1024 \
     collective_message:256 flight_records:4096 elastic_error_file:4096 \
-    worker_env:512 elastic_round_record:4096
+    worker_env:512 elastic_round_record:4096 seal:1024
 
 test-fuzz: deps
 	cmake --preset fuzz

@@ -15,10 +15,10 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <trellis/core/auth.h>
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
 #include <trellis/core/mutex.h>
+#include <trellis/core/seal.h>
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/messages.h>
 #include <trellis/dist_autograd/optimizer.h>
@@ -115,53 +115,34 @@ std::unique_ptr<torch::optim::Optimizer> makeTorchOptimizer(
   }
 }
 
-// A saved state is sealed: "TRLSOPT1", then an HMAC-SHA256 of the archive
-// under a fixed public key (a checksum against truncation and corruption,
-// not authentication: peers are authenticated by the job token), then the
-// archive. libtorch 1.13's archive reader can crash the process on
-// corrupted input (its TorchScript type parser), so a state whose seal
-// does not match never reaches it.
-constexpr std::string_view kStateMagic = "TRLSOPT1";
-constexpr std::string_view kStateKey = "trellis optimizer state v1";
-
-auth::Mac stateChecksum(std::string_view archive) {
-  return auth::hmacSha256(
-      {reinterpret_cast<const uint8_t*>(kStateKey.data()), kStateKey.size()},
-      {reinterpret_cast<const uint8_t*>(archive.data()), archive.size()});
-}
+// A saved state is a sealed blob (core/seal.h): magic "TRLSOPT1", tag 0,
+// the archive as its payload. libtorch 1.13's archive reader can crash the
+// process on corrupted input (its TorchScript type parser), so a state
+// whose seal does not hold never reaches it.
+constexpr char kStateMagic[] = "TRLSOPT1";
 
 std::string sealState(std::string_view archive) {
-  const auth::Mac mac = stateChecksum(archive);
-  std::string out;
-  out.reserve(kStateMagic.size() + mac.size() + archive.size());
-  out.append(kStateMagic);
-  out.append(reinterpret_cast<const char*>(mac.data()), mac.size());
+  std::string out = seal::header(kStateMagic, 0, archive);
   out.append(archive);
   return out;
 }
 
 // The archive inside `sealed`; InvalidArgumentError saying what is wrong.
 std::string_view openState(std::string_view sealed) {
-  const size_t header = kStateMagic.size() + auth::kMacBytes;
-  const auto refuse = [&](const std::string& why) {
+  seal::Opened opened;
+  std::string why = seal::open(kStateMagic, sealed, &opened);
+  if (why.empty() && opened.tag != 0) {
+    // The digest covers the payload; the header's fields are checked by
+    // their readers.
+    why = "is corrupted: its header's tag is " + std::to_string(opened.tag);
+  }
+  if (!why.empty()) {
     throwError(Error::invalidArgument(
         "optimizer state (" + std::to_string(sealed.size()) +
-        " bytes) does not load: " + why +
+        " bytes) does not load: it " + why +
         "; only what DistributedOptimizer::stateDict() returned loads"));
-  };
-  if (sealed.size() < header ||
-      sealed.substr(0, kStateMagic.size()) != kStateMagic) {
-    refuse("it does not start with the state header");
   }
-  const std::string_view archive = sealed.substr(header);
-  const auth::Mac mac = stateChecksum(archive);
-  if (!auth::constantTimeEqual(
-          mac,
-          {reinterpret_cast<const uint8_t*>(sealed.data()) + kStateMagic.size(),
-           auth::kMacBytes})) {
-    refuse("its checksum does not match (truncated or corrupted)");
-  }
-  return archive;
+  return opened.payload;
 }
 
 // Steps on one worker are serialised by one lock per process, as torch's

@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -7,10 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <openssl/evp.h>
-
 #include <trellis/core/error.h>
 #include <trellis/core/logging.h>
+#include <trellis/core/seal.h>
 #include <trellis/core/text.h>
 #include <trellis/elastic/checkpoint.h>
 
@@ -19,39 +17,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// File layout (docs/elastic.md, "Checkpoints"), integers little-endian:
-//   magic "TRLSCKP1" (8) | step (8) | payload length (8) |
-//   SHA-256 of the payload (32) | payload (torch's archive, a zip)
-constexpr char kMagic[8] = {'T', 'R', 'L', 'S', 'C', 'K', 'P', '1'};
-constexpr size_t kHeaderBytes = 8 + 8 + 8 + 32;
+// A checkpoint is a sealed blob (core/seal.h; docs/elastic.md,
+// "Checkpoints"): magic "TRLSCKP1", the step as its tag, torch's archive
+// (a zip) as its payload.
+constexpr char kMagic[] = "TRLSCKP1";
 constexpr int kStepDigits = 12;
 constexpr int64_t kMaxStep = 999'999'999'999;  // 12 digits
-
-using Digest = std::array<uint8_t, 32>;
-
-Digest sha256(const char* data, size_t size) {
-  Digest d{};
-  unsigned int n = 0;
-  if (EVP_Digest(data, size, d.data(), &n, EVP_sha256(), nullptr) != 1 ||
-      n != d.size()) {
-    throwError(Error::internal("checkpoint: SHA-256 failed"));
-  }
-  return d;
-}
-
-void putU64(std::string& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) {
-    out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  }
-}
-
-uint64_t getU64(const std::string& in, size_t at) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) {
-    v |= static_cast<uint64_t>(static_cast<uint8_t>(in[at + i])) << (8 * i);
-  }
-  return v;
-}
 
 [[noreturn]] void ioFailed(int err, const std::string& what) {
   throwError(Error::fromErrno(err, "checkpoint: " + what));
@@ -88,33 +59,21 @@ std::optional<int64_t> stepOf(const std::string& name,
   return parseDecimal(digits);
 }
 
-// Why `bytes` (the file at `path`, named for `step`) is not a whole
-// checkpoint; empty when it is.
-std::string damage(const std::string& bytes, int64_t step) {
-  if (bytes.size() < kHeaderBytes) {
-    return "shorter (" + std::to_string(bytes.size()) +
-           " bytes) than a checkpoint header";
+// The archive in `bytes` (the file named for `step`), or nullopt after
+// `*why` says why it is not a whole checkpoint.
+std::optional<std::string_view> payloadOf(const std::string& bytes,
+                                          int64_t step, std::string* why) {
+  seal::Opened opened;
+  *why = seal::open(kMagic, bytes, &opened);
+  if (!why->empty()) {
+    return std::nullopt;
   }
-  if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
-    return "not a Trellis checkpoint (bad magic)";
-  }
-  const uint64_t recorded = getU64(bytes, 8);
-  if (recorded != static_cast<uint64_t>(step)) {
-    return "records step " + std::to_string(recorded) +
+  if (opened.tag != static_cast<uint64_t>(step)) {
+    *why = "records step " + std::to_string(opened.tag) +
            " but is named for step " + std::to_string(step);
+    return std::nullopt;
   }
-  const uint64_t length = getU64(bytes, 16);
-  if (length != bytes.size() - kHeaderBytes) {
-    return "torn: the header announces " + std::to_string(length) +
-           " bytes of data, the file holds " +
-           std::to_string(bytes.size() - kHeaderBytes);
-  }
-  const Digest d =
-      sha256(bytes.data() + kHeaderBytes, bytes.size() - kHeaderBytes);
-  if (std::memcmp(d.data(), bytes.data() + 24, d.size()) != 0) {
-    return "corrupted: its SHA-256 does not match its contents";
-  }
-  return "";
+  return opened.payload;
 }
 
 }  // namespace
@@ -163,11 +122,8 @@ fs::path Checkpoints::save(
     payload.append(static_cast<const char*>(data), n);
     return n;
   });
-  std::string header(kMagic, sizeof kMagic);
-  putU64(header, static_cast<uint64_t>(step));
-  putU64(header, payload.size());
-  const Digest d = sha256(payload.data(), payload.size());
-  header.append(reinterpret_cast<const char*>(d.data()), d.size());
+  const std::string header =
+      seal::header(kMagic, static_cast<uint64_t>(step), payload);
 
   const fs::path final = pathOf(step);
   // Hidden, and named for this process: never a candidate for loading.
@@ -253,8 +209,10 @@ std::optional<Checkpoints::Loaded> Checkpoints::load(
   }
   std::string bytes((std::istreambuf_iterator<char>(in)),
                     std::istreambuf_iterator<char>());
-  if (const std::string why = damage(bytes, step); !why.empty()) {
-    TRELLIS_LOG_WARN("checkpoint {}: skipped: {}", path.string(), why);
+  std::string why;
+  const std::optional<std::string_view> payload = payloadOf(bytes, step, &why);
+  if (!payload) {
+    TRELLIS_LOG_WARN("checkpoint {}: skipped: it {}", path.string(), why);
     return std::nullopt;
   }
   Loaded loaded;
@@ -262,7 +220,7 @@ std::optional<Checkpoints::Loaded> Checkpoints::load(
   loaded.path = path;
   try {
     loaded.archive.load_from(
-        bytes.data() + kHeaderBytes, bytes.size() - kHeaderBytes,
+        payload->data(), payload->size(),
         device ? c10::optional<torch::Device>(*device) : c10::nullopt);
   } catch (const std::exception& e) {
     // Whole by its checksum, but not an archive torch reads (written by
