@@ -6,21 +6,21 @@
 // Roles come from the rank: ranks 0 .. S-1 are parameter servers (S =
 // --servers), the others trainers. Every embedding table is split by rows
 // over the servers (row r of a table lives on server r % S, as its row
-// r / S); each server holds one shard of every table, as an object that
-// trainers reach through RRefs. A trainer's step, inside one
-// distributed-autograd context: bag lookups on every shard its batch
-// touches (RRef method calls, all in flight at once; sum-mode bags, so the
-// shards' partial sums add up to the bag), the dense part (a bottom MLP
-// for the dense features, DLRM's pairwise dot-product interaction, a top
-// MLP) replicated over the trainers with DDP, ctx.backward() (the tables'
-// gradients go to the servers over RPC, the dense part's are averaged by
-// DDP into the context), and one DistributedOptimizer step: Adagrad on the
-// servers for the table shards (sparse), Adagrad on each trainer for its
-// replica of the dense part.
+// r / S); each server stacks its rows of every table in one weight (table
+// batching), an object that trainers reach through an RRef. A trainer's
+// step, inside one distributed-autograd context: one bag lookup per
+// server, covering every table (RRef method calls, all in flight at once;
+// sum-mode bags, so the servers' partial sums add up to the bag), the
+// dense part (a bottom MLP for the dense features, DLRM's pairwise
+// dot-product interaction, a top MLP) replicated over the trainers with
+// DDP, ctx.backward() (the tables' gradients go to the servers over RPC,
+// the dense part's are averaged by DDP into the context), and one
+// DistributedOptimizer step: Adagrad on the servers for their rows
+// (sparse), Adagrad on each trainer for its replica of the dense part.
 //
 // Fault tolerance: every --checkpoint-every steps the group checkpoints
 // (trainers: the dense part and the whole optimizer state; servers: their
-// shards). --fail-at-step S makes the last trainer exit abnormally at step
+// rows). --fail-at-step S makes the last trainer exit abnormally at step
 // S of the first attempt; elastic-run restarts the group, which resumes
 // from the last checkpoint every rank completed. The data are a
 // deterministic function of (seed, trainer, step), so a resumed run trains
@@ -107,22 +107,38 @@ int64_t shardRows(int64_t rows, int64_t servers, int64_t shard) {
 
 }  // namespace
 
-// One table's shard on a server. Lookups come from trainers' contexts
-// (training: the graph is recorded, the rows are noted) or from outside one
-// (evaluation: no graph).
-class EmbeddingShard {
+// The rows of every table that live on one server, stacked in one weight
+// (table batching, as TorchRec's batched embedding kernels do): table t's
+// rows of this server are rows base(t) .. base(t+1)-1. A trainer's step
+// then makes one lookup, sends one gradient and runs one optimizer step
+// on each server, whatever the number of tables: per table, each of those
+// cost a message and libtorch's fixed per-op work (docs/benchmarks.md).
+// Lookups come from trainers' contexts (training: the graph is recorded,
+// the rows are noted) or from outside one (evaluation: no graph).
+class ServerShard {
  public:
-  EmbeddingShard(int64_t table, int64_t shard, int64_t rows, int64_t dim,
-                 uint64_t seed)
-      : table_(table), shard_(shard) {
-    at::Generator g = at::detail::createCPUGenerator(seed);
+  ServerShard(int64_t server, int64_t tables, int64_t rowsPerTable, int64_t dim,
+              int64_t servers, uint64_t seed)
+      : server_(server) {
+    const int64_t rows = shardRows(rowsPerTable, servers, server);
     at::NoGradGuard noGrad;
-    weight_ = at::empty({rows, dim}).normal_(0.0, 0.05, g).requires_grad_(true);
-    looked_ = std::vector<char>(static_cast<size_t>(rows), 0);
+    weight_ = at::empty({tables * rows, dim});
+    for (int64_t t = 0; t < tables; ++t) {
+      // Each table's rows from their own generator, as when every table
+      // had a weight of its own.
+      at::Generator g = at::detail::createCPUGenerator(
+          seed * 1000003 + static_cast<uint64_t>(t) * 101 +
+          static_cast<uint64_t>(server));
+      weight_.narrow(0, t * rows, rows).normal_(0.0, 0.05, g);
+      bases_.push_back(t * rows);
+    }
+    bases_.push_back(tables * rows);
+    weight_.requires_grad_(true);
+    looked_ = std::vector<char>(static_cast<size_t>(tables * rows), 0);
     initial_ = weight_.detach().clone();
   }
 
-  // Sum-mode bags over this shard's rows `ids` (shard-local row numbers).
+  // Sum-mode bags over rows `ids` of the stacked weight.
   at::Tensor lookup(const at::Tensor& ids, const at::Tensor& offsets) {
     const int64_t rows = weight_.size(0);
     if (ids.dim() != 1 || offsets.dim() != 1 ||
@@ -131,8 +147,9 @@ class EmbeddingShard {
     }
     if (ids.numel() > 0 &&
         (ids.min().item<int64_t>() < 0 || ids.max().item<int64_t>() >= rows)) {
-      throw std::out_of_range("lookup: a row id outside shard " + name() +
-                              " (" + std::to_string(rows) + " rows)");
+      throw std::out_of_range("lookup: a row id outside server " +
+                              std::to_string(server_) + "'s " +
+                              std::to_string(rows) + " rows");
     }
     const bool training = da::currentContextId() != 0;
     if (training) {
@@ -152,8 +169,8 @@ class EmbeddingShard {
     return da::localParameters({weight_});
   }
 
-  // Checkpoint `step` of this shard (the caller, trainer 0, has made sure
-  // no step is in flight).
+  // Checkpoint `step` of this server's rows (the caller, trainer 0, has
+  // made sure no step is in flight).
   bool save(int64_t step) {
     checkpoints().save(step, [&](torch::serialize::OutputArchive& a) {
       a.write("weight", weight_.detach());
@@ -161,7 +178,7 @@ class EmbeddingShard {
     return true;
   }
 
-  // Back to checkpoint `step`; false when this shard does not have it.
+  // Back to checkpoint `step`; false when this server does not have it.
   bool restore(int64_t step) {
     auto loaded = checkpoints().load(step);
     if (!loaded) {
@@ -171,7 +188,7 @@ class EmbeddingShard {
     loaded->archive.read("weight", w);
     if (!w.sizes().equals(weight_.sizes())) {
       throw std::runtime_error("checkpoint " + loaded->path.string() +
-                               ": the shard's shape differs");
+                               ": the server's shape of the tables differs");
     }
     at::NoGradGuard noGrad;
     weight_.copy_(w);
@@ -181,43 +198,48 @@ class EmbeddingShard {
     return true;
   }
 
-  // Since the start (or the restore): rows looked up in training, rows
-  // whose values changed, and rows that changed without a lookup (must be
-  // none: a sparse update touches only the rows a lookup used).
+  // Of table `table`'s rows here, since the start (or the restore): rows
+  // looked up in training, rows whose values changed, and rows that
+  // changed without a lookup (must be none: a sparse update touches only
+  // the rows a lookup used).
   struct Stats {
     int64_t looked = 0, changed = 0, changedUnlooked = 0;
   };
-  Stats stats() {
+  Stats stats(int64_t table) {
     std::lock_guard<std::mutex> lock(mu_);
-    at::Tensor changed =
-        (weight_.detach() != initial_).any(1).to(at::kByte).contiguous();
+    const auto t = static_cast<size_t>(table);
+    const int64_t first = bases_[t], count = bases_[t + 1] - bases_[t];
+    at::Tensor changed = (weight_.detach().narrow(0, first, count) !=
+                          initial_.narrow(0, first, count))
+                             .any(1)
+                             .to(at::kByte)
+                             .contiguous();
     const uint8_t* c = changed.data_ptr<uint8_t>();
     Stats s;
-    for (size_t r = 0; r < looked_.size(); ++r) {
-      s.looked += looked_[r];
+    for (int64_t r = 0; r < count; ++r) {
+      const char looked = looked_[static_cast<size_t>(first + r)];
+      s.looked += looked;
       s.changed += c[r] ? 1 : 0;
-      s.changedUnlooked += (c[r] && !looked_[r]) ? 1 : 0;
+      s.changedUnlooked += (c[r] && !looked) ? 1 : 0;
     }
     return s;
   }
 
-  std::string name() const {
-    return "table" + std::to_string(table_) + "/shard" + std::to_string(shard_);
-  }
+  int64_t tables() const { return static_cast<int64_t>(bases_.size()) - 1; }
 
   static void setCheckpointDir(fs::path dir) { dir_() = std::move(dir); }
 
  private:
-  trellis::elastic::Checkpoints checkpoints() const {
-    return trellis::elastic::Checkpoints(
-        {.dir = dir_(), .prefix = "table" + std::to_string(table_)});
+  static trellis::elastic::Checkpoints checkpoints() {
+    return trellis::elastic::Checkpoints({.dir = dir_(), .prefix = "tables"});
   }
   static fs::path& dir_() {
     static fs::path dir;
     return dir;
   }
 
-  int64_t table_, shard_;
+  int64_t server_;
+  std::vector<int64_t> bases_;  // tables() + 1 entries
   at::Tensor weight_;
   std::mutex mu_;
   std::vector<char> looked_;
@@ -225,23 +247,21 @@ class EmbeddingShard {
 };
 
 namespace {
-std::mutex gShardsMu;
-std::map<int64_t, std::shared_ptr<EmbeddingShard>> gShards;  // by table
+std::mutex gShardMu;
+std::shared_ptr<ServerShard> gShard;  // this server's, built at startup
 }  // namespace
 
-// The shard of `table` on this server (built at startup).
-std::shared_ptr<EmbeddingShard> shardOf(int64_t table) {
-  std::lock_guard<std::mutex> lock(gShardsMu);
-  auto it = gShards.find(table);
-  if (it == gShards.end()) {
-    throw std::out_of_range("no shard of table " + std::to_string(table) +
-                            " on this server");
+// This server's rows of the tables.
+std::shared_ptr<ServerShard> serverShard() {
+  std::lock_guard<std::mutex> lock(gShardMu);
+  if (!gShard) {
+    throw std::logic_error("this process holds no rows of the tables");
   }
-  return it->second;
+  return gShard;
 }
 
-TRELLIS_REMOTE_FUNCTION(shardOf);
-TRELLIS_REMOTE_METHODS(EmbeddingShard, lookup, parameters, save, restore);
+TRELLIS_REMOTE_FUNCTION(serverShard);
+TRELLIS_REMOTE_METHODS(ServerShard, lookup, parameters, save, restore);
 // A lookup is a bounds check and one embedding_bag over a few hundred rows
 // (tens of microseconds, no waits; its lock is held by stats() alone, after
 // training): it runs on the server's transport loop, without a hand-off to
@@ -249,8 +269,8 @@ TRELLIS_REMOTE_METHODS(EmbeddingShard, lookup, parameters, save, restore);
 // keeps no copy of the table (sum-mode bags, no per-sample weights), so it
 // is step-safe: another trainer's step may update the table before this
 // lookup's backward (docs/dist_autograd.md, "Step-safe functions").
-TRELLIS_REMOTE_INLINE(EmbeddingShard::lookup);
-TRELLIS_REMOTE_STEP_SAFE(EmbeddingShard::lookup);
+TRELLIS_REMOTE_INLINE(ServerShard::lookup);
+TRELLIS_REMOTE_STEP_SAFE(ServerShard::lookup);
 
 namespace {
 
@@ -284,8 +304,8 @@ struct Trainer {
   fs::path dir;  // this job's checkpoint directory
   std::shared_ptr<trellis::collectives::ProcessGroup> group;
   ClickWorld world;
-  // shards[t][s]: table t's shard on server s.
-  std::vector<std::vector<rpc::RRef<EmbeddingShard>>> shards;
+  // shards[s]: the tables' rows on server s.
+  std::vector<rpc::RRef<ServerShard>> shards;
 
   Trainer(const Flags& flags, int t, int n, int restarts, fs::path d,
           std::shared_ptr<trellis::collectives::ProcessGroup> g)
@@ -301,12 +321,8 @@ struct Trainer {
                .weightStd = flags.weightStd,
                .zipf = flags.zipf,
                .seed = static_cast<uint64_t>(flags.seed)}) {
-    for (int64_t t = 0; t < f.tables; ++t) {
-      std::vector<rpc::RRef<EmbeddingShard>> row;
-      for (int64_t s = 0; s < f.servers; ++s) {
-        row.push_back(rpc::remote<shardOf>("ps" + std::to_string(s), t));
-      }
-      shards.push_back(std::move(row));
+    for (int64_t s = 0; s < f.servers; ++s) {
+      shards.push_back(rpc::remote<serverShard>("ps" + std::to_string(s)));
     }
   }
 
@@ -320,47 +336,52 @@ struct Trainer {
     return world.draw(g, f.batch);
   }
 
-  // [B, tables, dim]: each table's bags, summed over the shards holding
-  // their rows; every lookup in flight at once.
+  // [B, tables, dim]: each table's bags, summed over the servers holding
+  // their rows. One lookup per server covers every table: server s gets
+  // the bags of table 0, then those of table 1, ..., over its stacked rows
+  // (ServerShard); all lookups are in flight at once.
   at::Tensor embeddings(const ClickWorld::Batch& b) {
     const int64_t bags = b.offsets[0].size(0);
-    std::vector<std::vector<std::optional<trellis::Future<at::Tensor>>>> parts(
-        static_cast<size_t>(f.tables));
+    // ids[s] and counts[s]: per table, server s's rows and bag sizes.
+    std::vector<std::vector<at::Tensor>> ids(static_cast<size_t>(f.servers));
+    std::vector<std::vector<at::Tensor>> counts(static_cast<size_t>(f.servers));
     for (int64_t t = 0; t < f.tables; ++t) {
-      const at::Tensor& ids = b.ids[static_cast<size_t>(t)];
+      const at::Tensor& tableIds = b.ids[static_cast<size_t>(t)];
       // The bag of each id.
-      at::Tensor counts =
+      at::Tensor bagOf = torch::repeat_interleave(
           torch::diff(b.offsets[static_cast<size_t>(t)],
                       /*n=*/1, /*dim=*/0, /*prepend=*/c10::nullopt,
-                      torch::tensor({ids.size(0)}, torch::kLong));
-      at::Tensor bagOf = torch::repeat_interleave(counts);
-      at::Tensor server = ids.remainder(f.servers);
+                      torch::tensor({tableIds.size(0)}, torch::kLong)));
+      at::Tensor server = tableIds.remainder(f.servers);
       for (int64_t s = 0; s < f.servers; ++s) {
         at::Tensor mask = server.eq(s);
-        at::Tensor local = ids.masked_select(mask).div(f.servers, "floor");
-        if (local.numel() == 0) {
-          parts[static_cast<size_t>(t)].emplace_back(std::nullopt);
-          continue;
-        }
-        at::Tensor perBag =
-            torch::bincount(bagOf.masked_select(mask), {}, bags);
-        at::Tensor offsets = perBag.cumsum(0) - perBag;
-        parts[static_cast<size_t>(t)].emplace_back(
-            shards[static_cast<size_t>(t)][static_cast<size_t>(s)]
-                .rpcAsync<&EmbeddingShard::lookup>(local, offsets));
+        // Row r of table t on server s is its row t * rows(s) + r / servers.
+        const int64_t base = t * shardRows(f.rows, f.servers, s);
+        ids[static_cast<size_t>(s)].push_back(
+            tableIds.masked_select(mask).div(f.servers, "floor") + base);
+        counts[static_cast<size_t>(s)].push_back(
+            torch::bincount(bagOf.masked_select(mask), {}, bags));
       }
     }
-    std::vector<at::Tensor> tables;
-    for (auto& perTable : parts) {
-      at::Tensor sum = torch::zeros({bags, f.dim});
-      for (auto& p : perTable) {
-        if (p) {
-          sum = sum + p->wait();
-        }
+    std::vector<std::optional<trellis::Future<at::Tensor>>> parts;
+    for (int64_t s = 0; s < f.servers; ++s) {
+      at::Tensor local = torch::cat(ids[static_cast<size_t>(s)]);
+      if (local.numel() == 0) {
+        parts.emplace_back(std::nullopt);
+        continue;
       }
-      tables.push_back(sum);
+      at::Tensor perBag = torch::cat(counts[static_cast<size_t>(s)]);
+      parts.emplace_back(
+          shards[static_cast<size_t>(s)].rpcAsync<&ServerShard::lookup>(
+              local, perBag.cumsum(0) - perBag));
     }
-    return torch::stack(tables, 1);
+    at::Tensor sum = torch::zeros({f.tables * bags, f.dim});
+    for (auto& p : parts) {
+      if (p) {
+        sum = sum + p->wait();
+      }
+    }
+    return sum.view({f.tables, bags, f.dim}).transpose(0, 1);
   }
 
   int run() {
@@ -390,11 +411,8 @@ struct Trainer {
       trellis::elastic::loadModule(loaded->archive, "dense", *net);
       if (trainer == 0) {
         std::vector<trellis::Future<bool>> restored;
-        for (auto& perTable : shards) {
-          for (auto& shard : perTable) {
-            restored.push_back(
-                shard.rpcAsync<&EmbeddingShard::restore>(resumeStep));
-          }
+        for (auto& shard : shards) {
+          restored.push_back(shard.rpcAsync<&ServerShard::restore>(resumeStep));
         }
         for (auto& r : restored) {
           if (!r.wait()) {
@@ -409,11 +427,9 @@ struct Trainer {
     trellis::ddp::DistributedDataParallel model(net, group);
     model.registerCommHook(timedAllreduce());
     std::vector<rpc::RRef<at::Tensor>> params;
-    for (auto& perTable : shards) {
-      for (auto& shard : perTable) {
-        auto p = shard.rpcSync<&EmbeddingShard::parameters>();
-        params.insert(params.end(), p.begin(), p.end());
-      }
+    for (auto& shard : shards) {
+      auto p = shard.rpcSync<&ServerShard::parameters>();
+      params.insert(params.end(), p.begin(), p.end());
     }
     auto dense = da::localParameters(net->parameters());
     params.insert(params.end(), dense.begin(), dense.end());
@@ -601,10 +617,8 @@ struct Trainer {
     };
     if (trainer == 0) {
       std::vector<trellis::Future<bool>> saved;
-      for (auto& perTable : shards) {
-        for (auto& shard : perTable) {
-          saved.push_back(shard.rpcAsync<&EmbeddingShard::save>(step));
-        }
+      for (auto& shard : shards) {
+        saved.push_back(shard.rpcAsync<&ServerShard::save>(step));
       }
       for (auto& s : saved) {
         (void)s.wait();
@@ -783,13 +797,11 @@ int main(int argc, char** argv) {
 
     const bool isServer = rank < f.servers;
     if (isServer) {
-      EmbeddingShard::setCheckpointDir(dir / ("server" + std::to_string(rank)));
-      std::lock_guard<std::mutex> lock(gShardsMu);
-      for (int64_t t = 0; t < f.tables; ++t) {
-        gShards[t] = std::make_shared<EmbeddingShard>(
-            t, rank, shardRows(f.rows, f.servers, rank), f.dim,
-            static_cast<uint64_t>(f.seed) * 1000003 + t * 101 + rank);
-      }
+      ServerShard::setCheckpointDir(dir / ("server" + std::to_string(rank)));
+      std::lock_guard<std::mutex> lock(gShardMu);
+      gShard = std::make_shared<ServerShard>(rank, f.tables, f.rows, f.dim,
+                                             f.servers,
+                                             static_cast<uint64_t>(f.seed));
     }
     rpc::RpcOptions options;
     options.store =
@@ -815,12 +827,12 @@ int main(int argc, char** argv) {
     rpc::shutdown();
     if (isServer) {
       int64_t changedUnlooked = 0;
-      for (auto& [t, shard] : gShards) {
-        const auto s = shard->stats();
-        std::printf("ps%d %s: %" PRId64 " rows looked up in training, %" PRId64
-                    " changed, %" PRId64 " changed without a lookup\n",
-                    rank, shard->name().c_str(), s.looked, s.changed,
-                    s.changedUnlooked);
+      for (int64_t t = 0; t < gShard->tables(); ++t) {
+        const auto s = gShard->stats(t);
+        std::printf("ps%d table%" PRId64 "/shard%d: %" PRId64
+                    " rows looked up in training, %" PRId64 " changed, %" PRId64
+                    " changed without a lookup\n",
+                    rank, t, rank, s.looked, s.changed, s.changedUnlooked);
         changedUnlooked += s.changedUnlooked;
       }
       std::fflush(stdout);

@@ -3,7 +3,7 @@
 # 2 parameter servers + 2 trainers under elastic-run --standalone.
 #   1. Undisturbed: exits 0, held-out AUC well above chance, the trainers'
 #      dense parameters equal after every step (--check-consistency), and
-#      every server shard changed only rows that were looked up.
+#      no server changed a row of a table that was not looked up.
 #   2. The last trainer exits abnormally once (--fail-at-step): elastic-run
 #      restarts the group, every rank resumes from the last checkpoint, the
 #      summary says so, and the AUC is within 0.01 of run 1.
@@ -28,10 +28,10 @@ auc_of() {  # the held-out AUC printed by trainer 0
   sed -n 's/.*held-out AUC \([0-9.]*\).*/\1/p' <<<"$1" | tail -n 1
 }
 
-check_servers() {  # six shards, none changed a row it did not look up
+check_servers() {  # 2 servers x 3 tables, none changed a row it did not look up
   local n
   n=$(grep -c ' 0 changed without a lookup' <<<"$1" || true)
-  [[ $n -eq 6 ]] || fail "expected 6 shards with no unlooked change, got $n: $1"
+  [[ $n -eq 6 ]] || fail "expected 6 (server, table) lines with no unlooked change, got $n: $1"
 }
 
 common=(--steps 400 --log-every 100 --eval-samples 4096 --checkpoint-every 50
