@@ -189,8 +189,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
     uint64_t runningHandlers = 0;
     uint64_t lateReplies = 0;
     uint64_t openPipes = 0;
-    // Inline functions (TRELLIS_REMOTE_INLINE) that held the transport
-    // loop longer than TRELLIS_RPC_INLINE_WARN_US.
+    // Runs of inline functions (TRELLIS_REMOTE_INLINE) that held the
+    // transport loop longer than TRELLIS_RPC_INLINE_WARN_US, counted from a
+    // function's second such run in a row (docs/rpc.md, "Inline functions").
     uint64_t slowInlineRuns = 0;
   };
   Stats stats() const;

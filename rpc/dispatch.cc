@@ -2,6 +2,7 @@
 
 #include <functional>
 #include <optional>
+#include <sys/resource.h>
 #include <thread>
 
 #include <trellis/core/logging.h>
@@ -41,19 +42,32 @@ Duration inlineWarnThreshold() {
   return threshold;
 }
 
+// The calling thread's CPU time and voluntary context switches (it went
+// to sleep: a lock, I/O, a sleep), from one getrusage.
+struct ThreadUsage {
+  Duration cpu{0};
+  long waits = 0;
+
+  static ThreadUsage now() {
+    rusage r{};
+    ThreadUsage u;
+    if (::getrusage(RUSAGE_THREAD, &r) == 0) {
+      u.cpu =
+          std::chrono::seconds(r.ru_utime.tv_sec + r.ru_stime.tv_sec) +
+          std::chrono::microseconds(r.ru_utime.tv_usec + r.ru_stime.tv_usec);
+      u.waits = r.ru_nvcsw;
+    }
+    return u;
+  }
+};
+
 }  // namespace
 
 void Dispatcher::dispatch(Request request) {
   running_.fetch_add(1);
   const FunctionEntry* entry = Registry::global().find(request.env->function());
   if (entry != nullptr && entry->runOnLoop) {
-    CurrentAgentScope scope(agent_);
-    const auto start = Clock::now();
-    handle(request, entry);
-    const Duration took = Clock::now() - start;
-    if (took > inlineWarnThreshold()) {
-      reportSlowInline(*entry, took);
-    }
+    runInline(request, entry);
     return;
   }
   pool_.post([this, entry, r = std::make_shared<Request>(std::move(request))](
@@ -68,7 +82,50 @@ void Dispatcher::dispatch(Request request) {
   });
 }
 
-void Dispatcher::reportSlowInline(const FunctionEntry& entry, Duration took) {
+void Dispatcher::runInline(Request& request, const FunctionEntry* entry) {
+  CurrentAgentScope scope(agent_);
+  bool measure = false;
+  if (suspects_.load(std::memory_order_relaxed) != 0) {
+    MutexLock lock(slowMu_);
+    measure = suspect_.count(entry) != 0;
+  }
+  const ThreadUsage before = measure ? ThreadUsage::now() : ThreadUsage{};
+  const auto start = Clock::now();
+  handle(request, entry);
+  const Duration took = Clock::now() - start;
+  const bool over = took > inlineWarnThreshold();
+  if (!measure) {
+    if (over) {
+      // The wall clock alone also counts the time this thread was
+      // preempted, which on a machine with more runnable threads than
+      // cores is most of it: the next run says which it was.
+      MutexLock lock(slowMu_);
+      if (suspect_.insert(entry).second) {
+        suspects_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    return;
+  }
+  const ThreadUsage after = ThreadUsage::now();
+  const Duration cpu = after.cpu - before.cpu;
+  const long waits = after.waits - before.waits;
+  if (!over) {
+    MutexLock lock(slowMu_);
+    if (suspect_.erase(entry) != 0) {
+      suspects_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    return;
+  }
+  // Over again. It held the loop itself when it computed that long, or
+  // when it went to sleep (a lock, I/O, a sleep: a voluntary switch);
+  // otherwise the thread was preempted, and it stays a suspect.
+  if (cpu > inlineWarnThreshold() || waits > 0) {
+    reportSlowInline(*entry, took, cpu, waits);
+  }
+}
+
+void Dispatcher::reportSlowInline(const FunctionEntry& entry, Duration took,
+                                  Duration cpu, long waits) {
   slowInlineRuns_.fetch_add(1, std::memory_order_relaxed);
   const auto now = Clock::now();
   {
@@ -83,11 +140,11 @@ void Dispatcher::reportSlowInline(const FunctionEntry& entry, Duration took) {
   }
   TRELLIS_LOG_WARN(
       "rpc agent {}: inline function '{}' held the transport loop for {} "
-      "(TRELLIS_RPC_INLINE_WARN_US: {}); no message of this worker moved "
-      "meanwhile. Inline functions must not block: drop its "
-      "TRELLIS_REMOTE_INLINE, or make it async",
-      self_.name, entry.name, formatDuration(took),
-      formatDuration(inlineWarnThreshold()));
+      "({} of CPU, {} wait{}; TRELLIS_RPC_INLINE_WARN_US: {}), twice in a "
+      "row; no message of this worker moved meanwhile. Inline functions "
+      "must not block: drop its TRELLIS_REMOTE_INLINE, or make it async",
+      self_.name, entry.name, formatDuration(took), formatDuration(cpu), waits,
+      waits == 1 ? "" : "s", formatDuration(inlineWarnThreshold()));
 }
 
 void Dispatcher::handle(Request& request, const FunctionEntry* entry) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "envelope.h"
 #include <trellis/core/deadline.h>
@@ -75,7 +76,11 @@ class Dispatcher {
  private:
   // `entry`: the request's function, null when it is not registered here.
   void handle(Request& request, const FunctionEntry* entry);
-  void reportSlowInline(const FunctionEntry& entry, Duration took);
+  // Runs an inline function on the calling (loop) thread and checks how
+  // long it held it (docs/rpc.md, "Inline functions").
+  void runInline(Request& request, const FunctionEntry* entry);
+  void reportSlowInline(const FunctionEntry& entry, Duration took, Duration cpu,
+                        long waits);
   // `nested` (profiled requests only) collects the events of the calls the
   // function makes; they ride the response.
   // The second half of handle(), once the request is admitted. `gate`:
@@ -104,6 +109,13 @@ class Dispatcher {
   Mutex slowMu_;
   std::unordered_map<std::string, Clock::time_point> lastSlowWarning_
       TRELLIS_GUARDED_BY(slowMu_);
+  // Inline functions whose last run held the loop past the threshold by
+  // the wall clock: their next run is also measured by the thread's CPU
+  // time and waits (two system calls), which tell a function that
+  // computes or blocks from one whose thread was preempted. `suspects_`
+  // is their number, so that other runs pay one atomic load.
+  std::atomic<size_t> suspects_{0};
+  std::unordered_set<const FunctionEntry*> suspect_ TRELLIS_GUARDED_BY(slowMu_);
   // The callbacks on futures (results, admissions) run through it; close()
   // cuts it, since those futures may complete on any thread at any time.
   const std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>();

@@ -424,10 +424,11 @@ bool markStepSafe() {
 // thread may hold for long, no I/O, no sleep, no wait on a future and no
 // synchronous RPC (an async function returning a Future is fine), and
 // microseconds to a millisecond of work. While it runs, no message of any
-// pipe of that worker moves. A run longer than TRELLIS_RPC_INLINE_WARN_US
-// (default 1000) is logged as a warning naming the function and counted in
-// Agent::Stats::slowInlineRuns. Use after the registration, in the same
-// file:
+// pipe of that worker moves. A function whose runs hold the loop longer
+// than TRELLIS_RPC_INLINE_WARN_US (default 1000) twice in a row, the second
+// time computing or waiting (not preempted), is logged as a warning naming
+// it and counted in Agent::Stats::slowInlineRuns. Use after the
+// registration, in the same file:
 //
 //   TRELLIS_REMOTE_METHODS(Table, lookup, push);
 //   TRELLIS_REMOTE_INLINE(Table::lookup);
