@@ -7,7 +7,11 @@
 #   2. The last trainer exits abnormally once (--fail-at-step): elastic-run
 #      restarts the group, every rank resumes from the last checkpoint, the
 #      summary says so, and the AUC is within 0.01 of run 1.
-#   3. Bad input: too few processes for the servers asked for, a bad
+#   3. A parameter server is SIGSTOPped (hung, not dead): a trainer's call
+#      to it times out naming it (--timeout-s 5), elastic-run stops the
+#      group (SIGKILL for the stopped one), restarts it, every rank resumes
+#      from the last checkpoint and the job ends well.
+#   4. Bad input: too few processes for the servers asked for, a bad
 #      restart count in the environment: exit 2 naming what was wrong.
 #
 #   hybrid_training_test.sh BUILD_DIR
@@ -17,7 +21,14 @@ build=$(realpath "$1")
 run=$build/elastic/elastic-run
 job=$build/examples/hybrid_training
 tmp=$(mktemp -d /tmp/trellis-hybrid-test.XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
+er=""       # the elastic-run of stage 3 while it runs
+stopped=""  # the worker stage 3 stopped
+cleanup() {
+  if [[ -n $stopped ]]; then kill -KILL "$stopped" 2>/dev/null || true; fi
+  if [[ -n $er ]]; then kill -TERM "$er" 2>/dev/null || true; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
 
 fail() {
   echo "FAIL: $*" >&2
@@ -64,6 +75,52 @@ auc2=$(auc_of "$out")
 awk -v a="$auc1" -v b="$auc2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 0.01) }' ||
   fail "AUC after a restart $auc2 is not within 0.01 of $auc1: $out"
 echo "with a restart: AUC $auc2 ($(grep -o 'recovery [0-9.]* s' <<<"$out"))"
+
+# Stage 3: a hung parameter server. Stopped once the servers have saved
+# step 99, so the group resumes from a checkpoint.
+"$run" --standalone --nproc-per-node 4 --max-restarts 1 "$job" --steps 400 \
+  --log-every 100 --eval-samples 4096 --checkpoint-every 50 --timeout-s 5 \
+  --checkpoint-dir "$tmp/c" >"$tmp/stop.log" 2>&1 &
+er=$!
+for _ in $(seq 600); do  # 60 s
+  [[ -e $tmp/c/server1/tables-000000000099.ckpt ]] && break
+  kill -0 "$er" 2>/dev/null || fail "the job ended early: $(cat "$tmp/stop.log")"
+  sleep 0.1
+done
+[[ -e $tmp/c/server1/tables-000000000099.ckpt ]] ||
+  fail "no checkpoint of step 99 in 60 s: $(cat "$tmp/stop.log")"
+for pid in $(ps --ppid "$er" -o pid=); do
+  if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'RANK=1'; then
+    stopped=$pid
+  fi
+done
+[[ -n $stopped ]] || fail "no worker of rank 1 under elastic-run $er"
+kill -STOP "$stopped"
+for _ in $(seq 1800); do  # 180 s
+  kill -0 "$er" 2>/dev/null || break
+  sleep 0.1
+done
+if kill -0 "$er" 2>/dev/null; then
+  fail "the job did not end within 180 s of the stop: $(cat "$tmp/stop.log")"
+fi
+set +e
+wait "$er"
+rc=$?
+set -e
+er=""
+out=$(cat "$tmp/stop.log")
+[[ $rc -eq 0 ]] || fail "the job with a hung server exited with $rc: $out"
+grep -q "to worker 'ps1' (rank 1) timed out after 5s" <<<"$out" ||
+  fail "no error names the hung server: $out"
+grep -q 'restarting the worker group (restart 1' <<<"$out" ||
+  fail "elastic-run did not restart the group: $out"
+grep -q 'resumed from the checkpoint of step' <<<"$out" ||
+  fail "the group did not resume from a checkpoint: $out"
+auc3=$(auc_of "$out")
+awk -v a="$auc3" 'BEGIN { exit !(a >= 0.75) }' ||
+  fail "AUC $auc3 after the hung server is not well above chance: $out"
+stopped=""
+echo "with a hung server: AUC $auc3"
 
 set +e
 out=$(timeout 60 "$run" --standalone --nproc-per-node 2 "$job" --servers 2 2>&1)
