@@ -206,7 +206,19 @@ TEST(Checkpoints, AWriterKilledMidSaveLeavesTheLastWholeOne) {
         });
       }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(150 + 37 * round));
+    // Once this round's first save is in (a save takes 50-300 ms: longer
+    // under ASan on a loaded machine), a little later: inside a save.
+    Checkpoints watcher({.dir = dir.path});
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (watcher.steps().empty() || watcher.steps().back() < 1000 * round) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(child, SIGKILL);
+        ::waitpid(child, nullptr, 0);
+        FAIL() << "round " << round << ": no save within 30 s";
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 + 37 * round));
     ASSERT_EQ(::kill(child, SIGKILL), 0);  // the child this test started
     int status = 0;
     ASSERT_EQ(::waitpid(child, &status, 0), child);
