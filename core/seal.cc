@@ -6,14 +6,14 @@
 #include <trellis/core/check.h>
 #include <trellis/core/error.h>
 #include <trellis/core/seal.h>
+#include <trellis/core/wire.h>
 
 namespace trellis::seal {
 namespace {
 
 using Digest = std::array<uint8_t, 32>;
 constexpr size_t kTagAt = kMagicBytes;
-constexpr size_t kLengthAt = kTagAt + 8;
-constexpr size_t kDigestAt = kLengthAt + 8;
+constexpr size_t kDigestAt = kTagAt + 16;
 static_assert(kDigestAt + sizeof(Digest) == kHeaderBytes);
 
 Digest sha256(std::string_view data) {
@@ -27,32 +27,19 @@ Digest sha256(std::string_view data) {
   return d;
 }
 
-void putU64(std::string& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) {
-    out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  }
-}
-
-uint64_t getU64(std::string_view in, size_t at) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < 8; ++i) {
-    v |= static_cast<uint64_t>(static_cast<uint8_t>(in[at + i])) << (8 * i);
-  }
-  return v;
-}
-
 }  // namespace
 
 std::string header(std::string_view magic, uint64_t tag,
                    std::string_view payload) {
   TRELLIS_CHECK(magic.size() == kMagicBytes, "seal: a magic is 8 bytes");
-  std::string out(magic);
+  wire::WireWriter out;
   out.reserve(kHeaderBytes);
-  putU64(out, tag);
-  putU64(out, payload.size());
+  out.putRaw(magic);
+  out.putFixed64(tag);
+  out.putFixed64(payload.size());
   const Digest d = sha256(payload);
-  out.append(reinterpret_cast<const char*>(d.data()), d.size());
-  return out;
+  out.putRaw(d);
+  return std::string(out.bytes().begin(), out.bytes().end());
 }
 
 std::string open(std::string_view magic, std::string_view sealed, Opened* out) {
@@ -64,7 +51,10 @@ std::string open(std::string_view magic, std::string_view sealed, Opened* out) {
   if (sealed.substr(0, kMagicBytes) != magic) {
     return "has another kind's magic";
   }
-  const uint64_t length = getU64(sealed, kLengthAt);
+  // The header's size was checked: these reads cannot fail.
+  wire::WireReader fields(sealed.substr(kTagAt, kDigestAt - kTagAt), "seal");
+  const uint64_t tag = fields.fixed64("tag");
+  const uint64_t length = fields.fixed64("length");
   const size_t held = sealed.size() - kHeaderBytes;
   if (length != held) {
     return "is torn: its header announces " + std::to_string(length) +
@@ -75,7 +65,7 @@ std::string open(std::string_view magic, std::string_view sealed, Opened* out) {
   if (std::memcmp(d.data(), sealed.data() + kDigestAt, d.size()) != 0) {
     return "is corrupted: its SHA-256 does not match its payload";
   }
-  out->tag = getU64(sealed, kTagAt);
+  out->tag = tag;
   out->payload = payload;
   return "";
 }
