@@ -12,6 +12,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <optional>
@@ -159,6 +162,53 @@ inline std::pair<int, int> loopbackTcpPair() {
 // A line for the reader outside the table and the JSON lines: stderr.
 inline void note(const std::string& line) {
   std::fprintf(stderr, "# %s\n", line.c_str());
+}
+
+// Context switches per thread name, from /proc (pool threads are named by
+// role: "rpc-<worker>/i" handlers, "rpc-done-<worker>/i" completions).
+// `voluntaryOnly`: only the times a thread slept and had to be woken.
+inline std::map<std::string, double> switchesByThread(
+    bool voluntaryOnly = false) {
+  std::map<std::string, double> out;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    // Threads nobody named (main, transport loop, agent timer, store
+    // server) carry the program's name: tell them apart by id.
+    const std::string tid = t.path().filename().string();
+    if (tid == std::to_string(::getpid())) {
+      name = "main";
+    } else if (name == program_invocation_short_name) {
+      name = "unnamed-" + tid;
+    }
+    std::ifstream status(t.path() / "status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.find("ctxt_switches:") != std::string::npos &&
+          (!voluntaryOnly || line.rfind("voluntary", 0) == 0)) {
+        out[name] += std::atof(line.substr(line.find(':') + 1).c_str());
+      }
+    }
+  }
+  return out;
+}
+
+// " name=switches per call" for each thread that switched at least once
+// every 20 calls since `before` (switchesByThread of the same kind).
+inline std::string switchesPerCall(const std::map<std::string, double>& before,
+                                   int calls, bool voluntaryOnly = false) {
+  std::string out;
+  for (const auto& [name, n] : switchesByThread(voluntaryOnly)) {
+    auto it = before.find(name);
+    const double d = (n - (it == before.end() ? 0 : it->second)) / calls;
+    if (d >= 0.05) {
+      char buf[128];
+      std::snprintf(buf, sizeof(buf), " %s=%.2f", name.c_str(), d);
+      out += buf;
+    }
+  }
+  return out;
 }
 
 // n bytes with every page touched once: fresh pages fault at a fraction of

@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <malloc.h>
+#include <map>
 #include <memory>
 #include <random>
 #include <spawn.h>
@@ -332,6 +333,7 @@ void runModel(const ModelSize& m) {
     dist.iteration(batches[i % kBatches], nullptr);
   }
   Samples ls, ds;
+  std::map<std::string, double> distWakeups;  // per thread, all dist blocks
   std::vector<double> plain, inContext;
   constexpr int kBlocks = 4;
   int next = 0;
@@ -343,10 +345,16 @@ void runModel(const ModelSize& m) {
     }
     ls.switches.addSince(c0);
     c0 = Switches::now();
+    const auto byThread = bench::switchesByThread(/*voluntaryOnly=*/true);
     for (int i = 0; i < n; ++i) {
       dist.iteration(batches[(next + i) % kBatches], &ds);
     }
     ds.switches.addSince(c0);
+    for (const auto& [name, count] :
+         bench::switchesByThread(/*voluntaryOnly=*/true)) {
+      auto it = byThread.find(name);
+      distWakeups[name] += count - (it == byThread.end() ? 0 : it->second);
+    }
     for (int i = 0; i < n; ++i) {
       plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
     }
@@ -355,6 +363,17 @@ void runModel(const ModelSize& m) {
     }
     next += n;
   }
+  std::string perThread;
+  for (const auto& [name, count] : distWakeups) {
+    const double perIter = count / static_cast<double>(ds.iter.size());
+    if (perIter >= 0.05) {
+      char buf[128];
+      std::snprintf(buf, sizeof(buf), " %s=%.2f", name.c_str(), perIter);
+      perThread += buf;
+    }
+  }
+  bench::note(m.name +
+              " dist: trainer wake-ups per iteration by thread:" + perThread);
   addSamples(m.name + "_local", ls, "");
   addSamples(m.name + "_dist", ds, m.name + "_local");
   report.add(m.name + "_rpc_forward_no_context_median",

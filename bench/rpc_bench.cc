@@ -183,48 +183,6 @@ double contextSwitches() {
   return static_cast<double>(u.ru_nvcsw + u.ru_nivcsw);
 }
 
-// The same per thread name, from /proc (pool threads are named by role:
-// "rpc-<worker>/i" handlers, "rpc-done-<worker>/i" completions).
-std::map<std::string, double> switchesByThread() {
-  std::map<std::string, double> out;
-  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream comm(t.path() / "comm");
-    std::string name;
-    std::getline(comm, name);
-    // Threads nobody named (main, transport loop, agent timer, store
-    // server) carry the program's name: tell them apart by id.
-    const std::string tid = t.path().filename().string();
-    if (tid == std::to_string(::getpid())) {
-      name = "main";
-    } else if (name == program_invocation_short_name) {
-      name = "unnamed-" + tid;
-    }
-    std::ifstream status(t.path() / "status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.find("ctxt_switches:") != std::string::npos) {
-        out[name] += std::atof(line.substr(line.find(':') + 1).c_str());
-      }
-    }
-  }
-  return out;
-}
-
-std::string switchesPerCall(const std::map<std::string, double>& before,
-                            int calls) {
-  std::string out;
-  for (const auto& [name, n] : switchesByThread()) {
-    auto it = before.find(name);
-    const double d = (n - (it == before.end() ? 0 : it->second)) / calls;
-    if (d >= 0.05) {
-      char buf[128];
-      std::snprintf(buf, sizeof(buf), " %s=%.2f", name.c_str(), d);
-      out += buf;
-    }
-  }
-  return out;
-}
-
 std::shared_ptr<store::Store> connectStore(const std::string& prefix) {
   store::TCPStoreOptions o;
   o.port = flags.storePort;
@@ -495,12 +453,12 @@ void rpcCaller(const Phase& p, store::Store& st) {
 
   timeCalls(warmup, [] { rpc::rpcSync<noop>("callee"); });
   const double csw0 = contextSwitches();
-  const auto byThread = switchesByThread();
+  const auto byThread = bench::switchesByThread();
   auto us = bestBlock(flags.iters, Best::kMedian, [](int n) {
     return timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
   });
   note(pre + " noop: caller context switches per call by thread:" +
-       switchesPerCall(byThread, flags.iters));
+       bench::switchesPerCall(byThread, flags.iters));
   report.add(pre + "_noop_csw_per_call",
              (contextSwitches() - csw0) / flags.iters, "1",
              "transport_" + p.tag + "_csw_per_rtt");

@@ -355,6 +355,10 @@ class Container : public rpc::detail::AgentExtension {
       rpc::detail::CallSpec spec =
           rpc::detail::functionSpec<&detail::releaseContext>(peer);
       spec.recordAutograd = false;
+      // Nobody reads an answer: the peer sends none, and this worker does
+      // not wake for one (the future completes when the message is
+      // written).
+      spec.oneWay = true;
       auto reply = rpc::detail::sendCall<&detail::releaseContext>(
           agent_, peer, spec, id, rank());
       reply.addDoneCallback([id, peer](const Future<rpc::detail::Reply>& f) {
@@ -647,6 +651,9 @@ Future<void> runGraph(Container& container,
     rpc::detail::CallSpec spec =
         rpc::detail::functionSpec<&detail::propagateGradients>(o.node->peer());
     spec.recordAutograd = false;
+    // Its callbacks decode a bool and count answers; the last one wakes the
+    // backward's waiter (or answers a nested backward's request).
+    spec.completeOnLoop = true;
     auto reply = rpc::detail::sendCall<&detail::propagateGradients>(
         agent, o.node->peer(), spec, state->id, o.node->messageId(),
         retainGraph, std::move(o.grads));

@@ -490,7 +490,7 @@ void DistributedOptimizer::step(uint64_t contextId) {
       if (!owner.isOwner()) {
         done[i] = withContext(
             (impl_->timeout ? owner.withTimeout(*impl_->timeout) : owner)
-                .rpcAsync<&LocalOptimizer::step>(contextId, waitUs),
+                .rpcAsyncOnLoop<&LocalOptimizer::step>(contextId, waitUs),
             label(i), /*ownerTimeout=*/true);
       }
     }

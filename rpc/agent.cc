@@ -116,12 +116,24 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
   d.calls = std::make_unique<detail::CallTable>(d.self, *d.completions,
                                                 d.group.workers);
   d.dispatcher = std::make_unique<detail::Dispatcher>(
-      d.self, d.me, d.extensions, d.options.numWorkerThreads, [&d] {
-        d.connections->endExpectedWork();
+      d.self, d.me, d.extensions, d.options.numWorkerThreads,
+      [&d](bool replies) {
+        if (replies) {
+          d.connections->endExpectedWork();
+        }
         d.calls->notifyIdle();
       });
-  d.dispatcher->setHoldHooks([&d] { d.connections->endExpectedWork(); },
-                             [&d] { d.connections->beginExpectedWork(); });
+  d.dispatcher->setHoldHooks(
+      [&d](bool replies) {
+        if (replies) {
+          d.connections->endExpectedWork();
+        }
+      },
+      [&d](bool replies) {
+        if (replies) {
+          d.connections->beginExpectedWork();
+        }
+      });
   d.connections = std::make_unique<detail::Connections>(
       d.me, d.worldSize, d.options, d.group.workers,
       [&d](const std::shared_ptr<PipeState>& ps,
@@ -297,7 +309,12 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
     env.set_extension_payload(spec.extensionPayload);
   }
   if (const uint64_t ctx = spec.recordAutograd ? currentAutogradContext() : 0;
-      ctx != 0) {
+      ctx != 0 && spec.oneWay) {
+    return makeErrorFuture<Reply>(Error::invalidArgument(
+        "one-way call of '" + std::string(spec.function) +
+        "' inside a distributed-autograd context (set recordAutograd = "
+        "false)"));
+  } else if (ctx != 0) {
     detail::OutgoingMessage out;
     out.peer = to;
     out.autogradContextId = ctx;
@@ -332,6 +349,24 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
   // A pipe that fails before the call is registered fails the write below,
   // and with it the call.
   auto ps = d.connections->outPipe(to);
+  if (spec.oneWay) {
+    // Nothing comes back: the write's outcome is the call's.
+    env.set_one_way(true);
+    Promise<Reply> written;
+    auto future = written.getFuture();
+    d.connections->send(
+        ps, env, std::move(args), std::move(context),
+        [written, what = "one-way call of '" + std::string(spec.function) +
+                         "' to " + detail::describeWorker(d.group.workers[to])](
+            const Error& e) mutable {
+          if (e.ok()) {
+            written.setValue(Reply{});
+          } else {
+            written.setError(e.withContext(what));
+          }
+        });
+    return future;
+  }
   detail::CallTable::Call call;
   auto future = call.promise.getFuture();
   call.to = to;
@@ -365,13 +400,31 @@ void Agent::Impl::onMessage(const std::shared_ptr<PipeState>& ps,
                             std::shared_ptr<pb::Envelope> env, Reply body,
                             Clock::time_point arrived) {
   if (!ps->outgoing) {
-    // The reply comes back to this loop from a worker thread within
-    // microseconds for most calls: poll for it rather than sleep.
-    connections->beginExpectedWork();
+    const bool oneWay = env->one_way();
+    if (!oneWay) {
+      // The reply comes back to this loop from a worker thread within
+      // microseconds for most calls: poll for it rather than sleep.
+      connections->beginExpectedWork();
+    }
     detail::Dispatcher::Request r;
     r.env = std::move(env);
     r.body = std::move(body);
     r.arrived = arrived;
+    if (oneWay) {
+      // Nobody waits for the outcome: a failure is only worth a line.
+      r.respond = [this, from = r.body.from, function = r.env->function()](
+                      const pb::Envelope& reply, Encoder&&,
+                      std::unique_ptr<CodecContext>) {
+        if (reply.has_error()) {
+          TRELLIS_LOG_DEBUG(
+              "rpc agent {}: one-way call of '{}' from {} failed: {}", me.name,
+              function, detail::describeWorker(group.workers[from]),
+              reply.error().message());
+        }
+      };
+      dispatcher->dispatch(std::move(r));
+      return;
+    }
     r.respond = [this, ps](const pb::Envelope& reply, Encoder&& out,
                            std::unique_ptr<CodecContext> context) {
       connections->send(ps, reply, std::move(out), std::move(context),

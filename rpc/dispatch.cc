@@ -12,7 +12,7 @@ namespace trellis::rpc::detail {
 
 Dispatcher::Dispatcher(Agent* agent, const WorkerInfo& self,
                        const Extensions& extensions, size_t threads,
-                       std::function<void()> done)
+                       RequestHook done)
     : agent_(agent),
       self_(self),
       extensions_(extensions),
@@ -74,7 +74,7 @@ void Dispatcher::dispatch(Request request) {
                  const Error& e) {
     if (!e.ok()) {  // pool shut down (closed at once)
       running_.fetch_sub(1);
-      done_();
+      done_(!r->env->one_way());
       return;
     }
     CurrentAgentScope scope(agent_);
@@ -224,7 +224,7 @@ void Dispatcher::handle(Request& request, const FunctionEntry* entry) {
       // worker thread (it may come on the extension's timer thread, or
       // while it is destroyed at close).
       if (held_) {
-        held_();
+        held_(!request.env->one_way());
       }
       admitted.addDoneCallback(Lifeline::guard(
           lifeline_, [this, r = std::make_shared<Request>(std::move(request)),
@@ -233,14 +233,14 @@ void Dispatcher::handle(Request& request, const FunctionEntry* entry) {
             pool_.post([this, r, entry, receiver, profileStartUs, nested, gate,
                         autogradContext, f](const Error& pe) mutable {
               if (resumed_) {
-                resumed_();
+                resumed_(!r->env->one_way());
               }
               if (!pe.ok()) {  // pool shut down (closed at once)
                 if (!f.hasError()) {
                   gate->requestDone(autogradContext);
                 }
                 running_.fetch_sub(1);
-                done_();
+                done_(!r->env->one_way());
                 return;
               }
               CurrentAgentScope scope(agent_);
@@ -330,8 +330,9 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
   const int32_t peer = static_cast<int32_t>(req.from_worker());
   const uint64_t autogradContext = req.autograd_context_id();
   std::string function = req.function();
+  const bool replies = !req.one_way();
   // A function's future may complete on any thread, also after close().
-  auto reply = [this, respond = std::move(request.respond), id, peer,
+  auto reply = [this, respond = std::move(request.respond), id, peer, replies,
                 profileStartUs, autogradContext, nested = std::move(nested),
                 gate, stepSafe,
                 function = std::move(function)](const Future<AnyValue>& f) {
@@ -423,7 +424,7 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
     }
     respond(env, std::move(body), std::move(context));
     running_.fetch_sub(1);
-    done_();
+    done_(replies);
   };
   result.addDoneCallback(Lifeline::guard(lifeline_, std::move(reply)));
 }

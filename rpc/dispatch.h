@@ -41,10 +41,14 @@ class Dispatcher {
     Respond respond;
   };
 
+  // Whether a request is answered (false for one-way requests): what the
+  // hooks below get.
+  using RequestHook = std::function<void(bool replies)>;
+
   // `done` runs after each request's response was handed to `respond` (or
   // the request was dropped by a pool closed at once).
   Dispatcher(Agent* agent, const WorkerInfo& self, const Extensions& extensions,
-             size_t threads, std::function<void()> done);
+             size_t threads, RequestHook done);
   ~Dispatcher();
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
@@ -54,7 +58,7 @@ class Dispatcher {
   void dispatch(Request request);
   // `held` runs when a request is held at admission (its worker thread
   // is given back), `resumed` when it goes on. Call before any request.
-  void setHoldHooks(std::function<void()> held, std::function<void()> resumed) {
+  void setHoldHooks(RequestHook held, RequestHook resumed) {
     held_ = std::move(held);
     resumed_ = std::move(resumed);
   }
@@ -99,10 +103,10 @@ class Dispatcher {
   Agent* agent_;
   const WorkerInfo& self_;
   const Extensions& extensions_;
-  std::function<void()> done_;
+  RequestHook done_;
   // Set once before the first request (setHoldHooks).
-  std::function<void()> held_;
-  std::function<void()> resumed_;
+  RequestHook held_;
+  RequestHook resumed_;
   ThreadPool pool_;
   std::atomic<uint64_t> running_{0};
   std::atomic<uint64_t> slowInlineRuns_{0};

@@ -73,6 +73,13 @@ Error parseEnvelope(std::string_view bytes, int32_t worldSize,
       !expectRequest) {
     return Error::protocol("envelope: extension fields in a response");
   }
+  if (out->one_way() && !expectRequest) {
+    return Error::protocol("envelope: one_way set in a response");
+  }
+  if (out->one_way() && out->autograd_context_id() != 0) {
+    return Error::protocol(
+        "envelope: a one-way request inside a distributed-autograd context");
+  }
   if (!out->extension_payload().empty() && out->extension() == 0) {
     return Error::protocol("envelope: extension payload without extension");
   }

@@ -177,6 +177,19 @@ class RRef {
         *state_->agent());
   }
 
+  // rpcAsync whose reply completes the future on the transport loop
+  // thread, so the future's callbacks run there, one thread hand-off fewer
+  // than rpcAsync. Only for callbacks that are short and never block (the
+  // library's own calls: DistributedOptimizer's step); a callback that
+  // waits stalls every pipe of the loop.
+  template <auto M, typename... A>
+  Future<detail::ResultOf<M>> rpcAsyncOnLoop(A&&... args) const {
+    detail::CallSpec spec = methodSpec<M>();
+    spec.completeOnLoop = true;
+    return detail::decodeReply<detail::ResultOf<M>>(
+        sendMethod<M>(spec, std::forward<A>(args)...), *state_->agent());
+  }
+
   template <auto M, typename... A>
   detail::ResultOf<M> rpcSync(A&&... args) const {
     detail::CallSpec spec = methodSpec<M>();

@@ -37,10 +37,20 @@ struct CallSpec {
   // calls). Protocol messages (RRef bookkeeping, backward, cleanup) set
   // false.
   bool recordAutograd = true;
-  // The caller blocks on the reply future and attaches no callback to it
-  // (rpcSync): the future is completed on the transport loop thread, which
-  // saves a thread hop. Never set it for a future users can chain on.
+  // The reply future is completed on the transport loop thread, which
+  // saves a thread hop: for a caller that blocks on it with no callback
+  // (rpcSync), and for the library's own calls whose callbacks are short
+  // and never block (gradients sent by a backward, context releases,
+  // DistributedOptimizer's step). Never set it for a future users can
+  // chain on.
   bool completeOnLoop = false;
+  // No reply (envelope field one_way): the callee runs the function and
+  // sends nothing back, so neither side wakes for an answer. The future
+  // completes once the message is written (or fails when it cannot be);
+  // the function's result is dropped and its error is logged on the
+  // callee. For the library's notifications whose answer nobody reads
+  // (a distributed-autograd context's release); never inside a context.
+  bool oneWay = false;
 };
 
 // A reply's encoded result, decoded by the caller's template.

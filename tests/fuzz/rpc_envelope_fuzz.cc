@@ -2,7 +2,8 @@
 // must give either a valid envelope or a ProtocolError, never a crash or an
 // unbounded allocation. A valid one keeps the bounds the agent relies on,
 // the extension fields' among them (an extension payload only in a
-// request, only with an extension id, at most kMaxExtensionPayloadBytes).
+// request, only with an extension id, at most kMaxExtensionPayloadBytes)
+// and one_way's (only in a request, never with an autograd context).
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -23,7 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         env.extension_payload().size() >
             trellis::rpc::kMaxExtensionPayloadBytes ||
         (!env.extension_payload().empty() && env.extension() == 0) ||
-        (!request && env.extension() != 0)) {
+        (!request && env.extension() != 0) ||
+        (env.one_way() && (!request || env.autograd_context_id() != 0))) {
       __builtin_trap();
     }
     // A valid envelope re-serialises and parses back to the same checks.

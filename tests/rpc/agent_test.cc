@@ -155,6 +155,13 @@ bool finishLater(int64_t v) {
   return p.has_value() && p->setValue(v);
 }
 
+// Sleeps `ms`, then counts itself in gRecorded (one-way calls).
+std::atomic<int64_t> gRecorded{0};
+int64_t recordAfterMs(int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return gRecorded.fetch_add(1) + 1;
+}
+
 std::string shutDownFromHandler() {
   try {
     rpc::Agent::current().shutdown({.graceful = false});
@@ -179,6 +186,7 @@ TRELLIS_REMOTE_FUNCTION(holdOwnAgent);
 TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
 TRELLIS_REMOTE_FUNCTION(replyWhenLetGo);
 TRELLIS_REMOTE_FUNCTION(resultLater);
+TRELLIS_REMOTE_FUNCTION(recordAfterMs);
 TRELLIS_SERIALIZABLE(Delta, by, note);
 TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
@@ -349,6 +357,57 @@ TEST(RpcAgent, MalformedExtensionPayloadFailsThatRequestOnly) {
   }
   EXPECT_EQ(rpc::rpcSync<addInts>("w1", 20, 22), 42);
   EXPECT_EQ(g[1].stats().openPipes, pipesBefore);
+}
+
+// A one-way call (CallSpec::oneWay; the library's context releases) runs
+// on the callee and sends nothing back: the caller's future completes when
+// the message is written, a failure stays on the callee, and the callee
+// goes on serving.
+template <auto Fn, typename... A>
+Future<rpc::detail::Reply> oneWay(rpc::Agent& from, int32_t to, A... args) {
+  rpc::Encoder e;
+  rpc::encodeArgs(e, args...);
+  rpc::detail::CallSpec spec;
+  spec.function = rpc::RemoteName<Fn>::value;
+  spec.signature = rpc::detail::fingerprintOf<Fn>();
+  spec.oneWay = true;
+  return from.call(to, spec, std::move(e));
+}
+
+TEST(RpcAgent, OneWayCallsRunOnTheCalleeAndNothingComesBack) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 1, 1), 2);  // opens the pipe
+  gRecorded = 0;
+  const auto before = g[0].stats();
+  oneWay<recordAfterMs>(g[0], 1, int64_t{0}).wait(10s);
+  oneWay<throwsOutOfRange>(g[0], 1, int64_t{7}).wait(10s);  // logged there
+  oneWay<recordAfterMs>(g[0], 1, int64_t{0}).wait(10s);
+  EXPECT_EQ(g[0].stats().pendingCalls, 0u);
+  ASSERT_TRUE(waitUntil([] { return gRecorded == 2; }, 10s));
+  // The pipe keeps its order: this reply is the only message that came
+  // back since, and nothing arrived late.
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 20, 22), 42);
+  const auto after = g[0].stats();
+  EXPECT_EQ(after.messagesSent - before.messagesSent, 4u);
+  EXPECT_EQ(after.messagesReceived - before.messagesReceived, 1u);
+  EXPECT_EQ(after.lateReplies, before.lateReplies);
+
+  // Not inside a distributed-autograd context: no reply could carry the
+  // gradients' way back.
+  rpc::AutogradContextScope inContext(uint64_t{1} << 48 | 1);
+  auto refused = oneWay<recordAfterMs>(g[0], 1, int64_t{0});
+  EXPECT_THROW(refused.wait(10s), trellis::InvalidArgumentError);
+}
+
+// Graceful shutdown counts a one-way message like any other: it returns
+// only after the callee ran it.
+TEST(RpcAgent, GracefulShutdownWaitsForOneWayCalls) {
+  Group g(2);
+  gRecorded = 0;
+  oneWay<recordAfterMs>(g[0], 1, int64_t{300}).wait(10s);
+  g.shutdownAll(/*graceful=*/true);
+  EXPECT_EQ(gRecorded, 1);
 }
 
 TEST(RpcAgent, AsyncFunctionsHoldNoThread) {

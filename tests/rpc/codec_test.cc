@@ -445,6 +445,31 @@ TEST(EnvelopeTest, AutogradIdsAreChecked) {
             std::string::npos);
 }
 
+TEST(EnvelopeTest, OneWayOnlyInRequestsOutsideContexts) {
+  auto parse = [](wire::Envelope::Kind kind, uint64_t ctx) {
+    wire::Envelope env;
+    env.set_version(kEnvelopeVersion);
+    env.set_kind(kind);
+    env.set_function("f");
+    env.set_one_way(true);
+    env.set_autograd_context_id(ctx);
+    wire::Envelope out;
+    return parseEnvelope(env.SerializeAsString(), 4,
+                         kind == wire::Envelope::REQUEST, &out);
+  };
+  EXPECT_TRUE(parse(wire::Envelope::REQUEST, 0).ok());
+  const Error inResponse = parse(wire::Envelope::RESPONSE, 0);
+  EXPECT_EQ(inResponse.code(), Code::kDataLoss);
+  EXPECT_NE(inResponse.message().find("one_way set in a response"),
+            std::string::npos)
+      << inResponse.what();
+  const Error inContext = parse(wire::Envelope::REQUEST, uint64_t{1} << 48);
+  EXPECT_EQ(inContext.code(), Code::kDataLoss);
+  EXPECT_NE(inContext.message().find("one-way request inside"),
+            std::string::npos)
+      << inContext.what();
+}
+
 TEST(CodecTest, ConjugateViewsTravelAsValues) {
   at::Tensor c = sample(at::kComplexFloat).mul(at::ones({}, at::kComplexFloat));
   at::Tensor conj = c.conj();
