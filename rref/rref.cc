@@ -238,19 +238,35 @@ class RRefContext : public AgentExtension,
     }
   }
 
-  // Sends one protocol message; its reply (an ack) is only logged.
-  // `ackOnLoop`: the caller's callback on the ack is that cheap log, so
-  // the transport loop may run it (CallSpec::completeOnLoop).
+  // Sends one protocol message (a fork, whose reply confirms the new
+  // holder).
   Future<Reply> send(int32_t to, std::string_view fn, const RRefId& a,
-                     const RRefId& b, bool ackOnLoop = false) {
+                     const RRefId& b) {
+    return agent_->call(to, protocolSpec(fn), encodeIds(a, b));
+  }
+
+  // Sends one protocol message nobody needs an answer to (an accept, a
+  // delete): one-way, so the receiver sends none and this worker does not
+  // wake for one. The future fails only when it cannot be written.
+  Future<Reply> notify(int32_t to, std::string_view fn, const RRefId& a,
+                       const RRefId& b) {
+    CallSpec spec = protocolSpec(fn);
+    spec.oneWay = true;
+    return agent_->call(to, spec, encodeIds(a, b));
+  }
+
+  static Encoder encodeIds(const RRefId& a, const RRefId& b) {
     Encoder e;
     encodeArgs(e, a.worker, a.local, b.worker, b.local);
+    return e;
+  }
+
+  static CallSpec protocolSpec(std::string_view fn) {
     CallSpec spec;
     spec.function = fn;
     spec.signature = protocolSignature(fn);
     spec.recordAutograd = false;
-    spec.completeOnLoop = ackOnLoop;
-    return agent_->call(to, spec, std::move(e));
+    return spec;
   }
 
   static uint64_t protocolSignature(std::string_view fn) {
@@ -267,11 +283,11 @@ class RRefContext : public AgentExtension,
     if (agent_->isShutDown()) {
       return;
     }
-    auto f = send(owner, kDeleteFn, id, fork, /*ackOnLoop=*/true);
+    auto f = notify(owner, kDeleteFn, id, fork);
     f.addDoneCallback([id, fork](const Future<Reply>& r) {
       if (r.hasError()) {
-        TRELLIS_LOG_DEBUG("RRef {} fork {}: deletion not acknowledged: {}",
-                          str(id), str(fork), r.error().what());
+        TRELLIS_LOG_DEBUG("RRef {} fork {}: deletion not sent: {}", str(id),
+                          str(fork), r.error().what());
       }
     });
   }
@@ -637,7 +653,7 @@ std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId) {
     ctx.addFork(id, child);
     state->confirm(Error());
     if (parent != owner) {
-      (void)ctx.send(parent, kAcceptFn, child, child);
+      (void)ctx.notify(parent, kAcceptFn, child, child);
     }
   } else if (parent == owner) {
     state->confirm(Error());  // the owner added this fork when it sent it
@@ -651,7 +667,7 @@ std::shared_ptr<RRefState> decodeRRef(Decoder& d, const char* typeId) {
           }
           if (auto cx = wctx.lock();
               cx != nullptr && !cx->agent().isShutDown()) {
-            (void)cx->send(parent, kAcceptFn, child, child);
+            (void)cx->notify(parent, kAcceptFn, child, child);
           }
         });
   }
