@@ -39,6 +39,19 @@ auc_of() {  # the held-out AUC printed by trainer 0
   sed -n 's/.*held-out AUC \([0-9.]*\).*/\1/p' <<<"$1" | tail -n 1
 }
 
+expect_line() {  # expect_line PATTERN WHY: $out has a line matching PATTERN
+  grep -q -- "$1" <<<"$out" || fail "$2: $out"
+}
+
+auc_well_above_chance() {  # auc_well_above_chance WHEN: trainer 0's AUC >= 0.75
+  local auc
+  auc=$(auc_of "$out")
+  [[ -n $auc ]] || fail "no AUC line $1: $out"
+  awk -v a="$auc" 'BEGIN { exit !(a >= 0.75) }' ||
+    fail "AUC $auc $1 is not well above chance (0.5): $out"
+  echo "$auc"
+}
+
 check_servers() {  # 2 servers x 3 tables, none changed a row it did not look up
   local n
   n=$(grep -c ' 0 changed without a lookup' <<<"$1" || true)
@@ -51,25 +64,21 @@ common=(--steps 400 --log-every 100 --eval-samples 4096 --checkpoint-every 50
 # timeout ends elastic-run (which ends its workers) if anything hangs.
 out=$(timeout 150 "$run" --standalone --nproc-per-node 4 "$job" "${common[@]}" \
   --checkpoint-dir "$tmp/a" 2>&1) || fail "undisturbed run exited with $?: $out"
-auc1=$(auc_of "$out")
-[[ -n $auc1 ]] || fail "no AUC line: $out"
-awk -v a="$auc1" 'BEGIN { exit !(a >= 0.75) }' ||
-  fail "AUC $auc1 is not well above chance (0.5): $out"
-grep -q 'no restart' <<<"$out" || fail "no summary line: $out"
+auc1=$(auc_well_above_chance "of the undisturbed run")
+expect_line 'no restart' "no summary line"
 check_servers "$out"
 echo "undisturbed: AUC $auc1"
 
 out=$(timeout 200 "$run" --standalone --nproc-per-node 4 --max-restarts 1 "$job" \
   "${common[@]}" --checkpoint-dir "$tmp/b" --fail-at-step 230 2>&1) ||
   fail "run with a failure exited with $?: $out"
-grep -q 'trainer1: injected failure at step 230' <<<"$out" ||
-  fail "the failure was not injected: $out"
-grep -q 'restarting the worker group (restart 1' <<<"$out" ||
-  fail "elastic-run did not restart the group: $out"
-grep -q 'resumed from the checkpoint of step 199' <<<"$out" ||
-  fail "the group did not resume from the step-199 checkpoint: $out"
-grep -q 'restarts: 1 (resumed from the checkpoint of step 199), recovery' \
-  <<<"$out" || fail "the summary does not report the restart: $out"
+expect_line 'trainer1: injected failure at step 230' "the failure was not injected"
+expect_line 'restarting the worker group (restart 1' \
+  "elastic-run did not restart the group"
+expect_line 'resumed from the checkpoint of step 199' \
+  "the group did not resume from the step-199 checkpoint"
+expect_line 'restarts: 1 (resumed from the checkpoint of step 199), recovery' \
+  "the summary does not report the restart"
 check_servers "$out"
 auc2=$(auc_of "$out")
 awk -v a="$auc1" -v b="$auc2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 0.01) }' ||
@@ -110,15 +119,13 @@ set -e
 er=""
 out=$(cat "$tmp/stop.log")
 [[ $rc -eq 0 ]] || fail "the job with a hung server exited with $rc: $out"
-grep -q "to worker 'ps1' (rank 1) timed out after 5s" <<<"$out" ||
-  fail "no error names the hung server: $out"
-grep -q 'restarting the worker group (restart 1' <<<"$out" ||
-  fail "elastic-run did not restart the group: $out"
-grep -q 'resumed from the checkpoint of step' <<<"$out" ||
-  fail "the group did not resume from a checkpoint: $out"
-auc3=$(auc_of "$out")
-awk -v a="$auc3" 'BEGIN { exit !(a >= 0.75) }' ||
-  fail "AUC $auc3 after the hung server is not well above chance: $out"
+expect_line "to worker 'ps1' (rank 1) timed out after 5s" \
+  "no error names the hung server"
+expect_line 'restarting the worker group (restart 1' \
+  "elastic-run did not restart the group"
+expect_line 'resumed from the checkpoint of step' \
+  "the group did not resume from a checkpoint"
+auc3=$(auc_well_above_chance "after the hung server")
 stopped=""
 echo "with a hung server: AUC $auc3"
 
@@ -127,7 +134,7 @@ out=$(timeout 60 "$run" --standalone --nproc-per-node 2 "$job" --servers 2 2>&1)
 rc=$?
 set -e
 [[ $rc -ne 0 ]] || fail "2 processes for 2 servers succeeded: $out"
-grep -q 'needs at least one trainer' <<<"$out" || fail "no reason given: $out"
+expect_line 'needs at least one trainer' "no reason given"
 
 set +e
 out=$(RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 \
@@ -135,6 +142,6 @@ out=$(RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 \
 rc=$?
 set -e
 [[ $rc -eq 2 ]] || fail "a bad TORCHELASTIC_RESTART_COUNT gave exit $rc: $out"
-grep -q "TORCHELASTIC_RESTART_COUNT is not a count: 'x1'" <<<"$out" ||
-  fail "the bad variable is not named: $out"
+expect_line "TORCHELASTIC_RESTART_COUNT is not a count: 'x1'" \
+  "the bad variable is not named"
 echo "PASS"
