@@ -194,14 +194,24 @@ inline std::map<std::string, double> switchesByThread(
   return out;
 }
 
-// " name=switches per call" for each thread that switched at least once
-// every 20 calls since `before` (switchesByThread of the same kind).
-inline std::string switchesPerCall(const std::map<std::string, double>& before,
-                                   int calls, bool voluntaryOnly = false) {
-  std::string out;
+// Switches per thread since `before` (switchesByThread of the same kind).
+inline std::map<std::string, double> switchesSince(
+    const std::map<std::string, double>& before, bool voluntaryOnly = false) {
+  std::map<std::string, double> out;
   for (const auto& [name, n] : switchesByThread(voluntaryOnly)) {
     auto it = before.find(name);
-    const double d = (n - (it == before.end() ? 0 : it->second)) / calls;
+    out[name] = n - (it == before.end() ? 0 : it->second);
+  }
+  return out;
+}
+
+// " name=switches per call" for each thread of `counts` that switched at
+// least once every 20 calls.
+inline std::string perCallByThread(const std::map<std::string, double>& counts,
+                                   double calls) {
+  std::string out;
+  for (const auto& [name, n] : counts) {
+    const double d = n / calls;
     if (d >= 0.05) {
       char buf[128];
       std::snprintf(buf, sizeof(buf), " %s=%.2f", name.c_str(), d);
@@ -209,6 +219,12 @@ inline std::string switchesPerCall(const std::map<std::string, double>& before,
     }
   }
   return out;
+}
+
+// The same for the switches since `before`.
+inline std::string switchesPerCall(const std::map<std::string, double>& before,
+                                   int calls, bool voluntaryOnly = false) {
+  return perCallByThread(switchesSince(before, voluntaryOnly), calls);
 }
 
 // n bytes with every page touched once: fresh pages fault at a fraction of

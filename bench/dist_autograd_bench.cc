@@ -351,9 +351,8 @@ void runModel(const ModelSize& m) {
     }
     ds.switches.addSince(c0);
     for (const auto& [name, count] :
-         bench::switchesByThread(/*voluntaryOnly=*/true)) {
-      auto it = byThread.find(name);
-      distWakeups[name] += count - (it == byThread.end() ? 0 : it->second);
+         bench::switchesSince(byThread, /*voluntaryOnly=*/true)) {
+      distWakeups[name] += count;
     }
     for (int i = 0; i < n; ++i) {
       plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
@@ -363,17 +362,9 @@ void runModel(const ModelSize& m) {
     }
     next += n;
   }
-  std::string perThread;
-  for (const auto& [name, count] : distWakeups) {
-    const double perIter = count / static_cast<double>(ds.iter.size());
-    if (perIter >= 0.05) {
-      char buf[128];
-      std::snprintf(buf, sizeof(buf), " %s=%.2f", name.c_str(), perIter);
-      perThread += buf;
-    }
-  }
-  bench::note(m.name +
-              " dist: trainer wake-ups per iteration by thread:" + perThread);
+  bench::note(
+      m.name + " dist: trainer wake-ups per iteration by thread:" +
+      bench::perCallByThread(distWakeups, static_cast<double>(ds.iter.size())));
   addSamples(m.name + "_local", ls, "");
   addSamples(m.name + "_dist", ds, m.name + "_local");
   report.add(m.name + "_rpc_forward_no_context_median",
