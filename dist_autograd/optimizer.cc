@@ -15,6 +15,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <trellis/core/check.h>
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
 #include <trellis/core/mutex.h>
@@ -197,16 +198,49 @@ class LocalOptimizer {
         waitUs > 0 ? Deadline::after(std::chrono::microseconds(waitUs))
                    : Deadline::never();
     // The RRef's holder keeps this object alive until the future completes.
-    return ref.gate
-        ->beginWrite(ref.slot, deadline,
-                     "the step of " + contextName(contextId))
-        .then([this, ref, grads = std::move(grads)] {
-          struct EndWrite {
-            const GateRef& ref;
-            ~EndWrite() { ref.gate->endWrite(*ref.slot); }
-          } end{ref};
-          apply(grads);
-        });
+    Future<void> admitted = ref.gate->beginWrite(
+        ref.slot, deadline, "the step of " + contextName(contextId));
+    std::weak_ptr<rpc::Agent> weak = agent.shared_from_this();
+    auto run = [this, ref, weak, grads = std::move(grads)] {
+      struct EndWrite {
+        const GateRef& ref;
+        ~EndWrite() { ref.gate->endWrite(*ref.slot); }
+      } end{ref};
+      auto a = weak.lock();
+      TRELLIS_CHECK(a == nullptr || !a->onLoopThread(),
+                    "an optimizer step on a transport loop thread");
+      apply(grads);
+    };
+    if (admitted.completed()) {
+      return admitted.then(std::move(run));  // here, on this worker thread
+    }
+    // Held: the thread that ends the last read lets the step through. That
+    // may be a transport loop (an inline function's reply, the answer to a
+    // backward this worker forwarded), where a step would stall every
+    // pipe: then it goes to a worker thread.
+    return admitted.then([weak, ref, run = std::move(run)]() -> Future<void> {
+      auto a = weak.lock();
+      if (a == nullptr || !a->onLoopThread()) {
+        run();
+        return makeReadyFuture();
+      }
+      Promise<void> done;
+      auto out = done.getFuture();
+      a->runOnWorkerThread([done, ref, run](const Error& e) mutable {
+        if (!e.ok()) {  // the agent is closing: the step does not run
+          ref.gate->endWrite(*ref.slot);
+          done.setError(e);
+          return;
+        }
+        try {
+          run();
+          done.setValue();
+        } catch (...) {
+          done.setError(errorFromCurrentException());
+        }
+      });
+      return out;
+    });
   }
 
   // The torch::optim state, serialized.

@@ -279,6 +279,14 @@ Agent::Stats Agent::stats() const {
 
 bool Agent::isShutDown() const { return impl_->connections->forgotten(); }
 
+void Agent::runOnWorkerThread(std::function<void(const Error&)> task) {
+  impl_->dispatcher->post(std::move(task));
+}
+
+bool Agent::onLoopThread() const {
+  return impl_->connections != nullptr && impl_->connections->inLoop();
+}
+
 // ---- sending ---------------------------------------------------------------
 
 Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,

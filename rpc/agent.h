@@ -168,6 +168,14 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // was released here.
   std::unique_ptr<GradReceiver> gradReceiver(const detail::Reply& reply);
 
+  // For the layers above (dist_autograd/): runs `task` on one of this
+  // agent's worker threads, with an OK error; when the pool is closed it
+  // runs it at once with CANCELLED instead, on the calling thread.
+  void runOnWorkerThread(std::function<void(const Error&)> task);
+  // True on this agent's transport loop thread, where nothing may block
+  // or run long.
+  bool onLoopThread() const;
+
   // See ShutdownOptions. Throws what a graceful shutdown failed with
   // (TimeoutError, ConnectionError naming the workers), after closing.
   void shutdown(ShutdownOptions options = {});

@@ -70,6 +70,8 @@ class Dispatcher {
     return slowInlineRuns_.load(std::memory_order_relaxed);
   }
   bool inPool() const { return pool_.inPool(); }
+  // Runs `task` on a worker thread (Agent::runOnWorkerThread).
+  void post(ThreadPool::Task task) { pool_.post(std::move(task)); }
   // Closing at once: queued requests are dropped (their callers' calls
   // fail on their side), running ones finish; joins the pool. A result
   // that completes later (an async function's future, a request held at

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
@@ -126,6 +127,35 @@ std::vector<at::Tensor> layerValues(std::string key) {
   return layerAt(key)->values();
 }
 
+// Forward: the identity. Backward: says it started, then takes 300 ms.
+std::atomic<bool> gSlowBackwardStarted{false};
+struct SlowBackward : torch::autograd::Function<SlowBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*,
+                            const at::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    gSlowBackwardStarted = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return g;
+  }
+};
+at::Tensor slowLayerForward(std::string key, at::Tensor x) {
+  return SlowBackward::apply(layerAt(key)->forward(std::move(x)));
+}
+// Inline (it runs on the callee's transport loop) and not step-safe, so a
+// read of the layer in the caller's context. It sleeps there 600 ms, which
+// an inline function must never do: the test needs the loop busy while a
+// backward ends on a worker thread.
+double inlineSlowRead(std::string key) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  return layerAt(key)->w.sum().item<double>();
+}
+
+TRELLIS_REMOTE_FUNCTION(slowLayerForward);
+TRELLIS_REMOTE_FUNCTION(inlineSlowRead);
+TRELLIS_REMOTE_INLINE(inlineSlowRead);
 TRELLIS_REMOTE_FUNCTION(makeLayer);
 TRELLIS_REMOTE_FUNCTION(addLayer);
 TRELLIS_REMOTE_FUNCTION(dropLayer);
@@ -459,6 +489,85 @@ TEST(DistributedOptimizer, ConcurrentStepsApplyEveryGradientSet) {
   opt0.reset();
   opt2.reset();
   rpc::rpcSync<dropLayer>("w1", std::string("shared"));
+}
+
+// A step held for another context's readers runs on a worker thread even
+// when the last read ends on the transport loop (an inline function's
+// reply): on the loop it would stall every pipe (the step checks this and
+// aborts there). Context 1 reads the layer on w1 (its forward's reply
+// awaits a gradient) and makes an inline call while its backward runs on
+// a worker of w1; context 2's step, held meanwhile, goes through when the
+// inline call replies, on w1's loop.
+TEST(DistributedOptimizer, AHeldStepLetThroughOnTheLoopRunsOnAWorker) {
+  Group g(3);
+  const double lr = 0.1;
+  const at::Tensor w = grid(3, 4, 0.0), b = grid(1, 4, 0.1).reshape({4});
+  std::vector<rpc::RRef<at::Tensor>> params;
+  {
+    rpc::CurrentAgentScope scope(&g[2]);
+    rpc::rpcSync<addLayer>("w1", std::string("held"), w, b);
+    params = rpc::rpcSync<layerParameters>("w1", std::string("held"));
+  }
+  auto opt = std::make_unique<dist::DistributedOptimizer>(dist::SGD{.lr = lr},
+                                                          params, 30s);
+  gSlowBackwardStarted = false;
+  const at::Tensor x1 = grid(2, 3, 0.2), x2 = grid(2, 3, -0.1);
+
+  // Context 1 on w0: its forward makes it a reader of the layer on w1.
+  rpc::CurrentAgentScope scope0(&g[0]);
+  dist::Context ctx1;
+  at::Tensor h1 = rpc::rpcSync<slowLayerForward>("w1", std::string("held"), x1);
+
+  // Context 2 on w2: forward, backward, then the step, which waits on w1
+  // for context 1's readers.
+  std::string stepFailure;
+  std::atomic<bool> stepping{false}, stepped{false};
+  std::thread trainer2([&] {
+    try {
+      rpc::CurrentAgentScope scope(&g[2]);
+      dist::Context ctx2;
+      at::Tensor h2 = rpc::rpcSync<layerForward>("w1", std::string("held"), x2);
+      ctx2.backward({(h2 * h2).sum()});
+      stepping = true;
+      opt->step(ctx2.id());
+      stepped = true;
+    } catch (const std::exception& e) {
+      stepFailure = e.what();
+    }
+  });
+  ASSERT_TRUE(waitUntil([&] {
+    return stepping.load() || !stepFailure.empty();
+  })) << "trainer 2 did not get to its step";
+  std::this_thread::sleep_for(200ms);  // its step reaches w1 and waits there
+  EXPECT_FALSE(stepped.load()) << "the step did not wait for context 1";
+
+  // Context 1's backward: 300 ms on a worker of w1. Meanwhile an inline
+  // call of context 1 (admitted: the context reads already) holds w1's
+  // loop; the backward ends first, so the inline call's reply ends the
+  // context's reading, on the loop.
+  std::thread backward1([&] { ctx1.backward({(h1 * h1).sum()}); });
+  ASSERT_TRUE(waitUntil([] { return gSlowBackwardStarted.load(); }));
+  double read = 0;
+  {
+    rpc::AutogradContextScope inCtx1(ctx1.id());
+    read = rpc::rpcSync<inlineSlowRead>("w1", std::string("held"));
+  }
+  backward1.join();
+  trainer2.join();
+  EXPECT_EQ(stepFailure, "");
+  EXPECT_TRUE(stepped.load());
+  EXPECT_NEAR(read, w.sum().item<double>(), kTol);  // read before the step
+
+  // Only context 2's gradient was applied.
+  at::Tensor rw = w.clone().requires_grad_(true);
+  at::Tensor rb = b.clone().requires_grad_(true);
+  at::Tensor rh = at::tanh(x2.mm(rw) + rb);
+  (rh * rh).sum().backward();
+  auto got = rpc::rpcSync<layerValues>("w1", std::string("held"));
+  EXPECT_LE(maxAbsDiff(got[0], w - lr * rw.grad()), kTol);
+  EXPECT_LE(maxAbsDiff(got[1], b - lr * rb.grad()), kTol);
+  opt.reset();
+  rpc::rpcSync<dropLayer>("w1", std::string("held"));
 }
 
 // ---- errors ----------------------------------------------------------------
