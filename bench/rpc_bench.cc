@@ -545,9 +545,12 @@ void rpcCaller(const Phase& p, store::Store& st) {
              std::stod(st.getString("rpc/" + p.tag + "/idle_threads")), "1");
 
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
+  const auto remoteByThread = bench::switchesByThread();
   us = bestBlock(flags.iters, Best::kMedian, [](int n) {
     return timeCalls(n, [] { rpc::remote<answer>("callee").toHere(); });
   });
+  note(pre + " remote + toHere: caller context switches per call by thread:" +
+       bench::switchesPerCall(remoteByThread, flags.iters));
   addLatency(pre + "_remote_tohere", us, pre + "_noop_rtt");
 
   // How late a call's timeout fires past its deadline (the unit tests

@@ -10,7 +10,10 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <string>
+#include <typeinfo>
 #include <utility>
+#include <vector>
 
 #include <trellis/core/check.h>
 #include <trellis/core/logging.h>
@@ -31,6 +34,45 @@ std::string str(const RRefId& id) {
 
 // Deletes remembered for forks not seen yet (see addTombstoneLocked).
 constexpr size_t kMaxTombstones = size_t{1} << 16;
+
+// Owner values freed on the transport loop at most this big (a tensor's
+// storage); a bigger one goes back to the allocator on a worker thread.
+constexpr size_t kLoopFreeBytes = size_t{1} << 20;
+
+template <typename T>
+bool holds(const AnyValue& v) {
+  return v.typeId != nullptr && std::strcmp(v.typeId, typeid(T).name()) == 0;
+}
+
+size_t storageBytes(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? t.storage().nbytes() : 0;
+}
+
+// Whether dropping an owner value's last reference is quick and runs no
+// user code, so that a delete handled on the loop may free it there: no
+// value, numbers, strings, and tensors of at most kLoopFreeBytes. Anything
+// else (a user's object, whose destructor may block or make RPCs; a large
+// tensor, whose pages go back to the kernel) is freed on a worker thread.
+bool freesQuickly(const AnyValue& v) {
+  if (v.value == nullptr) {
+    return true;
+  }
+  if (holds<at::Tensor>(v)) {
+    return storageBytes(*static_cast<const at::Tensor*>(v.value.get())) <=
+           kLoopFreeBytes;
+  }
+  if (holds<std::vector<at::Tensor>>(v)) {
+    size_t bytes = 0;
+    for (const auto& t :
+         *static_cast<const std::vector<at::Tensor>*>(v.value.get())) {
+      bytes += storageBytes(t);
+    }
+    return bytes <= kLoopFreeBytes;
+  }
+  return holds<bool>(v) || holds<int32_t>(v) || holds<int64_t>(v) ||
+         holds<uint32_t>(v) || holds<uint64_t>(v) || holds<float>(v) ||
+         holds<double>(v) || holds<std::string>(v);
+}
 
 // Names of the protocol's messages; they travel as ordinary requests.
 constexpr std::string_view kForkFn = "trellis.rref.fork";
@@ -376,6 +418,12 @@ class RRefContext : public AgentExtension,
     }
     TRELLIS_LOG_DEBUG("RRef {}: last reference gone, value freed",
                       str(RRefId{k.first, k.second}));
+    if (agent_->onLoopThread() && dead.value.hasValue() &&
+        !freesQuickly(dead.value.value())) {
+      // A delete runs on the loop, where nothing may block: the value
+      // dies on a worker (at once, here, when the pool is closed).
+      agent_->runOnWorkerThread([dead = std::move(dead)](const Error&) {});
+    }
   }
 
   Agent* agent_;
@@ -468,14 +516,15 @@ bool registerProtocol() {
     e.runOnLoop = onLoop;
     Registry::global().add(std::move(e));
   };
-  // Forks and fetches only touch the context's tables (a fetch chains on
-  // the owner value's future), so they are answered on the transport loop
-  // (docs/rref.md). Deletes and accepts stay on a worker thread: they may
-  // drop the last reference to an owner value, and a user object's
-  // destructor may block.
+  // Forks, fetches and deletes only touch the context's tables (a fetch
+  // chains on the owner value's future; a delete that frees a value whose
+  // destruction may block hands it to a worker, maybeFree), so they run on
+  // the transport loop (docs/rref.md). Accepts stay on a worker thread: one
+  // may drop a parent's last handle, whose release sends a delete or frees
+  // a local owner value.
   add(kForkFn, RRefContext::protocolSignature(kForkFn), &handleFork, true);
   add(kDeleteFn, RRefContext::protocolSignature(kDeleteFn), &handleDelete,
-      false);
+      true);
   add(kAcceptFn, RRefContext::protocolSignature(kAcceptFn), &handleAccept,
       false);
   add(kFetchFn, fetchSignature(), &handleFetch, true);

@@ -242,6 +242,10 @@ RRefOf<ResultOf<Fn>> remoteCall(Agent& agent, int32_t to, CallSpec spec,
   ensureRRefSupport(agent);
   auto state = makeCreatorState(agent, to, typeid(V).name());
   setStoreResult(spec, state->id(), state->fork());
+  // The reply only confirms the fork (below): setting a promise, and the
+  // library's callbacks on it only add context to an error, so the loop
+  // runs it instead of waking a completion thread (CallSpec).
+  spec.completeOnLoop = true;
   auto reply = sendCall<Fn>(agent, to, spec, std::forward<A>(args)...);
   std::weak_ptr<RRefState> weak = state;
   reply.addDoneCallback([weak](const Future<Reply>& f) {

@@ -41,8 +41,8 @@ struct CallSpec {
   // saves a thread hop: for a caller that blocks on it with no callback
   // (rpcSync), and for the library's own calls whose callbacks are short
   // and never block (gradients sent by a backward, context releases,
-  // DistributedOptimizer's step). Never set it for a future users can
-  // chain on.
+  // DistributedOptimizer's step, remote()'s confirmation). Never set it
+  // for a future users can chain on.
   bool completeOnLoop = false;
   // No reply (envelope field one_way): the callee runs the function and
   // sends nothing back, so neither side wakes for an answer. The future

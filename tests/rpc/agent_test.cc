@@ -95,6 +95,19 @@ void dropHeld() {
 }
 at::Tensor makeTensor(int64_t n) { return at::arange(n).to(at::kFloat); }
 
+// Says where it died: 1 on gProbeOwner's transport loop, 0 elsewhere.
+std::atomic<rpc::Agent*> gProbeOwner{nullptr};
+std::atomic<int> gProbeDiedOnLoop{-1};  // -1: alive
+struct LoopProbe {
+  ~LoopProbe() {
+    rpc::Agent* owner = gProbeOwner.load();
+    gProbeDiedOnLoop = owner != nullptr && owner->onLoopThread() ? 1 : 0;
+  }
+};
+std::shared_ptr<LoopProbe> makeLoopProbe() {
+  return std::make_shared<LoopProbe>();
+}
+
 // Holds a reference to the agent it runs on until the test lets it go.
 std::promise<void> gHolding;
 std::promise<void> gLetGo;
@@ -182,6 +195,7 @@ TRELLIS_REMOTE_FUNCTION(readThrough);
 TRELLIS_REMOTE_FUNCTION(holdRRef);
 TRELLIS_REMOTE_FUNCTION(dropHeld);
 TRELLIS_REMOTE_FUNCTION(makeTensor);
+TRELLIS_REMOTE_FUNCTION(makeLoopProbe);
 TRELLIS_REMOTE_FUNCTION(holdOwnAgent);
 TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
 TRELLIS_REMOTE_FUNCTION(replyWhenLetGo);
@@ -502,6 +516,31 @@ TEST(RRefTest, ValueFreedExactlyWhenLastUserIsGone) {
   }
   EXPECT_TRUE(waitUntil([&] { return gLiveCounters.load() == before; }));
   EXPECT_TRUE(waitUntil([&] { return rpc::ownedRRefCount(g[1]) == 0; }));
+}
+
+// Deletes are handled on the owner's transport loop. A user's object freed
+// by one dies on a worker thread there (its destructor may block, or make
+// an RPC that needs that very loop); numbers and small tensors are freed
+// at once.
+TEST(RRefTest, DeleteFreesAUserObjectOnAWorkerThread) {
+  Group g(2);
+  gProbeOwner = &g[1];
+  gProbeDiedOnLoop = -1;
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    auto probe = rpc::remote<makeLoopProbe>("w1");
+    auto n = rpc::remote<addInts>("w1", int64_t{1}, int64_t{2});
+    auto t = rpc::remote<makeTensor>("w1", int64_t{4});
+    probe.waitConfirmed(10s);
+    EXPECT_EQ(n.toHere(), 3);
+    EXPECT_EQ(t.toHere().numel(), 4);
+    EXPECT_EQ(rpc::ownedRRefCount(g[1]), 3u);
+    EXPECT_EQ(gProbeDiedOnLoop.load(), -1);
+  }
+  EXPECT_TRUE(waitUntil([&] { return gProbeDiedOnLoop.load() != -1; }));
+  EXPECT_EQ(gProbeDiedOnLoop.load(), 0) << "destroyed on the transport loop";
+  EXPECT_TRUE(waitUntil([&] { return rpc::ownedRRefCount(g[1]) == 0; }));
+  gProbeOwner = nullptr;
 }
 
 TEST(RRefTest, ToHereTimeout) {
