@@ -424,6 +424,38 @@ TEST(RpcAgent, GracefulShutdownWaitsForOneWayCalls) {
   EXPECT_EQ(gRecorded, 1);
 }
 
+// A one-way message to a worker that is gone fails its future (nothing is
+// "written" into a dead pipe), names the worker, and leaves the caller and
+// its other peers working; an RRef owned there is dropped without a hang.
+TEST(RpcAgent, OneWayCallToAWorkerThatLeftFailsNamingIt) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto owned = rpc::remote<addInts>("w1", int64_t{1}, int64_t{2});
+  EXPECT_EQ(owned.toHere(), 3);
+  g.take(1).reset();  // w1 goes without shutdown (its destructor closes it)
+  // Once w1's departure is known, every message to it fails.
+  ASSERT_TRUE(waitUntil([&] {
+    try {
+      rpc::rpcSync<addInts>({"w1", 2s}, 1, 1);
+    } catch (const trellis::ConnectionError&) {
+      return true;
+    } catch (const trellis::TimeoutError&) {
+    }
+    return false;
+  }));
+  auto f = oneWay<recordAfterMs>(g[0], 1, int64_t{0});
+  try {
+    f.wait(10s);
+    ADD_FAILURE() << "a one-way call to a worker that left completed";
+  } catch (const trellis::ConnectionError& e) {
+    EXPECT_NE(std::string(e.what()).find("w1"), std::string::npos) << e.what();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  owned = {};  // its delete to w1 cannot be sent: logged, not thrown
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_EQ(rpc::rpcSync<addInts>({"w2", 10s}, 20, 22), 42);
+}
+
 TEST(RpcAgent, AsyncFunctionsHoldNoThread) {
   // w1 has ONE worker thread; 100 concurrent calls each chain a nested RPC
   // to w2. With async functions nothing blocks.
