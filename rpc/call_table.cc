@@ -37,6 +37,7 @@ bool CallTable::add(uint64_t id, Call call) {
     }
     if (call.timeout > Duration::zero()) {
       const auto at = Clock::now() + call.timeout;
+      call.deadline_ = at;
       call.timer_ = timers_.emplace(at, id);
       call.hasTimer_ = true;
       if (at < timerWakeAt_) {
@@ -92,6 +93,12 @@ std::vector<uint64_t> CallTable::callsOn(const PipeState* pipe) const {
   return ids;
 }
 
+Error CallTable::timedOut(const Call& call) const {
+  return Error::timeout("rpc of '" + call.function + "' to " +
+                        describeWorker(workers_[call.to]) +
+                        " timed out after " + formatDuration(call.timeout));
+}
+
 void CallTable::failLater(Call&& call, Error error) {
   completions_.post([agent = agent_, promise = std::move(call.promise),
                      e = std::move(error)](const Error&) mutable {
@@ -131,6 +138,16 @@ void CallTable::complete(Call&& call, const wire::Envelope& env, Reply body,
         raw >= 1 && raw <= static_cast<uint32_t>(Code::kUnauthenticated)
             ? static_cast<Code>(raw)
             : Code::kUnknown;
+    if (code == Code::kDeadlineExceeded && Clock::now() >= call.deadline_) {
+      // The callee gave up on the request because this call's own timeout
+      // passed (it measures the timeout from the request's arrival: a
+      // request held behind an optimizer step, dist_autograd/); only this
+      // side's timer was late. The caller gets the TimeoutError its timer
+      // would have raised, not a RemoteError that depends on which side
+      // noticed first.
+      call.promise.setError(timedOut(call));
+      return;
+    }
     call.promise.setError(
         Error::remote(std::move(origin), std::move(msg), code));
     return;
@@ -209,10 +226,7 @@ void CallTable::timerLoop() {
       }
     }
     for (auto& call : expired) {
-      Error e =
-          Error::timeout("rpc of '" + call.function + "' to " +
-                         describeWorker(workers_[call.to]) +
-                         " timed out after " + formatDuration(call.timeout));
+      Error e = timedOut(call);
       failLater(std::move(call), std::move(e));
     }
   }

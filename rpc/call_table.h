@@ -48,6 +48,7 @@ class CallTable {
     friend class CallTable;
     std::multimap<Clock::time_point, uint64_t>::iterator timer_;
     bool hasTimer_ = false;
+    Clock::time_point deadline_ = Clock::time_point::max();
   };
 
   // `agent` is the agent made current on the completion threads; `workers`
@@ -101,6 +102,8 @@ class CallTable {
 
  private:
   void timerLoop();
+  // The error of a call whose timeout passed.
+  Error timedOut(const Call& call) const;
   void failLater(Call&& call, Error error);
 
   Agent* agent_;
