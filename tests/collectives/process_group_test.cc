@@ -1,9 +1,11 @@
 // ProcessGroup with the cpu backend: ranks as threads of this process, each
 // with its own group (own transport context and pipes) over one HashStore.
 // Every result is checked against a reference computed locally.
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -69,17 +71,32 @@ void runRanks(int n, const std::function<void(ProcessGroup&)>& fn,
 }
 
 // Rank r's deterministic input: small integers, so every reduction is exact
-// in every dtype (float16 and bfloat16 included).
+// in every dtype (float16 and bfloat16 included). Element i is
+// i % 5 + rank + 1 (for bool: whether that is even), filled in place: a
+// 4 MiB input costs one 4 MiB allocation, not int64 temporaries 8x larger
+// (fresh pages fault in at a fraction of memcpy speed here).
 torch::Tensor input(int rank, int64_t n, torch::ScalarType dtype) {
-  auto base = torch::arange(n, torch::kLong).remainder(5) + rank + 1;
-  if (dtype == torch::kBool) {
-    return (base.remainder(2) == 0);
+  auto t = torch::empty({n}, dtype);
+  for (int64_t k = 0; k < std::min<int64_t>(n, 5); ++k) {
+    const int64_t v = k + rank + 1;
+    t.slice(0, k, n, 5)
+        .fill_(dtype == torch::kBool ? c10::Scalar(v % 2 == 0)
+                                     : c10::Scalar(v));
   }
-  return base.to(dtype);
+  return t;
 }
 
 torch::Tensor reference(int size, int64_t n, torch::ScalarType dtype,
                         ReduceOp op) {
+  if (n > 5) {
+    // Every input has period 5, and every op is elementwise.
+    const auto period = reference(size, 5, dtype, op);
+    auto out = torch::empty({n}, dtype);
+    for (int64_t k = 0; k < 5; ++k) {
+      out.slice(0, k, n, 5).fill_(period[k].item());
+    }
+    return out;
+  }
   torch::Tensor acc = input(0, n, dtype).to(torch::kDouble);
   for (int r = 1; r < size; ++r) {
     auto x = input(r, n, dtype).to(torch::kDouble);
@@ -176,88 +193,101 @@ struct OpSweepCase {
 
 class OpSweep : public ::testing::TestWithParam<OpSweepCase> {};
 
+// The sweep's inputs of one dtype and count: in[q] is input(q, count,
+// dtype) for q < n * n, and sum the sum over ranks 0..n-1. Made once
+// before the ranks start and only read by them (a rank clones what a
+// collective writes into): made per use, each 4 MiB case spent 55-120 s
+// faulting in fresh pages for 32 MiB int64 temporaries.
+struct SweepInputs {
+  std::vector<torch::Tensor> in;
+  torch::Tensor sum;
+};
+
 TEST_P(OpSweep, EveryOpAndDtypeMatchesTheReference) {
   const auto [n, big] = GetParam();
-  runRanks(n, [&, n = n, big = big](ProcessGroup& pg) {
+  std::map<std::pair<torch::ScalarType, int64_t>, SweepInputs> made;
+  for (auto dtype : kDtypes) {
+    const int64_t bigCount =
+        (4 << 20) / static_cast<int64_t>(c10::elementSize(dtype)) + 1;
+    for (int64_t count :
+         big ? std::vector<int64_t>{bigCount} : std::vector<int64_t>{0, 1, 7}) {
+      SweepInputs& x = made[{dtype, count}];
+      for (int q = 0; q < n * n; ++q) {
+        x.in.push_back(input(q, count, dtype));
+      }
+      x.sum = reference(n, count, dtype, ReduceOp::kSum);
+    }
+  }
+  runRanks(n, [&, n = n](ProcessGroup& pg) {
     const int r = pg.rank();
-    for (auto dtype : kDtypes) {
-      const int64_t bigCount =
-          (4 << 20) / static_cast<int64_t>(c10::elementSize(dtype)) + 1;
-      const std::vector<int64_t> counts =
-          big ? std::vector<int64_t>{bigCount} : std::vector<int64_t>{0, 1, 7};
-      for (int64_t count : counts) {
-        const auto what = [&](const char* op) {
-          return std::string(op) + " " + c10::toString(dtype) + "[" +
-                 std::to_string(count) + "] rank " + std::to_string(r) +
-                 " of " + std::to_string(n);
-        };
-        const int root = static_cast<int>(count % n);
-        auto b = input(r, count, dtype);
-        pg.broadcast(b, root).wait();
-        ASSERT_TRUE(torch::equal(b, input(root, count, dtype)))
-            << what("broadcast");
-        auto red = input(r, count, dtype);
-        pg.reduce(red, root).wait();
-        ASSERT_TRUE(torch::equal(
-            red, r == root ? reference(n, count, dtype, ReduceOp::kSum)
-                           : input(r, count, dtype)))
-            << what("reduce");
-        std::vector<torch::Tensor> all;
+    for (const auto& [key, x] : made) {
+      const auto [dtype, count] = key;
+      const auto in = [&x](int q) -> const torch::Tensor& {
+        return x.in[static_cast<size_t>(q)];
+      };
+      const auto what = [&, dtype = dtype, count = count](const char* op) {
+        return std::string(op) + " " + c10::toString(dtype) + "[" +
+               std::to_string(count) + "] rank " + std::to_string(r) + " of " +
+               std::to_string(n);
+      };
+      const int root = static_cast<int>(count % n);
+      auto b = in(r).clone();
+      pg.broadcast(b, root).wait();
+      ASSERT_TRUE(torch::equal(b, in(root))) << what("broadcast");
+      auto red = in(r).clone();
+      pg.reduce(red, root).wait();
+      ASSERT_TRUE(torch::equal(red, r == root ? x.sum : in(r)))
+          << what("reduce");
+      std::vector<torch::Tensor> all;
+      for (int q = 0; q < n; ++q) {
+        all.push_back(torch::empty({count}, dtype));
+      }
+      pg.allgather(all, in(r)).wait();
+      for (int q = 0; q < n; ++q) {
+        ASSERT_TRUE(torch::equal(all[static_cast<size_t>(q)], in(q)))
+            << what("allgather") << " block " << q;
+      }
+      std::vector<torch::Tensor> gathered;
+      if (r == root) {
         for (int q = 0; q < n; ++q) {
-          all.push_back(torch::empty({count}, dtype));
+          gathered.push_back(torch::empty({count}, dtype));
         }
-        pg.allgather(all, input(r, count, dtype)).wait();
+      }
+      pg.gather(gathered, in(r), root).wait();
+      for (size_t q = 0; q < gathered.size(); ++q) {
+        ASSERT_TRUE(torch::equal(gathered[q], in(static_cast<int>(q))))
+            << what("gather") << " block " << q;
+      }
+      std::vector<torch::Tensor> parts;
+      if (r == root) {
         for (int q = 0; q < n; ++q) {
-          ASSERT_TRUE(
-              torch::equal(all[static_cast<size_t>(q)], input(q, count, dtype)))
-              << what("allgather") << " block " << q;
+          parts.push_back(in(q));
         }
-        std::vector<torch::Tensor> gathered;
-        if (r == root) {
-          for (int q = 0; q < n; ++q) {
-            gathered.push_back(torch::empty({count}, dtype));
-          }
-        }
-        pg.gather(gathered, input(r, count, dtype), root).wait();
-        for (size_t q = 0; q < gathered.size(); ++q) {
-          ASSERT_TRUE(torch::equal(gathered[q],
-                                   input(static_cast<int>(q), count, dtype)))
-              << what("gather") << " block " << q;
-        }
-        std::vector<torch::Tensor> parts;
-        if (r == root) {
-          for (int q = 0; q < n; ++q) {
-            parts.push_back(input(q, count, dtype));
-          }
-        }
-        auto mine = torch::empty({count}, dtype);
-        pg.scatter(mine, parts, root).wait();
-        ASSERT_TRUE(torch::equal(mine, input(r, count, dtype)))
-            << what("scatter");
-        // Block q of every rank's input is its input rolled by q, so a
-        // block mixed up with another gives a different sum.
-        std::vector<torch::Tensor> blocks;
-        for (int q = 0; q < n; ++q) {
-          blocks.push_back(count > 0 ? input(r, count, dtype).roll(q)
-                                     : input(r, count, dtype));
-        }
-        auto reduced = torch::empty({count}, dtype);
-        pg.reduceScatter(reduced, blocks).wait();
-        auto want = reference(n, count, dtype, ReduceOp::kSum);
-        ASSERT_TRUE(torch::equal(reduced, count > 0 ? want.roll(r) : want))
-            << what("reduceScatter");
-        // Rank r's block q is input(r * n + q): rank q gets it as block r.
-        std::vector<torch::Tensor> outgoing;
-        for (int q = 0; q < n; ++q) {
-          outgoing.push_back(input(r * n + q, count, dtype));
-        }
-        auto received = torch::empty({count * n}, dtype);
-        pg.alltoall(received, torch::cat(outgoing)).wait();
-        for (int q = 0; q < n; ++q) {
-          ASSERT_TRUE(torch::equal(received.narrow(0, q * count, count),
-                                   input(q * n + r, count, dtype)))
-              << what("alltoall") << " block " << q;
-        }
+      }
+      auto mine = torch::empty({count}, dtype);
+      pg.scatter(mine, parts, root).wait();
+      ASSERT_TRUE(torch::equal(mine, in(r))) << what("scatter");
+      // Block q of every rank's input is its input rolled by q, so a
+      // block mixed up with another gives a different sum.
+      std::vector<torch::Tensor> blocks;
+      for (int q = 0; q < n; ++q) {
+        blocks.push_back(count > 0 ? in(r).roll(q) : in(r).clone());
+      }
+      auto reduced = torch::empty({count}, dtype);
+      pg.reduceScatter(reduced, blocks).wait();
+      ASSERT_TRUE(torch::equal(reduced, count > 0 ? x.sum.roll(r) : x.sum))
+          << what("reduceScatter");
+      // Rank r's block q is input(r * n + q): rank q gets it as block r.
+      std::vector<torch::Tensor> outgoing;
+      for (int q = 0; q < n; ++q) {
+        outgoing.push_back(in(r * n + q));
+      }
+      auto received = torch::empty({count * n}, dtype);
+      pg.alltoall(received, torch::cat(outgoing)).wait();
+      for (int q = 0; q < n; ++q) {
+        ASSERT_TRUE(
+            torch::equal(received.narrow(0, q * count, count), in(q * n + r)))
+            << what("alltoall") << " block " << q;
       }
     }
   });

@@ -15,7 +15,7 @@ run(${CMAKE_COMMAND} --install ${TRELLIS_BUILD_DIR} --prefix ${prefix})
 string(REPLACE "|" ":" prefixes "${prefix}|${DEPENDENCY_PREFIXES}")
 run(${CMAKE_COMMAND} -E env "CMAKE_PREFIX_PATH=${prefixes}"
     ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
-    -G ${GENERATOR})
+    -G ${GENERATOR} "-DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER}")
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
 run(${WORK_DIR}/build/consumer_rpc)
