@@ -6,19 +6,27 @@
   bench/dashboard.py build/dev/bench --before OLD/bench
       # also run the programs of an older build, alternating with the new
       # ones, and print each figure before and after (same run, same load)
+  bench/dashboard.py build/dev/bench --only rpc --repeat 5
+      # run each program 5 times (rounds of all programs, so load hits
+      # each alike) and judge each row on the median of its per-run ratios
   bench/dashboard.py --from-json DIR               # table from saved runs
 
 Each program prints one JSON object per line (--json). The table lists the
 figures that have a target (the issues that set them are named in
 docs/benchmarks.md) plus a few orientation figures; a ratio is the figure
-over the baseline named next to it, both from the same run. Raw output of
-every program is kept under --out (default /tmp/trellis-bench) for the
-rows the table leaves out.
+over the baseline named next to it, both from the same run. With
+--repeat N, a row's value and baseline are the medians over the N runs,
+its ratio is the median of the N per-run ratios (each still a pair from
+one run), and the range of those ratios follows in brackets: on the 2-core
+VM, single runs of the RPC rows swing by about 2x. Raw output of every
+program is kept under --out (default /tmp/trellis-bench) for the rows the
+table leaves out: <program>.after.json, then .after.2.json and so on.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -157,38 +165,58 @@ def verdict(value, op, threshold):
     return f"{op} {threshold:g} {'✔' if ok else '✘'}"
 
 
+def median_figure(runs, name):
+    """(median value, unit) of a figure over the runs that have it."""
+    values = [r[name] for r in runs if name in r]
+    if not values:
+        return None
+    return statistics.median(v for v, _ in values), values[0][1]
+
+
+def spread(xs, form=lambda x: f"{x:.2f}"):
+    """' (lo–hi)' over several runs, '' for one."""
+    return f" ({form(min(xs))}–{form(max(xs))})" if len(xs) > 1 else ""
+
+
 def dashboard(results, bindir_shown):
+    """results: program -> list of runs, each {figure: (value, unit)}."""
     lines = ["| figure | value | baseline | ratio | target | command |",
              "|---|---:|---|---:|---|---|"]
     for prog, figure, base, op, threshold in ROWS:
-        figs = results.get(prog)
-        if figs is None or figure not in figs:
+        runs = results.get(prog) or []
+        got = median_figure(runs, figure)
+        if got is None:
             continue
-        value, unit = figs[figure]
+        value, unit = got
         cmd = f"`{bindir_shown}/{PROGRAMS[prog][2]}`"
         if base is None:
+            values = [r[figure][0] for r in runs if figure in r]
             target = verdict(value, op, threshold) if op else ""
-            lines.append(f"| `{figure}` | {fmt(value)} {unit} | — | — | "
-                         f"{target} | {cmd} |")
+            lines.append(f"| `{figure}` | {fmt(value)} {unit}{spread(values, fmt)} "
+                         f"| — | — | {target} | {cmd} |")
             continue
-        if base not in figs:
+        if median_figure(runs, base) is None:
             continue
-        bvalue, bunit = figs[base]
-        if bvalue <= 0:
+        bvalue, bunit = median_figure(runs, base)
+        ratios = [r[figure][0] / r[base][0] for r in runs
+                  if figure in r and base in r and r[base][0] > 0]
+        if bvalue <= 0 or not ratios:
             # A difference (an overhead) that came out at or below zero in
             # this run: load noise, no ratio to judge.
             target = f"{op} {threshold:g} (baseline <= 0: not judged)" if op else ""
             lines.append(f"| `{figure}` | {fmt(value)} {unit} | `{base}` "
                          f"{fmt(bvalue)} {bunit} | — | {target} | {cmd} |")
             continue
-        ratio = value / bvalue
+        ratio = statistics.median(ratios)
         target = verdict(ratio, op, threshold) if op else ""
         lines.append(f"| `{figure}` | {fmt(value)} {unit} | `{base}` "
-                     f"{fmt(bvalue)} {bunit} | {ratio:.2f} | {target} | {cmd} |")
+                     f"{fmt(bvalue)} {bunit} | {ratio:.2f}{spread(ratios)} | "
+                     f"{target} | {cmd} |")
     return "\n".join(lines)
 
 
 def before_after(before, after):
+    """Medians over the runs of each side."""
     lines = ["| figure | before | after | after / before |",
              "|---|---:|---:|---:|"]
     seen = set()
@@ -197,8 +225,8 @@ def before_after(before, after):
             if name is None or (prog, name) in seen:
                 continue
             seen.add((prog, name))
-            b = before.get(prog, {}).get(name)
-            a = after.get(prog, {}).get(name)
+            b = median_figure(before.get(prog, []), name)
+            a = median_figure(after.get(prog, []), name)
             if a is None or b is None:
                 continue
             ratio = a[0] / b[0] if b[0] else float("nan")
@@ -213,26 +241,39 @@ def main():
     p.add_argument("--before", help="older build's bench folder to compare")
     p.add_argument("--only", action="append", choices=sorted(PROGRAMS))
     p.add_argument("--out", default="/tmp/trellis-bench")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each program (default 1); rows use medians")
     p.add_argument("--from-json", help="folder of <program>.after.json files")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     names = args.only or list(PROGRAMS)
     os.makedirs(args.out, exist_ok=True)
     after, before = {}, {}
+    tags = ["after"] + [f"after.{i}" for i in range(2, args.repeat + 1)]
     if args.from_json:
         for name in names:
-            path = os.path.join(args.from_json, f"{name}.after.json")
-            if os.path.exists(path):
-                after[name] = load(path)
-            path = os.path.join(args.from_json, f"{name}.before.json")
-            if os.path.exists(path):
-                before[name] = load(path)
+            for side, results in (("after", after), ("before", before)):
+                runs = []
+                for i in range(1, 1000):
+                    path = os.path.join(
+                        args.from_json,
+                        f"{name}.{side}.json" if i == 1 else f"{name}.{side}.{i}.json")
+                    if not os.path.exists(path):
+                        break
+                    runs.append(load(path))
+                if runs:
+                    results[name] = runs
     else:
         if not args.bindir:
             p.error("give the bench folder, or --from-json")
-        for name in names:
-            if args.before:
-                before[name] = run_program(args.before, name, args.out, "before")
-            after[name] = run_program(args.bindir, name, args.out, "after")
+        for tag in tags:
+            for name in names:
+                if args.before:
+                    before.setdefault(name, []).append(run_program(
+                        args.before, name, args.out, tag.replace("after", "before")))
+                after.setdefault(name, []).append(
+                    run_program(args.bindir, name, args.out, tag))
     shown = os.path.relpath(args.bindir) if args.bindir else "build/dev/bench"
     print(dashboard(after, shown))
     if before:
