@@ -24,6 +24,7 @@ table leaves out: <program>.after.json, then .after.2.json and so on.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -115,6 +116,11 @@ ROWS = [
     ("elastic", "elastic_run_vs_torchrun_launch", "torchrun_monitor_0.1_launch_2_workers_s", None, None),
     ("elastic", "elastic_run_vs_torchrun_crash_to_restart", "torchrun_monitor_0.1_crash_to_restart_s", None, None),
 ]
+
+
+def run_tag(side, i):
+    """The file tag of run i (from 1) of a side: after, after.2, after.3..."""
+    return side if i == 1 else f"{side}.{i}"
 
 
 def run_program(bindir, name, outdir, tag):
@@ -250,15 +256,13 @@ def main():
     names = args.only or list(PROGRAMS)
     os.makedirs(args.out, exist_ok=True)
     after, before = {}, {}
-    tags = ["after"] + [f"after.{i}" for i in range(2, args.repeat + 1)]
     if args.from_json:
         for name in names:
             for side, results in (("after", after), ("before", before)):
                 runs = []
-                for i in range(1, 1000):
-                    path = os.path.join(
-                        args.from_json,
-                        f"{name}.{side}.json" if i == 1 else f"{name}.{side}.{i}.json")
+                for i in itertools.count(1):
+                    path = os.path.join(args.from_json,
+                                        f"{name}.{run_tag(side, i)}.json")
                     if not os.path.exists(path):
                         break
                     runs.append(load(path))
@@ -267,13 +271,13 @@ def main():
     else:
         if not args.bindir:
             p.error("give the bench folder, or --from-json")
-        for tag in tags:
+        for i in range(1, args.repeat + 1):
             for name in names:
                 if args.before:
                     before.setdefault(name, []).append(run_program(
-                        args.before, name, args.out, tag.replace("after", "before")))
-                after.setdefault(name, []).append(
-                    run_program(args.bindir, name, args.out, tag))
+                        args.before, name, args.out, run_tag("before", i)))
+                after.setdefault(name, []).append(run_program(
+                    args.bindir, name, args.out, run_tag("after", i)))
     shown = os.path.relpath(args.bindir) if args.bindir else "build/dev/bench"
     print(dashboard(after, shown))
     if before:
