@@ -19,6 +19,7 @@
 //
 // and the local one is the same model in one process: forward, backward()
 // into .grad, torch::optim::Adagrad step. Both use one intra-op thread and
+// one OpenMP/MKL/OpenBLAS thread (bench::oneMathThreadPerProcess) and
 // keep freed memory (see keepMemory). Three model sizes: "tiny" (a few
 // numbers per tensor: the fixed cost of a distributed iteration), "ps" (the
 // shapes of examples/parameter_server.cc) and "large". Besides times, the
@@ -28,20 +29,24 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <malloc.h>
 #include <map>
 #include <memory>
 #include <random>
 #include <spawn.h>
+#include <stdexcept>
 #include <string>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <torch/torch.h>
@@ -49,6 +54,7 @@
 #include "bench_util.h"
 #include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/dist_autograd/optimizer.h>
+#include <trellis/rpc/profiler.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/rref/rref.h>
 #include <trellis/store/prefix_store.h>
@@ -121,6 +127,7 @@ struct Flags {
   int iters = 2000;  // tiny model; the others run a fraction of it
   bool ps = false;
   uint16_t storePort = 0;
+  std::string trace;  // --trace DIR: traces of a few iterations
 };
 Flags flags;
 
@@ -377,6 +384,82 @@ void runModel(const ModelSize& m) {
 
 using bench::note;
 
+// --trace DIR: 40 iterations of model `m` under an rpc::Profiler, written
+// as a Chrome trace to DIR/<model>.json (both processes' sides of every call:
+// the forward, the backward's gradient message, the optimizer step). stderr
+// gets, per call, the medians of: the trainer's time before it (since the
+// previous reply or the iteration's start), the request's way (send to the
+// function's start on the ps), the function's run, and the reply's way back;
+// and of the trainer's time after the last reply (the context's release).
+void traceIterations(const ModelSize& m) {
+  constexpr int kIters = 40;
+  const auto batches = drawBatches(m, 43);
+  DistRun dist(m);
+  for (int i = 0; i < 20; ++i) {
+    dist.iteration(batches[i % kBatches], nullptr);
+  }
+  rpc::Profiler prof;
+  std::vector<int64_t> starts;
+  for (int i = 0; i < kIters; ++i) {
+    starts.push_back(rpc::profilerNowUs());
+    dist.iteration(batches[i % kBatches], nullptr);
+  }
+  starts.push_back(rpc::profilerNowUs());
+  const std::string file = flags.trace + "/" + m.name + ".json";
+  prof.exportChromeTrace(file);
+  auto events = prof.events();
+  std::sort(events.begin(), events.end(),
+            [](const auto& a, const auto& b) { return a.startUs < b.startUs; });
+  struct Stage {
+    std::vector<double> before, request, run, reply;
+  };
+  std::map<std::string, Stage> stages;  // by the function's name
+  std::vector<std::string> order;       // of the calls in an iteration
+  std::vector<double> after;
+  for (int i = 0; i < kIters; ++i) {
+    int64_t last = starts[i];
+    for (const auto& call : events) {
+      if (call.worker != "trainer" || call.startUs < starts[i] ||
+          call.startUs >= starts[i + 1] || call.name.rfind("rpc#", 0) != 0) {
+        continue;
+      }
+      const int64_t callEnd = call.startUs + call.durationUs;
+      // "rpc#<function> trainer -> ps" ran as "<function>" on the ps.
+      const std::string fn = call.name.substr(4, call.name.find(' ') - 4);
+      const auto run = std::find_if(events.begin(), events.end(), [&](auto& e) {
+        return e.worker == "ps" && e.name == fn && e.startUs >= call.startUs &&
+               e.startUs <= callEnd;
+      });
+      if (run == events.end()) {
+        continue;
+      }
+      if (i == 0) {
+        order.push_back(fn);
+      }
+      Stage& st = stages[fn];
+      st.before.push_back(static_cast<double>(call.startUs - last));
+      st.request.push_back(static_cast<double>(run->startUs - call.startUs));
+      st.run.push_back(static_cast<double>(run->durationUs));
+      st.reply.push_back(
+          static_cast<double>(callEnd - run->startUs - run->durationUs));
+      last = callEnd;
+    }
+    after.push_back(static_cast<double>(starts[i + 1] - last));
+  }
+  auto med = [](const std::vector<double>& v) {
+    return std::to_string(std::lround(bench::percentile(v, 0.5)));
+  };
+  for (const auto& fn : order) {
+    const Stage& st = stages[fn];
+    note("trace " + m.name + ", medians of " + std::to_string(st.run.size()) +
+         " calls of " + fn + ": trainer before it " + med(st.before) +
+         " us, request " + med(st.request) + " us, run on the ps " +
+         med(st.run) + " us, reply " + med(st.reply) + " us");
+  }
+  note("trace " + m.name + ": trainer after the last reply " + med(after) +
+       " us; Chrome trace in " + file);
+}
+
 std::shared_ptr<store::Store> connectStore() {
   store::TCPStoreOptions o;
   o.port = flags.storePort;
@@ -447,7 +530,62 @@ int reapPs(pid_t pid) {
   return 1;
 }
 
+// What one hop to a sleeping thread of another process costs on this
+// machine, the unit the trace's request and reply ways are made of: a child
+// blocks in read() on a pipe; every 200 us (both sides idle meanwhile) this
+// process writes the steady-clock time into it, and the child answers with
+// how long after that it woke up. Forked before this process starts any
+// thread of its own; the child only reads, writes and exits.
+double pipeWakeMedianUs() {
+  int toChild[2], toParent[2];
+  if (::pipe(toChild) != 0 || ::pipe(toParent) != 0) {
+    throw std::runtime_error("pipe failed");
+  }
+  auto nowNs = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               Clock::now().time_since_epoch())
+        .count();
+  };
+  const pid_t child = ::fork();
+  if (child < 0) {
+    throw std::runtime_error("fork failed");
+  }
+  if (child == 0) {
+    ::close(toChild[1]);
+    ::close(toParent[0]);
+    int64_t sent = 0;
+    while (::read(toChild[0], &sent, sizeof sent) == sizeof sent) {
+      const int64_t woke = nowNs() - sent;
+      if (::write(toParent[1], &woke, sizeof woke) != sizeof woke) {
+        break;
+      }
+    }
+    ::_exit(0);
+  }
+  ::close(toChild[0]);
+  ::close(toParent[1]);
+  std::vector<double> us;
+  for (int i = 0; i < 500; ++i) {
+    std::this_thread::sleep_for(200us);
+    const int64_t sent = nowNs();
+    int64_t woke = 0;
+    if (::write(toChild[1], &sent, sizeof sent) != sizeof sent ||
+        ::read(toParent[0], &woke, sizeof woke) != sizeof woke) {
+      break;
+    }
+    us.push_back(static_cast<double>(woke) / 1000.0);
+  }
+  ::close(toChild[1]);
+  ::close(toParent[0]);
+  ::waitpid(child, nullptr, 0);
+  if (us.empty()) {
+    throw std::runtime_error("the pipe wake-up child did not answer");
+  }
+  return bench::percentile(us, 0.5);
+}
+
 int runTrainer(const char* self) {
+  const double pipeWakeUs = pipeWakeMedianUs();
   keepMemory();
   torch::set_num_threads(1);
   store::TCPStoreServer server;
@@ -471,6 +609,7 @@ int runTrainer(const char* self) {
     us.push_back(micros(Clock::now() - t));
   }
   noopSwitches.addSince(c0);
+  report.add("pipe_wake_after_idle_median", pipeWakeUs, "us");
   report.add("rpc_noop_rtt_median", bench::percentile(us, 0.5), "us");
   report.add("rpc_noop_wakeups_per_call", noopSwitches.voluntary / rtts, "1");
 
@@ -493,6 +632,11 @@ int runTrainer(const char* self) {
                  "rpc_noop_rtt_median");
     }
   }
+  if (!flags.trace.empty()) {
+    std::filesystem::create_directories(flags.trace);
+    traceIterations(models[0]);
+    traceIterations(models[1]);
+  }
   note("live contexts here after the run: " +
        std::to_string(da::liveContextCount()));
   st->set("done", "1");
@@ -511,18 +655,23 @@ int runTrainer(const char* self) {
 }
 
 [[noreturn]] void usage(const char* self) {
-  std::fprintf(stderr,
-               "usage: %s [--json] [--iters N] [--default-malloc]\n"
-               "  --iters N  timed iterations of the tiny model (default "
-               "2000); the ps model runs N/5, the large one N/20\n"
-               "  --default-malloc  keep glibc's trimming of freed memory\n",
-               self);
+  std::fprintf(
+      stderr,
+      "usage: %s [--json] [--iters N] [--default-malloc] [--trace DIR]\n"
+      "  --iters N  timed iterations of the tiny model (default "
+      "2000); the ps model runs N/5, the large one N/20\n"
+      "  --default-malloc  keep glibc's trimming of freed memory\n"
+      "  --trace DIR  also run 40 iterations of the tiny and the ps model "
+      "under rpc::Profiler: Chrome traces in DIR, per-call medians on "
+      "stderr\n",
+      self);
   std::exit(2);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::oneMathThreadPerProcess(argv);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool hasValue = i + 1 < argc;
@@ -530,6 +679,8 @@ int main(int argc, char** argv) {
       flags.json = true;
     } else if (a == "--iters" && hasValue) {
       flags.iters = std::max(100, std::atoi(argv[++i]));
+    } else if (a == "--trace" && hasValue) {
+      flags.trace = argv[++i];
     } else if (a == "--default-malloc") {
       flags.defaultMalloc = true;
     } else if (a == "--role" && hasValue) {
