@@ -237,34 +237,6 @@ inline std::vector<uint8_t> prefaulted(size_t n) {
   return v;
 }
 
-// One thread per math library in this process and every process it
-// starts: OpenMP's, MKL's and OpenBLAS's pools read their sizes from the
-// environment when they load, before main() runs, so this sets the three
-// variables to "1" where they are unset and re-executes the program once
-// (argv unchanged). A value set by the caller is kept. What it avoids:
-// torch::set_num_threads(1) sizes ATen's pool only, and Debian's libtorch
-// calls the pthread build of OpenBLAS, whose own workers (one per core
-// but one) share the larger sgemms and spin on sched_yield after each,
-// taking the CPU that the process's other threads and its peers need on a
-// 2-core machine (docs/benchmarks.md, "Distributed autograd"). elastic-run
-// gives its workers OMP_NUM_THREADS=1 for the same reason, and OpenBLAS reads
-// that too.
-inline void oneMathThreadPerProcess(char** argv) {
-  bool changed = false;
-  for (const char* name :
-       {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
-    if (std::getenv(name) == nullptr) {
-      ::setenv(name, "1", 1);
-      changed = true;
-    }
-  }
-  if (changed) {
-    ::execv("/proc/self/exe", argv);
-    std::perror("oneMathThreadPerProcess: execv /proc/self/exe");
-    std::exit(1);
-  }
-}
-
 inline constexpr size_t kHugePage = size_t{2} << 20;
 
 // Memory on transparent huge pages, unmapped when dropped. THP here is in

@@ -19,7 +19,7 @@
 //
 // and the local one is the same model in one process: forward, backward()
 // into .grad, torch::optim::Adagrad step. Both use one intra-op thread and
-// one OpenMP/MKL/OpenBLAS thread (bench::oneMathThreadPerProcess) and
+// one OpenMP/MKL/OpenBLAS thread (oneMathThreadPerProcess) and
 // keep freed memory (see keepMemory). Three model sizes: "tiny" (a few
 // numbers per tensor: the fixed cost of a distributed iteration), "ps" (the
 // shapes of examples/parameter_server.cc) and "large". Besides times, the
@@ -116,6 +116,34 @@ TRELLIS_REMOTE_FUNCTION(benchNoop);
 TRELLIS_REMOTE_METHODS(BenchPs, forward, parameters);
 
 namespace {
+
+// One thread per math library in this process and every process it
+// starts: OpenMP's, MKL's and OpenBLAS's pools read their sizes from the
+// environment when they load, before main() runs, so this sets the three
+// variables to "1" where they are unset and re-executes the program once
+// (argv unchanged). A value set by the caller is kept. What it avoids:
+// torch::set_num_threads(1) sizes ATen's pool only, and Debian's libtorch
+// calls the pthread build of OpenBLAS, whose own workers (one per core
+// but one) share the larger sgemms and spin on sched_yield after each,
+// taking the CPU that the process's other threads and its peers need on a
+// 2-core machine (docs/benchmarks.md, "Distributed autograd"). elastic-run
+// gives its workers OMP_NUM_THREADS=1 for the same reason, and OpenBLAS reads
+// that too.
+void oneMathThreadPerProcess(char** argv) {
+  bool changed = false;
+  for (const char* name :
+       {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
+    if (std::getenv(name) == nullptr) {
+      ::setenv(name, "1", 1);
+      changed = true;
+    }
+  }
+  if (changed) {
+    ::execv("/proc/self/exe", argv);
+    std::perror("oneMathThreadPerProcess: execv /proc/self/exe");
+    std::exit(1);
+  }
+}
 
 constexpr auto kWait = std::chrono::seconds(120);
 constexpr int kBatches = 32;  // pre-drawn, used round robin
@@ -671,7 +699,7 @@ int runTrainer(const char* self) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::oneMathThreadPerProcess(argv);
+  oneMathThreadPerProcess(argv);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool hasValue = i + 1 < argc;
