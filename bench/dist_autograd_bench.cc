@@ -18,7 +18,9 @@
 //   ~Context                                             // release
 //
 // and the local one is the same model in one process: forward, backward()
-// into .grad, torch::optim::Adagrad step. Both use one intra-op thread and
+// into .grad, torch::optim::Adagrad step. A third process (--role floor)
+// runs the ps's half behind a bare UNIX socket (FloorRun): the cost of the
+// split on this machine without Trellis. All use one intra-op thread and
 // one OpenMP/MKL/OpenBLAS thread (oneMathThreadPerProcess) and
 // keep freed memory (see keepMemory). Three model sizes: "tiny" (a few
 // numbers per tensor: the fixed cost of a distributed iteration), "ps" (the
@@ -44,6 +46,7 @@
 #include <string>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -154,12 +157,16 @@ struct Flags {
   bool defaultMalloc = false;
   int iters = 2000;  // tiny model; the others run a fraction of it
   bool ps = false;
+  int floorFd = -1;  // --role floor: the socket to the trainer
   uint16_t storePort = 0;
   std::string trace;  // --trace DIR: traces of a few iterations
 };
 Flags flags;
 
 bench::Report report("dist_autograd");
+
+// The trainer's end of the socket to the --role floor process.
+int gFloorFd = -1;
 
 struct ModelSize {
   std::string name;
@@ -218,6 +225,16 @@ struct Switches {
 // Per-iteration times and the split of each iteration into its phases.
 struct Samples {
   std::vector<double> iter, forward, backward, step, release;
+
+  // An iteration whose forward ran in [t0, t1), backward in [t1, t2) and
+  // optimizer step in [t2, t3).
+  void addPhases(Clock::time_point t0, Clock::time_point t1,
+                 Clock::time_point t2, Clock::time_point t3) {
+    iter.push_back(micros(t3 - t0));
+    forward.push_back(micros(t1 - t0));
+    backward.push_back(micros(t2 - t1));
+    step.push_back(micros(t3 - t2));
+  }
   // Context switches of this process over all iterations.
   Switches switches;
 };
@@ -280,10 +297,7 @@ class LocalRun {
     }
     const auto t3 = Clock::now();
     if (s != nullptr) {
-      s->iter.push_back(micros(t3 - t0));
-      s->forward.push_back(micros(t1 - t0));
-      s->backward.push_back(micros(t2 - t1));
-      s->step.push_back(micros(t3 - t2));
+      s->addPhases(t0, t1, t2, t3);
     }
   }
 
@@ -291,6 +305,69 @@ class LocalRun {
   BenchPs ps_;
   torch::nn::Linear head_;
   std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::Adagrad> optim_;
+};
+
+// The floor under any two-process split of this model on this machine: the
+// ps's half runs in another process (--role floor), with nothing between
+// the two but a UNIX stream socket: the ids and offsets go there, the
+// dense output comes back, its gradient goes there, and a byte says that
+// the ps's backward and Adagrad step are done, while the trainer steps its
+// head. Same work and the same four messages as a distributed iteration
+// (the release aside), no RPC, RRef or distributed autograd.
+class FloorRun {
+ public:
+  FloorRun(const ModelSize& m, int fd)
+      : fd_(fd), hidden_(m.hidden), head_(makeHead(m.hidden, 7)) {
+    // {rows, dim, hidden, seed}: the other side builds its half.
+    const int64_t init[4] = {m.rows, m.dim, m.hidden, 7};
+    bench::sendAll(fd_, init, sizeof init);
+    char ready = 0;
+    bench::recvAll(fd_, &ready, 1);
+    optim_ = std::make_unique<torch::optim::Adagrad>(
+        head_->parameters(), torch::optim::AdagradOptions(kLr));
+  }
+  // Sizes {-1, -1}: this model is done; the other side waits for the next.
+  ~FloorRun() {
+    const int64_t end[2] = {-1, -1};
+    bench::sendAll(fd_, end, sizeof end);
+  }
+  FloorRun(const FloorRun&) = delete;
+  FloorRun& operator=(const FloorRun&) = delete;
+
+  void iteration(const Batch& b, Samples* s) {
+    const auto t0 = Clock::now();
+    const int64_t sizes[2] = {b.ids.numel(), b.offsets.numel()};
+    bench::sendAll(fd_, sizes, sizeof sizes);
+    bench::sendAll(fd_, b.ids.data_ptr<int64_t>(),
+                   static_cast<size_t>(sizes[0]) * sizeof(int64_t));
+    bench::sendAll(fd_, b.offsets.data_ptr<int64_t>(),
+                   static_cast<size_t>(sizes[1]) * sizeof(int64_t));
+    auto h = torch::empty({sizes[1], hidden_}, torch::kFloat32);
+    bench::recvAll(fd_, h.data_ptr<float>(), h.nbytes());
+    h.requires_grad_(true);
+    auto loss =
+        torch::binary_cross_entropy_with_logits(head_(h).squeeze(1), b.labels);
+    const auto t1 = Clock::now();
+    loss.backward();
+    bench::sendAll(fd_, h.grad().data_ptr<float>(), h.grad().nbytes());
+    const auto t2 = Clock::now();
+    optim_->step();
+    for (auto& p : head_->parameters()) {
+      p.mutable_grad() = at::Tensor();
+    }
+    char done = 0;
+    bench::recvAll(fd_, &done, 1);
+    const auto t3 = Clock::now();
+    if (s != nullptr) {
+      s->addPhases(t0, t1, t2, t3);
+    }
+  }
+
+ private:
+  int fd_;
+  int64_t hidden_;
+  torch::nn::Linear head_;
   std::unique_ptr<torch::optim::Adagrad> optim_;
 };
 
@@ -362,12 +439,14 @@ void runModel(const ModelSize& m) {
   const auto batches = drawBatches(m, 42);
   LocalRun local(m);
   DistRun dist(m);
+  FloorRun floor(m, gFloorFd);
   const int warmup = std::max(5, m.iters / 10);
   for (int i = 0; i < warmup; ++i) {
     local.iteration(batches[i % kBatches], nullptr);
     dist.iteration(batches[i % kBatches], nullptr);
+    floor.iteration(batches[i % kBatches], nullptr);
   }
-  Samples ls, ds;
+  Samples ls, ds, fs;
   std::map<std::string, double> distWakeups;  // per thread, all dist blocks
   std::vector<double> plain, inContext;
   constexpr int kBlocks = 4;
@@ -389,6 +468,11 @@ void runModel(const ModelSize& m) {
          bench::switchesSince(byThread, /*voluntaryOnly=*/true)) {
       distWakeups[name] += count;
     }
+    c0 = Switches::now();
+    for (int i = 0; i < n; ++i) {
+      floor.iteration(batches[(next + i) % kBatches], &fs);
+    }
+    fs.switches.addSince(c0);
     for (int i = 0; i < n; ++i) {
       plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
     }
@@ -402,6 +486,10 @@ void runModel(const ModelSize& m) {
       bench::perCallByThread(distWakeups, static_cast<double>(ds.iter.size())));
   addSamples(m.name + "_local", ls, "");
   addSamples(m.name + "_dist", ds, m.name + "_local");
+  addSamples(m.name + "_floor", fs, m.name + "_local");
+  report.add(m.name + "_dist_iter_median_vs_floor",
+             report.valueOf(m.name + "_dist_iter_median"), "us",
+             m.name + "_floor_iter_median");
   report.add(m.name + "_rpc_forward_no_context_median",
              bench::percentile(plain, 0.5), "us",
              m.name + "_dist_forward_median");
@@ -526,6 +614,87 @@ int runPs() {
   return 0;
 }
 
+// --role floor: the ps's half of FloorRun, one model per {rows, dim, hidden,
+// seed} message, until the trainer closes the socket.
+int runFloor() {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  keepMemory();
+  torch::set_num_threads(1);
+  const int fd = flags.floorFd;
+  constexpr int64_t kMaxElements = int64_t{1} << 28;
+  for (;;) {
+    int64_t init[4];
+    const ssize_t r = ::recv(fd, init, sizeof init, MSG_WAITALL);
+    if (r == 0) {
+      return 0;  // the trainer is done
+    }
+    if (r != static_cast<ssize_t>(sizeof init) || init[0] <= 0 ||
+        init[1] <= 0 || init[2] <= 0 || init[0] * init[1] > kMaxElements) {
+      std::fprintf(stderr, "dist_autograd_bench (floor): bad model message\n");
+      return 1;
+    }
+    BenchPs ps(init[0], init[1], init[2], init[3]);
+    auto params = ps.parameterTensors();
+    torch::optim::Adagrad optim(params, torch::optim::AdagradOptions(kLr));
+    const char ready = 1;
+    bench::sendAll(fd, &ready, 1);
+    for (;;) {
+      int64_t sizes[2];
+      bench::recvAll(fd, sizes, sizeof sizes);
+      if (sizes[0] == -1 && sizes[1] == -1) {
+        break;  // the next model, or the end
+      }
+      if (sizes[0] < 0 || sizes[1] <= 0 || sizes[0] > kMaxElements ||
+          sizes[1] > kMaxElements) {
+        std::fprintf(stderr, "dist_autograd_bench (floor): bad sizes\n");
+        return 1;
+      }
+      auto ids = torch::empty({sizes[0]}, torch::kInt64);
+      auto offsets = torch::empty({sizes[1]}, torch::kInt64);
+      bench::recvAll(fd, ids.data_ptr<int64_t>(), ids.nbytes());
+      bench::recvAll(fd, offsets.data_ptr<int64_t>(), offsets.nbytes());
+      auto h = ps.forward(ids, offsets);
+      const auto out = h.detach().contiguous();
+      bench::sendAll(fd, out.data_ptr<float>(), out.nbytes());
+      auto grad = torch::empty_like(out);
+      bench::recvAll(fd, grad.data_ptr<float>(), grad.nbytes());
+      h.backward(grad);
+      optim.step();
+      for (auto& p : params) {
+        p.mutable_grad() = at::Tensor();
+      }
+      const char done = 1;
+      bench::sendAll(fd, &done, 1);
+    }
+  }
+}
+
+// Starts --role floor on one end of a UNIX socket pair (its fd 3); the
+// other end goes to *fd.
+pid_t spawnFloor(const char* self, int* fd) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    std::perror("dist_autograd_bench: socketpair");
+    std::exit(1);
+  }
+  posix_spawn_file_actions_t actions;
+  ::posix_spawn_file_actions_init(&actions);
+  ::posix_spawn_file_actions_adddup2(&actions, sv[1], 3);  // clears CLOEXEC
+  std::vector<const char*> argv = {self,         "--role", "floor",
+                                   "--floor-fd", "3",      nullptr};
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, "/proc/self/exe", &actions, nullptr,
+                               const_cast<char* const*>(argv.data()), environ);
+  ::posix_spawn_file_actions_destroy(&actions);
+  ::close(sv[1]);
+  if (rc != 0) {
+    std::fprintf(stderr, "dist_autograd_bench: spawn: %s\n", std::strerror(rc));
+    std::exit(1);
+  }
+  *fd = sv[0];
+  return pid;
+}
+
 pid_t spawnPs(const char* self) {
   const std::string port = std::to_string(flags.storePort);
   std::vector<const char*> argv = {self,           "--role",     "ps",
@@ -540,7 +709,7 @@ pid_t spawnPs(const char* self) {
   return pid;
 }
 
-// Waits (bounded) for the ps we started; kills it if it hangs.
+// Waits (bounded) for a child we started; kills it if it hangs.
 int reapPs(pid_t pid) {
   const auto end = Clock::now() + std::chrono::seconds(60);
   int status = 0;
@@ -551,7 +720,8 @@ int reapPs(pid_t pid) {
     }
     std::this_thread::sleep_for(10ms);
   }
-  std::fprintf(stderr, "dist_autograd_bench: ps %d did not exit; killing it\n",
+  std::fprintf(stderr,
+               "dist_autograd_bench: child %d did not exit; killing it\n",
                static_cast<int>(pid));
   ::kill(pid, SIGKILL);
   ::waitpid(pid, &status, 0);
@@ -619,6 +789,7 @@ int runTrainer(const char* self) {
   store::TCPStoreServer server;
   flags.storePort = server.port();
   const pid_t ps = spawnPs(self);
+  const pid_t floorPid = spawnFloor(self, &gFloorFd);
   auto st = connectStore();
   const auto t0 = Clock::now();
   rpc::init("trainer", 0, 2, rpcOptions(st));
@@ -670,13 +841,17 @@ int runTrainer(const char* self) {
   st->set("done", "1");
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
   const int rc = reapPs(ps);
+  ::close(gFloorFd);  // the floor process exits on EOF
+  const int floorRc = reapPs(floorPid);
   note(
       "total " +
       std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
       " s");
   report.print(flags.json);
-  if (rc != 0) {
-    std::fprintf(stderr, "dist_autograd_bench: ps exited with %d\n", rc);
+  if (rc != 0 || floorRc != 0) {
+    std::fprintf(stderr,
+                 "dist_autograd_bench: ps exited with %d, floor with %d\n", rc,
+                 floorRc);
     return 1;
   }
   return 0;
@@ -700,6 +875,7 @@ int runTrainer(const char* self) {
 
 int main(int argc, char** argv) {
   oneMathThreadPerProcess(argv);
+  std::string role = "trainer";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool hasValue = i + 1 < argc;
@@ -712,7 +888,10 @@ int main(int argc, char** argv) {
     } else if (a == "--default-malloc") {
       flags.defaultMalloc = true;
     } else if (a == "--role" && hasValue) {
-      flags.ps = std::strcmp(argv[++i], "ps") == 0;
+      role = argv[++i];
+      flags.ps = role == "ps";
+    } else if (a == "--floor-fd" && hasValue) {
+      flags.floorFd = std::atoi(argv[++i]);
     } else if (a == "--store-port" && hasValue) {
       flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
     } else {
@@ -720,10 +899,13 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    if (role == "floor") {
+      return runFloor();
+    }
     return flags.ps ? runPs() : runTrainer(argv[0]);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dist_autograd_bench (%s): %s\n",
-                 flags.ps ? "ps" : "trainer", e.what());
+    std::fprintf(stderr, "dist_autograd_bench (%s): %s\n", role.c_str(),
+                 e.what());
     return 1;
   }
 }
