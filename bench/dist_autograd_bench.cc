@@ -155,9 +155,9 @@ constexpr double kLr = 0.05;
 struct Flags {
   bool json = false;
   bool defaultMalloc = false;
-  int iters = 2000;  // tiny model; the others run a fraction of it
-  bool ps = false;
-  int floorFd = -1;  // --role floor: the socket to the trainer
+  int iters = 2000;              // tiny model; the others run a fraction of it
+  std::string role = "trainer";  // --role: trainer, ps or floor
+  int floorFd = -1;              // --role floor: the socket to the trainer
   uint16_t storePort = 0;
   std::string trace;  // --trace DIR: traces of a few iterations
 };
@@ -614,6 +614,19 @@ int runPs() {
   return 0;
 }
 
+// This program again, with `argv` (null-terminated) and this environment.
+pid_t spawnSelf(std::vector<const char*> argv,
+                const posix_spawn_file_actions_t* actions = nullptr) {
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, "/proc/self/exe", actions, nullptr,
+                               const_cast<char* const*>(argv.data()), environ);
+  if (rc != 0) {
+    std::fprintf(stderr, "dist_autograd_bench: spawn: %s\n", std::strerror(rc));
+    std::exit(1);
+  }
+  return pid;
+}
+
 // --role floor: the ps's half of FloorRun, one model per {rows, dim, hidden,
 // seed} message, until the trainer closes the socket.
 int runFloor() {
@@ -629,7 +642,8 @@ int runFloor() {
       return 0;  // the trainer is done
     }
     if (r != static_cast<ssize_t>(sizeof init) || init[0] <= 0 ||
-        init[1] <= 0 || init[2] <= 0 || init[0] * init[1] > kMaxElements) {
+        init[1] <= 0 || init[2] <= 0 || init[0] > kMaxElements ||
+        init[1] > kMaxElements || init[0] * init[1] > kMaxElements) {
       std::fprintf(stderr, "dist_autograd_bench (floor): bad model message\n");
       return 1;
     }
@@ -680,37 +694,22 @@ pid_t spawnFloor(const char* self, int* fd) {
   posix_spawn_file_actions_t actions;
   ::posix_spawn_file_actions_init(&actions);
   ::posix_spawn_file_actions_adddup2(&actions, sv[1], 3);  // clears CLOEXEC
-  std::vector<const char*> argv = {self,         "--role", "floor",
-                                   "--floor-fd", "3",      nullptr};
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, "/proc/self/exe", &actions, nullptr,
-                               const_cast<char* const*>(argv.data()), environ);
+  const pid_t pid = spawnSelf(
+      {self, "--role", "floor", "--floor-fd", "3", nullptr}, &actions);
   ::posix_spawn_file_actions_destroy(&actions);
   ::close(sv[1]);
-  if (rc != 0) {
-    std::fprintf(stderr, "dist_autograd_bench: spawn: %s\n", std::strerror(rc));
-    std::exit(1);
-  }
   *fd = sv[0];
   return pid;
 }
 
 pid_t spawnPs(const char* self) {
   const std::string port = std::to_string(flags.storePort);
-  std::vector<const char*> argv = {self,           "--role",     "ps",
-                                   "--store-port", port.c_str(), nullptr};
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr,
-                               const_cast<char* const*>(argv.data()), environ);
-  if (rc != 0) {
-    std::fprintf(stderr, "dist_autograd_bench: spawn: %s\n", std::strerror(rc));
-    std::exit(1);
-  }
-  return pid;
+  return spawnSelf(
+      {self, "--role", "ps", "--store-port", port.c_str(), nullptr});
 }
 
 // Waits (bounded) for a child we started; kills it if it hangs.
-int reapPs(pid_t pid) {
+int reapChild(pid_t pid) {
   const auto end = Clock::now() + std::chrono::seconds(60);
   int status = 0;
   while (Clock::now() < end) {
@@ -840,9 +839,9 @@ int runTrainer(const char* self) {
        std::to_string(da::liveContextCount()));
   st->set("done", "1");
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
-  const int rc = reapPs(ps);
+  const int rc = reapChild(ps);
   ::close(gFloorFd);  // the floor process exits on EOF
-  const int floorRc = reapPs(floorPid);
+  const int floorRc = reapChild(floorPid);
   note(
       "total " +
       std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
@@ -875,7 +874,6 @@ int runTrainer(const char* self) {
 
 int main(int argc, char** argv) {
   oneMathThreadPerProcess(argv);
-  std::string role = "trainer";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool hasValue = i + 1 < argc;
@@ -888,8 +886,7 @@ int main(int argc, char** argv) {
     } else if (a == "--default-malloc") {
       flags.defaultMalloc = true;
     } else if (a == "--role" && hasValue) {
-      role = argv[++i];
-      flags.ps = role == "ps";
+      flags.role = argv[++i];
     } else if (a == "--floor-fd" && hasValue) {
       flags.floorFd = std::atoi(argv[++i]);
     } else if (a == "--store-port" && hasValue) {
@@ -899,12 +896,12 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (role == "floor") {
+    if (flags.role == "floor") {
       return runFloor();
     }
-    return flags.ps ? runPs() : runTrainer(argv[0]);
+    return flags.role == "ps" ? runPs() : runTrainer(argv[0]);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dist_autograd_bench (%s): %s\n", role.c_str(),
+    std::fprintf(stderr, "dist_autograd_bench (%s): %s\n", flags.role.c_str(),
                  e.what());
     return 1;
   }
