@@ -143,14 +143,14 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
     std::vector<at::Tensor> tensors;
     std::unique_ptr<CodecContext> context;
   };
-  auto held = std::make_shared<Held>();
-  held->bytes = body.wire().release();
-  held->tensors = body.tensors();
-  held->context = std::move(context);
+  Held held;
+  held.bytes = body.wire().release();
+  held.tensors = body.tensors();
+  held.context = std::move(context);
   tp::Message m;
   m.descriptor = env.SerializeAsString();
-  m.payloads.push_back({held->bytes.data(), held->bytes.size()});
-  for (const auto& t : held->tensors) {
+  m.payloads.push_back({held.bytes.data(), held.bytes.size()});
+  for (const auto& t : held.tensors) {
     tp::Message::Tensor mt;
     mt.data = t.data_ptr();
     mt.length = t.nbytes();
@@ -160,10 +160,20 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
     m.tensors.push_back(mt);
   }
   sent_.fetch_add(1, std::memory_order_relaxed);
+  // Over shm, off the loop: straight into the ring from this thread, which
+  // saves waking the loop to write it (docs/rpc.md, "Threads").
+  if (ps->pipe->tryWriteNow(m)) {
+    held = Held();  // buffers may go now
+    lifeline_->run([&] { done(Error()); });
+    return;
+  }
+  // The buffers stay where they are: moving a vector or a tensor keeps its
+  // storage.
+  auto kept = std::make_shared<Held>(std::move(held));
   ps->pipe->write(
       std::move(m),
-      [line = lifeline_, held, done = std::move(done)](const Error& e) mutable {
-        held.reset();  // buffers may go now
+      [line = lifeline_, kept, done = std::move(done)](const Error& e) mutable {
+        kept.reset();  // buffers may go now
         line->run([&] { done(e); });
       });
 }

@@ -4,8 +4,8 @@
 // and a pipe runs on. Not installed.
 //
 // Contract
-//  - Loop thread only: every method, and every ReadSink and write callback
-//    runs there.
+//  - Loop thread only: every method but writeNow(), and every ReadSink and
+//    write callback runs there.
 //  - Ordered: bytes arrive in the order write() was called.
 //  - Exactly once: every write callback fires once, never inline from
 //    write(), with OK or the error that ended the write (close() included).
@@ -51,6 +51,17 @@ class Connection {
   // The buffers must stay valid until then (the array itself may be freed
   // on return).
   virtual void write(const IoBuf* bufs, size_t n, WriteCallback cb) = 0;
+
+  // Any thread. Writes all of `bufs` before returning, after everything
+  // written before, and returns true; or writes nothing and returns false
+  // (then write() is the way): when the connection cannot (writesNow() is
+  // false), is not open, failed, still holds bytes of an earlier write(),
+  // or has no room for all of them now. It never waits and calls nothing
+  // back; the buffers are free again on return. A false return says
+  // nothing about errors: write() reports those.
+  virtual bool writeNow(const IoBuf* /*bufs*/, size_t /*n*/) { return false; }
+  // Whether writeNow() can ever succeed on this connection.
+  virtual bool writesNow() const { return false; }
 
   // Idempotent. No ReadSink call afterwards; write callbacks still pending
   // fire later with an error. After close() returns no byte is read from or

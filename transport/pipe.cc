@@ -24,6 +24,10 @@ void Pipe::readDescriptor(ReadDescriptorCallback cb) {
 void Pipe::read(Allocation allocation, ReadCallback cb) {
   impl_->read(std::move(allocation), std::move(cb));
 }
+bool Pipe::tryWriteNow(const Message& message) {
+  return impl_->tryWriteNow(message);
+}
+
 void Pipe::close() { impl_->close(); }
 const std::string& Pipe::id() const { return impl_->id(); }
 std::string Pipe::peerAddress() const { return impl_->peerAddress(); }
@@ -289,6 +293,7 @@ void PipeImpl::established() {
     }
     submitWrite(op);
   }
+  openWriteNow();
 }
 
 void PipeImpl::sendRaw(std::vector<uint8_t> bytes) {
@@ -311,6 +316,7 @@ void PipeImpl::failFromLoop(const Error& error) {
 
 void PipeImpl::teardownFromLoop(const Error& error) {
   TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
+  closeWriteNow();
   if (error.code() == Code::kCancelled) {
     TRELLIS_LOG_DEBUG("{}", error.what());
   } else {
@@ -386,6 +392,12 @@ void PipeImpl::teardownFromLoop(const Error& error) {
 }
 
 void PipeImpl::close() {
+  {
+    // At once: no tryWriteNow() gets through once close() has returned.
+    MutexLock lock(nowMu_);
+    closing_ = true;
+    nowConn_ = nullptr;
+  }
   auto self = shared_from_this();
   ctx_->loop().run([self] {
     self->failFromLoop(Error::cancelled(self->id_ + ": pipe closed"));

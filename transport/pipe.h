@@ -5,8 +5,9 @@
 // Contract
 //  - Thread safety: every method may be called from any thread, including
 //    from inside a callback of this or another pipe.
-//  - Ordering: messages arrive in the order write() was called; callbacks of
-//    each kind fire in the order of their calls.
+//  - Ordering: messages arrive in the order write() (or a tryWriteNow()
+//    that returned true) was called; callbacks of each kind fire in the
+//    order of their calls.
 //  - Callbacks: each fires exactly once, on the context's loop thread, never
 //    inline from the call that queued it and never under a Trellis lock. A
 //    callback must not block: it holds up every pipe of the context.
@@ -74,6 +75,19 @@ class Pipe final {
   Pipe& operator=(const Pipe&) = delete;
 
   void write(Message message, WriteCallback cb);
+  // Writes `message` on the calling thread, before returning, when that
+  // needs no wait, and returns true: the message is then ordered like a
+  // write() made at this point, and its buffers are free again on return
+  // (no callback). Otherwise writes nothing and returns false, and write()
+  // is the way. It succeeds only off the loop thread (where write() is as
+  // direct), on an established pipe whose connection writes from any
+  // thread (shm: the caller copies into the ring and rings the peer's
+  // doorbell itself, without waking this context's loop), when every
+  // earlier write() has reached the connection and it has room for the
+  // whole message, and when no tensor needs a channel's out-of-band copy
+  // or a non-CPU device. A false return says nothing about errors:
+  // write() reports them. False at once after close().
+  bool tryWriteNow(const Message& message);
   void readDescriptor(ReadDescriptorCallback cb);
   void read(Allocation allocation, ReadCallback cb);
 

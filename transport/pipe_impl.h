@@ -5,6 +5,7 @@
 // out-of-band reads), pipe_writer.cc (the write queue), upgrade.cc (the
 // same-host upgrade's I/O).
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -45,6 +46,7 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
                    const wire_format::BindMessage& bind);
 
   void write(Message message, Pipe::WriteCallback cb);
+  bool tryWriteNow(const Message& message) TRELLIS_EXCLUDES(nowMu_);
   void readDescriptor(Pipe::ReadDescriptorCallback cb);
   void read(Allocation allocation, Pipe::ReadCallback cb);
   void close();
@@ -176,6 +178,11 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
   // Runs once, from failFromLoop: releases the connections and timers and
   // fails every pending operation.
   void teardownFromLoop(const Error& error);
+  // Where tryWriteNow() may write: the connection once the pipe is
+  // established over one that writes from any thread, until the pipe
+  // stops writing (an error, the peer's end, close()).
+  void openWriteNow() TRELLIS_EXCLUDES(nowMu_);
+  void closeWriteNow() TRELLIS_EXCLUDES(nowMu_);
 
   std::shared_ptr<ContextImpl> ctx_;
   const std::string id_;
@@ -186,6 +193,17 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
   mutable Mutex infoMu_;
   std::string peer_ TRELLIS_GUARDED_BY(infoMu_);
   Negotiated negotiated_ TRELLIS_GUARDED_BY(infoMu_);
+
+  // tryWriteNow()'s state. nowConn_ is set by the loop thread, after
+  // channel_ (which tryWriteNow then reads); closing_ by close(), on the
+  // calling thread, so that no write after close() returns gets through.
+  // unsubmitted_ counts write() calls whose message the loop has not yet
+  // handed to the connection (or failed): a write on the calling thread
+  // may not overtake them.
+  mutable Mutex nowMu_;
+  std::shared_ptr<Connection> nowConn_ TRELLIS_GUARDED_BY(nowMu_);
+  bool closing_ TRELLIS_GUARDED_BY(nowMu_) = false;
+  std::atomic<size_t> unsubmitted_{0};
 
   // Loop thread only from here on.
   std::shared_ptr<Connection> conn_;

@@ -31,6 +31,7 @@ void PipeImpl::peerClosedFromLoop(const Error& error) {
 
 void PipeImpl::stopWritesFromLoop(const Error& error) {
   TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
+  closeWriteNow();
   if (writeError_.ok()) {
     writeError_ = error;
   }
@@ -212,11 +213,87 @@ void PipeImpl::finishWrite(const std::shared_ptr<WriteOp>& op,
   ctx_->loop().deliver([cb = std::move(cb), error] { cb(error); });
 }
 
+void PipeImpl::openWriteNow() {
+  if (!conn_->writesNow() || !writeError_.ok() || life_.failed()) {
+    return;
+  }
+  MutexLock lock(nowMu_);
+  if (!closing_) {
+    nowConn_ = conn_;
+  }
+}
+
+void PipeImpl::closeWriteNow() {
+  MutexLock lock(nowMu_);
+  nowConn_ = nullptr;
+}
+
+bool PipeImpl::tryWriteNow(const Message& message) {
+  if (ctx_->loop().inLoop()) {
+    return false;  // write() is as direct there, and keeps the loop's order
+  }
+  // A write() not yet handed to the connection goes first.
+  if (unsubmitted_.load(std::memory_order_acquire) != 0) {
+    return false;
+  }
+  std::shared_ptr<Connection> conn;
+  {
+    MutexLock lock(nowMu_);
+    conn = nowConn_;
+  }
+  if (conn == nullptr) {
+    return false;
+  }
+  // channel_ was set before nowConn_, under nowMu_, and never changes.
+  for (const auto& t : message.tensors) {
+    if (t.device.type != DeviceType::kCpu ||
+        (channel_->drivesOutOfBand() && channel_->sendsOutOfBand(t))) {
+      return false;
+    }
+  }
+  if (!wf::checkOutgoing(message, ctx_->limits()).ok()) {
+    return false;  // write() reports it
+  }
+  std::vector<uint8_t> head;
+  wf::encodeFrameHead(message, &head);
+  IoBuf small[8];
+  std::vector<IoBuf> large;
+  const size_t n = 2 + message.payloads.size() + message.tensors.size();
+  IoBuf* iov = small;
+  if (n > std::size(small)) {
+    large.resize(n);
+    iov = large.data();
+  }
+  size_t k = 0;
+  iov[k++] = IoBuf{head.data(), head.size()};
+  if (!message.descriptor.empty()) {
+    iov[k++] = IoBuf{message.descriptor.data(), message.descriptor.size()};
+  }
+  for (const auto& p : message.payloads) {
+    if (p.length > 0) {
+      iov[k++] = IoBuf{p.data, p.length};
+    }
+  }
+  for (const auto& t : message.tensors) {
+    if (t.length > 0) {
+      iov[k++] = IoBuf{t.data, t.length};
+    }
+  }
+  return conn->writeNow(iov, k);
+}
+
 void PipeImpl::write(Message message, Pipe::WriteCallback cb) {
   TRELLIS_CHECK(cb != nullptr, "Pipe::write needs a callback");
   auto self = shared_from_this();
+  unsubmitted_.fetch_add(1, std::memory_order_acq_rel);
   ctx_->loop().run([self, message = std::move(message),
                     cb = std::move(cb)]() mutable {
+    // Handed to the connection, queued for the handshake, or failed, when
+    // this ends (tryWriteNow() then may write after it).
+    struct Submitted {
+      std::atomic<size_t>& pending;
+      ~Submitted() { pending.fetch_sub(1, std::memory_order_acq_rel); }
+    } submitted{self->unsubmitted_};
     auto& loop = self->ctx_->loop();
     if (self->life_.refuse(cb)) {
       return;

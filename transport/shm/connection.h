@@ -15,6 +15,8 @@
 
 #include <uv.h>
 
+#include <trellis/core/mutex.h>
+#include <trellis/core/thread_annotations.h>
 #include <trellis/transport/lifecycle.h>
 #include <trellis/transport/loop.h>
 #include <trellis/transport/shm/factory.h>
@@ -49,6 +51,10 @@ class ShmConnection final : public Connection,
   void stopReading() override { reading_ = false; }
 
   void write(const IoBuf* bufs, size_t n, WriteCallback cb) override;
+  // Any thread: the ring's producer end is shared with the loop under
+  // txMu_, and the ring's doorbell wakes a sleeping peer from any thread.
+  bool writeNow(const IoBuf* bufs, size_t n) override;
+  bool writesNow() const override { return true; }
   void close() override;
   std::string peerAddress() const override { return peer_; }
   bool readsAreCheap() const override { return true; }
@@ -79,7 +85,8 @@ class ShmConnection final : public Connection,
   // ---- data path ------------------------------------------------------------
 
   Error writeError() const;
-  Error push(const IoBuf* bufs, size_t n, size_t* index, size_t* offset);
+  Error push(const IoBuf* bufs, size_t n, size_t* index, size_t* offset)
+      TRELLIS_REQUIRES(txMu_);
   void flushWrites();
   void drainReads();
   void fail(const Error& e);
@@ -121,9 +128,15 @@ class ShmConnection final : public Connection,
   int openHandles_ = 0;
   bool idleActive_ = false;
 
-  RingWriter tx_;
+  // The write side, which writeNow() reaches from other threads: the
+  // ring's producer end, the writes waiting for room in it, and whether
+  // writing is still allowed (cleared with the first failure, the peer's
+  // end or close(); the segment is unmapped only after that).
+  Mutex txMu_;
+  RingWriter tx_ TRELLIS_GUARDED_BY(txMu_);
+  std::deque<WriteOp> writes_ TRELLIS_GUARDED_BY(txMu_);
+  bool txOpen_ TRELLIS_GUARDED_BY(txMu_) = false;
   RingReader rx_;
-  std::deque<WriteOp> writes_;
   ReadSink* sink_ = nullptr;
   bool reading_ = false;
   bool peerGone_ = false;
