@@ -188,30 +188,12 @@ TEST(ShmRing, CorruptIndicesAreProtocolErrors) {
 
 // ---- through pipes ---------------------------------------------------------
 
-PipePair smallRingPair(size_t ringBytes, std::chrono::microseconds spin) {
-  auto setup = [ringBytes, spin](std::shared_ptr<Context> c) {
-    shm::Options o;
-    o.ringBytes = ringBytes;
-    o.spin = spin;
-    c->registerTransport(200, shm::create(o));
-    return c;
-  };
-  PipePair pp;
-  pp.server = setup(Context::create(optionsFor(kShm, "server")));
-  pp.client = setup(Context::create(optionsFor(kShm, "client")));
-  pp.listener = pp.server->listen({kShm.listenAddr});
-  pp.clientPipe = pp.client->connect(pp.listener->address("shm"));
-  pp.serverPipe = acceptOne(*pp.listener);
-  return pp;
-}
-
 // With spin 0 every wait for data or for space goes through the eventfds,
 // which exercises the sleep / wake-up handshake on each message.
 class ShmSmallRing : public ::testing::TestWithParam<int> {};
 
 TEST_P(ShmSmallRing, MessagesLargerThanTheRingWrapAround) {
-  auto pp =
-      smallRingPair(shm::kMinRingBytes, std::chrono::microseconds(GetParam()));
+  auto pp = shmPair(shm::kMinRingBytes, std::chrono::microseconds(GetParam()));
   const std::vector<size_t> sizes = {1,    4095, 4096,    4097,
                                      9999, 0,    1 << 20, (1 << 20) + 3};
   for (int round = 0; round < 3; ++round) {

@@ -11,6 +11,7 @@
 
 #include <trellis/transport/cma/factory.h>
 #include <trellis/transport/context_impl.h>
+#include <trellis/transport/shm/factory.h>
 #include <trellis/transport/wire_format.h>
 
 namespace trellis::transport::testing {
@@ -72,6 +73,26 @@ PipePair makePair(const Backend& b, ContextOptions serverOpts,
   }
   pp.listener = pp.server->listen({b.listenAddr});
   pp.clientPipe = pp.client->connect(pp.listener->address(b.transport));
+  pp.serverPipe = acceptOne(*pp.listener);
+  return pp;
+}
+
+PipePair shmPair(size_t ringBytes,
+                 std::optional<std::chrono::microseconds> spin) {
+  auto setup = [&](std::shared_ptr<Context> c) {
+    shm::Options o;
+    o.ringBytes = ringBytes;
+    o.spin = spin;
+    c->registerTransport(200, shm::create(o));
+    return c;
+  };
+  const Backend shmBackend{"shm",     "shm",   "shm://",
+                           {"basic"}, "basic", std::nullopt};
+  PipePair pp;
+  pp.server = setup(Context::create(optionsFor(shmBackend, "server")));
+  pp.client = setup(Context::create(optionsFor(shmBackend, "client")));
+  pp.listener = pp.server->listen({shmBackend.listenAddr});
+  pp.clientPipe = pp.client->connect(pp.listener->address("shm"));
   pp.serverPipe = acceptOne(*pp.listener);
   return pp;
 }

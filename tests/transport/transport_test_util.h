@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -52,6 +53,10 @@ struct PipePair {
 ContextOptions optionsFor(const Backend& b, std::string name);
 PipePair makePair(const Backend& b, ContextOptions serverOpts,
                   ContextOptions clientOpts);
+// Two contexts of this process joined by an shm pipe (no upgrade) whose
+// rings hold `ringBytes`, polling for `spin` (unset: the default).
+PipePair shmPair(size_t ringBytes,
+                 std::optional<std::chrono::microseconds> spin = std::nullopt);
 std::shared_ptr<Pipe> acceptOne(Listener& l);
 
 struct Received {

@@ -22,22 +22,6 @@ const Backend kShm{"shm", "shm", "shm://", {"basic"}, "basic", std::nullopt};
 const Backend kUv{"uv",      "uv",    "uv://127.0.0.1:0",
                   {"basic"}, "basic", std::nullopt};
 
-PipePair shmPair(size_t ringBytes) {
-  auto setup = [ringBytes](std::shared_ptr<Context> c) {
-    shm::Options o;
-    o.ringBytes = ringBytes;
-    c->registerTransport(200, shm::create(o));
-    return c;
-  };
-  PipePair pp;
-  pp.server = setup(Context::create(optionsFor(kShm, "server")));
-  pp.client = setup(Context::create(optionsFor(kShm, "client")));
-  pp.listener = pp.server->listen({kShm.listenAddr});
-  pp.clientPipe = pp.client->connect(pp.listener->address("shm"));
-  pp.serverPipe = acceptOne(*pp.listener);
-  return pp;
-}
-
 // One message each way through write(): the pipe is established after it.
 void establish(PipePair& pp) {
   auto m = patterned("hello", {8}, {}, 1);
