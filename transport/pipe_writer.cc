@@ -10,6 +10,36 @@ namespace trellis::transport {
 
 namespace wf = wire_format;
 
+namespace {
+
+// The buffers of one frame, in wire order: its head, the descriptor, the
+// payloads and the tensors that go inline (all of them when `outOfBand` is
+// null; else those whose record is not present), empty ones left out.
+std::vector<IoBuf> frameBuffers(const Message& m,
+                                const std::vector<uint8_t>& head,
+                                const std::vector<wf::OutOfBand>* outOfBand) {
+  std::vector<IoBuf> iov;
+  iov.reserve(2 + m.payloads.size() + m.tensors.size());
+  iov.push_back(IoBuf{head.data(), head.size()});
+  if (!m.descriptor.empty()) {
+    iov.push_back(IoBuf{m.descriptor.data(), m.descriptor.size()});
+  }
+  for (const auto& p : m.payloads) {
+    if (p.length > 0) {
+      iov.push_back(IoBuf{p.data, p.length});
+    }
+  }
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& t = m.tensors[i];
+    if (t.length > 0 && (outOfBand == nullptr || !(*outOfBand)[i].present)) {
+      iov.push_back(IoBuf{t.data, t.length});
+    }
+  }
+  return iov;
+}
+
+}  // namespace
+
 void PipeImpl::peerClosedFromLoop(const Error& error) {
   TRELLIS_DCHECK(ctx_->loop().mayTouchState(), "off the loop thread");
   if (readEnd_) {
@@ -144,23 +174,8 @@ void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
   } else {
     wf::encodeFrameHead(m, &op->head);
   }
-  std::vector<IoBuf> iov;
-  iov.reserve(2 + m.payloads.size() + m.tensors.size());
-  iov.push_back(IoBuf{op->head.data(), op->head.size()});
-  if (!m.descriptor.empty()) {
-    iov.push_back(IoBuf{m.descriptor.data(), m.descriptor.size()});
-  }
-  for (const auto& p : m.payloads) {
-    if (p.length > 0) {
-      iov.push_back(IoBuf{p.data, p.length});
-    }
-  }
-  for (size_t i = 0; i < m.tensors.size(); ++i) {
-    const auto& t = m.tensors[i];
-    if (t.length > 0 && !(op->awaitsPeer && outOfBand[i].present)) {
-      iov.push_back(IoBuf{t.data, t.length});
-    }
-  }
+  const std::vector<IoBuf> iov =
+      frameBuffers(m, op->head, op->awaitsPeer ? &outOfBand : nullptr);
   inflightWrites_.push_back(op);
   std::weak_ptr<PipeImpl> weak = shared_from_this();
   conn_->write(iov.data(), iov.size(), [weak, op](const Error& e) {
@@ -256,30 +271,8 @@ bool PipeImpl::tryWriteNow(const Message& message) {
   }
   std::vector<uint8_t> head;
   wf::encodeFrameHead(message, &head);
-  IoBuf small[8];
-  std::vector<IoBuf> large;
-  const size_t n = 2 + message.payloads.size() + message.tensors.size();
-  IoBuf* iov = small;
-  if (n > std::size(small)) {
-    large.resize(n);
-    iov = large.data();
-  }
-  size_t k = 0;
-  iov[k++] = IoBuf{head.data(), head.size()};
-  if (!message.descriptor.empty()) {
-    iov[k++] = IoBuf{message.descriptor.data(), message.descriptor.size()};
-  }
-  for (const auto& p : message.payloads) {
-    if (p.length > 0) {
-      iov[k++] = IoBuf{p.data, p.length};
-    }
-  }
-  for (const auto& t : message.tensors) {
-    if (t.length > 0) {
-      iov[k++] = IoBuf{t.data, t.length};
-    }
-  }
-  return conn->writeNow(iov, k);
+  const std::vector<IoBuf> iov = frameBuffers(message, head, nullptr);
+  return conn->writeNow(iov.data(), iov.size());
 }
 
 void PipeImpl::write(Message message, Pipe::WriteCallback cb) {
