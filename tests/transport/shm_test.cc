@@ -25,6 +25,8 @@
 #include "peer_process.h"
 #include "transport_test_util.h"
 #include <trellis/transport/channel.h>
+#include <trellis/transport/connection.h>
+#include <trellis/transport/loop.h>
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/shm/ring.h>
 #include <trellis/transport/transport.h>
@@ -432,6 +434,85 @@ TEST(ShmTransport, GarbageRingIndicesFailOnlyThatConnection) {
   auto againServer = acceptOne(*listener);
   writeAsync(*again, Message()).wait(kWait);
   readAsync(againServer).wait(kWait);
+}
+
+// A peer that corrupts the consumer index of the ring this end writes
+// into: a write now (Connection::writeNow, any thread) is refused and
+// writes nothing, and the loop's next write() fails the connection with
+// the protocol error, as before writes now existed.
+TEST(ShmTransport, GarbageTailRefusesWritesNowAndFailsTheConnection) {
+  auto transport = shm::create();
+  auto loop = Loop::create("garbage-tail");
+  auto onLoop = [&](auto fn) {
+    Promise<void> done;
+    loop->defer([&fn, done]() mutable {
+      fn();
+      done.setValue();
+    });
+    done.getFuture().wait(kWait);
+  };
+  std::unique_ptr<ConnectionListener> listener;
+  Promise<std::shared_ptr<Connection>> accepted;
+  onLoop([&] {
+    const Error e = transport->listen(
+        *loop, "shm://",
+        [accepted](const Error& err, std::shared_ptr<Connection> c) mutable {
+          err.ok() ? accepted.setValue(std::move(c)) : accepted.setError(err);
+        },
+        &listener);
+    ASSERT_TRUE(e.ok()) << e.what();
+  });
+  ASSERT_NE(listener, nullptr);
+  RawSegment seg(size_t{64} << 10);
+  const int sock = connectRaw(listener->address());
+  ASSERT_GE(sock, 0);
+  ASSERT_TRUE(sendSetup(sock, 0x50555453, seg.ringBytes, {seg.memfd, seg.efd}));
+  const int acceptorEfd = recvReply(sock);
+  ASSERT_GE(acceptorEfd, 0);
+  auto conn = accepted.getFuture().wait(kWait);
+  ASSERT_TRUE(conn->writesNow());
+  // Ring 1 carries the acceptor's bytes to us (ring 0 the other way).
+  std::atomic_ref<uint64_t> head(seg.control(1)->head);
+  std::atomic_ref<uint64_t> tail(seg.control(1)->tail);
+  std::vector<uint8_t> bytes(100, 0x3c);
+  const IoBuf buf{bytes.data(), bytes.size()};
+  // Written from this thread while the indices are sane...
+  const auto deadline = std::chrono::steady_clock::now() + kWait;
+  bool wrote = false;
+  while (!wrote && std::chrono::steady_clock::now() < deadline) {
+    wrote = conn->writeNow(&buf, 1);  // open once the setup is done
+    if (!wrote) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  ASSERT_TRUE(wrote);
+  EXPECT_EQ(head.load(std::memory_order_acquire), bytes.size());
+  // ...and refused, with nothing written, once the tail claims bytes that
+  // were never written.
+  tail.store(uint64_t{1} << 40, std::memory_order_release);
+  EXPECT_FALSE(conn->writeNow(&buf, 1));
+  EXPECT_EQ(head.load(std::memory_order_acquire), bytes.size());
+  Promise<void> written;
+  onLoop([&] {
+    conn->write(&buf, 1, [written](const Error& e) mutable {
+      e.ok() ? written.setValue() : written.setError(e);
+    });
+  });
+  EXPECT_THROW(written.getFuture().wait(kWait), ProtocolError);
+  // A failed connection stays failed, even with the tail put right again.
+  tail.store(bytes.size(), std::memory_order_release);
+  EXPECT_FALSE(conn->writeNow(&buf, 1));
+  EXPECT_EQ(head.load(std::memory_order_acquire), bytes.size());
+  onLoop([&] {
+    conn->close();
+    listener->close();
+    listener.reset();
+  });
+  EXPECT_TRUE(closedByPeer(sock, 10000));
+  ::close(acceptorEfd);
+  ::close(sock);
+  onLoop([&] { loop->stopFromLoop(); });
+  EXPECT_TRUE(loop->join(Deadline::after(kWait)));
 }
 
 TEST(ShmTransport, HostileSetupsAreRefusedAndTheListenerKeepsServing) {

@@ -2,15 +2,19 @@
 // thread straight into an shm ring keeps its place among write()s, whole,
 // from any number of threads; it is refused, writing nothing, wherever it
 // cannot be done that way (uv, out-of-band tensors, the loop thread, a
-// closed pipe, a peer that is gone).
+// closed pipe, a peer that is gone), and a peer process that stops and then
+// dies while messages are written now fails them as it fails write()s.
 
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <signal.h>
 #include <string>
+#include <sys/wait.h>
 #include <thread>
 #include <vector>
 
+#include "peer_process.h"
 #include "transport_test_util.h"
 #include <trellis/transport/shm/factory.h>
 #include <trellis/transport/shm/ring.h>
@@ -228,6 +232,73 @@ TEST(WriteNow, RefusedAtOnceAfterCloseAndOnceThePeerIsGone) {
     EXPECT_THROW(writeAsync(*pp.clientPipe, m.view()).wait(kWait),
                  ConnectionError);
   }
+}
+
+TEST(WriteNow, StoppedThenKilledPeerFillsTheRingThenFailsLikeWrite) {
+  auto server = Context::create(optionsFor(kShm, "server"));
+  auto listener = server->listen({kShm.listenAddr});
+  auto child =
+      spawnHelper(SHM_PEER_HELPER, {"connect", listener->address("shm")});
+  auto pipe = acceptOne(*listener);
+  ASSERT_EQ(readAsync(pipe).wait(kWait).descriptor, "hello");
+  ASSERT_EQ(child->readLine(30000), "ready shm");
+  ASSERT_EQ(pipe->transportName(), "shm");
+  // A stopped peer drains nothing: writes now fill its ring, then are
+  // refused for want of room, without blocking this thread.
+  ASSERT_EQ(::kill(child->pid, SIGSTOP), 0);
+  auto m = patterned("fill", {64 << 10}, {}, 11);
+  int now = 0;
+  bool refused = false;
+  const auto deadline = std::chrono::steady_clock::now() + kWait;
+  for (int i = 0; i < 100000 && !refused; ++i) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline);
+    if (pipe->tryWriteNow(m.view())) {
+      ++now;
+    } else {
+      refused = true;
+    }
+  }
+  EXPECT_GT(now, 0) << "nothing was written now before the ring filled";
+  EXPECT_TRUE(refused) << "a ring that nobody drains never filled";
+  // write() waits in the connection for room that will not come...
+  auto w = writeAsync(*pipe, m.view());
+  EXPECT_FALSE(w.waitFor(std::chrono::milliseconds(300)));
+  // ...until the peer dies: then it fails, promptly.
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(child->pid, SIGKILL), 0);
+  EXPECT_THROW(w.wait(std::chrono::seconds(10)), ConnectionError);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_TRUE(WIFSIGNALED(child->wait()));
+
+  // A peer killed while its ring has room: once the loop has seen it go,
+  // writes now are refused for that reason alone, and write() says why.
+  auto second =
+      spawnHelper(SHM_PEER_HELPER, {"connect", listener->address("shm")});
+  auto pipe2 = acceptOne(*listener);
+  ASSERT_EQ(readAsync(pipe2).wait(kWait).descriptor, "hello");
+  ASSERT_EQ(second->readLine(30000), "ready shm");
+  auto small = patterned("small", {16}, {}, 13);
+  ASSERT_TRUE(pipe2->tryWriteNow(small.view()));
+  ASSERT_EQ(::kill(second->pid, SIGKILL), 0);
+  EXPECT_TRUE(WIFSIGNALED(second->wait()));
+  bool gone = false;
+  while (!gone && std::chrono::steady_clock::now() < deadline) {
+    gone = !pipe2->tryWriteNow(small.view());
+    if (!gone) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  EXPECT_TRUE(gone) << "still written now long after the peer died";
+  EXPECT_THROW(writeAsync(*pipe2, small.view()).wait(kWait), ConnectionError);
+  // The process goes on: a new peer is served, and written to now.
+  auto client = Context::create(optionsFor(kShm, "client"));
+  auto p = client->connect(listener->address("shm"));
+  auto s = acceptOne(*listener);
+  writeAsync(*p, Message()).wait(kWait);
+  readAsync(s).wait(kWait);
+  auto after = patterned("after", {32}, {}, 12);
+  EXPECT_TRUE(s->tryWriteNow(after.view()));
+  EXPECT_EQ(readAsync(p).wait(kWait).descriptor, "after");
 }
 
 }  // namespace
