@@ -19,15 +19,18 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <semaphore>
 #include <spawn.h>
@@ -256,8 +259,67 @@ std::shared_ptr<tp::Context> makeContext(const Phase& p, const char* name) {
   return tp::Context::create(o);
 }
 
+// One thread of its own, woken through a condition variable for each task:
+// the least a hand-off to another thread costs (no pool, no policy).
+class HandoffThread {
+ public:
+  HandoffThread() : thread_([this] { serve(); }) {}
+  HandoffThread(const HandoffThread&) = delete;
+  HandoffThread& operator=(const HandoffThread&) = delete;
+  ~HandoffThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void serve() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) {
+        return;
+      }
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+// Writes `m` the way the RPC layer sends (rpc/connections.cc): straight
+// into the connection from this thread where the transport can, else
+// through the loop.
+void sendLikeRpc(tp::Pipe& pipe, tp::Message m) {
+  if (!pipe.tryWriteNow(m)) {
+    pipe.write(std::move(m), [](const Error&) {});
+  }
+}
+
 // Callee: echoes every message back with the same shape, reading into
 // buffers it keeps (as a tuned server would), until a "stop" descriptor.
+// A message whose descriptor is "handoff" is answered from a thread of
+// its own (HandoffThread), as an RPC function that runs on a worker pool
+// is.
 class EchoServer {
  public:
   explicit EchoServer(std::shared_ptr<tp::Pipe> pipe)
@@ -281,6 +343,7 @@ class EchoServer {
 
   void onDescriptor(tp::Descriptor d) {
     const bool stop = d.descriptor == "stop";
+    const bool handoff = d.descriptor == "handoff";
     payloads_.resize(std::max(payloads_.size(), d.payloadLengths.size()));
     tensors_.resize(std::max(tensors_.size(), d.tensors.size()));
     tp::Allocation a;
@@ -305,12 +368,16 @@ class EchoServer {
     }
     // The caller sends its next message only after this echo arrived, so
     // the buffers are free again by the next read.
-    pipe_->read(std::move(a), [this, stop, reply](const Error& e) {
+    pipe_->read(std::move(a), [this, stop, handoff, reply](const Error& e) {
       if (!e.ok() || stop) {
         e.ok() ? done_.setValue() : done_.setError(e);
         return;
       }
-      pipe_->write(std::move(*reply), [](const Error&) {});
+      if (handoff) {
+        worker_.post([this, reply] { sendLikeRpc(*pipe_, std::move(*reply)); });
+      } else {
+        pipe_->write(std::move(*reply), [](const Error&) {});
+      }
       next();
     });
   }
@@ -319,6 +386,7 @@ class EchoServer {
   std::vector<std::vector<uint8_t>> payloads_;
   std::vector<std::unique_ptr<bench::Buffer>> tensors_;
   Promise<void> done_;
+  HandoffThread worker_;  // joined first, before the buffers it reads go
 };
 
 void transportCallee(const Phase& p, store::Store& st) {
@@ -387,6 +455,71 @@ std::vector<double> transportEcho(tp::Pipe& pipe, size_t size, bool tensor,
   return us;
 }
 
+// The same echo moved the way an RPC whose function runs on a worker pool
+// moves it: this thread writes the request (sendLikeRpc) and sleeps until
+// the loop has read the reply and woken it; the callee answers from a
+// thread of its own (EchoServer, "handoff"). Two thread wake-ups per round
+// trip, and no RPC code: the machine's floor under a pool-run rpcSync().
+std::vector<double> handoffEcho(tp::Pipe& pipe, size_t size, bool tensor,
+                                int reps) {
+  auto src = prefaulted(size);
+  auto dst = receiveBuffer(size);
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;  // guarded by mu
+  Error error;      // guarded by mu
+  auto signal = [&](const Error& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++arrived;
+    if (!e.ok() && error.ok()) {
+      error = e;
+    }
+    cv.notify_one();
+  };
+  // Armed on the loop for the next reply as soon as one is read, as the
+  // RPC layer keeps a read armed: no loop hand-off to wait for a reply.
+  int armed = 0;  // loop thread only, after the first arm()
+  std::function<void()> arm = [&] {
+    ++armed;
+    pipe.readDescriptor([&](const Error& e, tp::Descriptor) {
+      if (!e.ok()) {
+        signal(e);
+        return;
+      }
+      tp::Allocation a;
+      (tensor ? a.tensors : a.payloads).push_back({dst.data(), size});
+      pipe.read(std::move(a), [&](const Error& e) {
+        if (e.ok() && armed < reps) {
+          arm();
+        }
+        signal(e);
+      });
+    });
+  };
+  arm();
+  std::vector<double> us;
+  us.reserve(reps);
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    tp::Message m;
+    m.descriptor = "handoff";
+    if (tensor) {
+      m.tensors.push_back({src.data(), size, {}});
+    } else {
+      m.payloads.push_back({src.data(), size});
+    }
+    sendLikeRpc(pipe, std::move(m));
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_for(lock, kWait, [&] { return arrived > i; }) || !error.ok()) {
+      std::fprintf(stderr, "rpc_bench: hand-off echo failed: %s\n",
+                   error.ok() ? "no reply in time" : error.what().c_str());
+      std::exit(1);
+    }
+    us.push_back(micros(Clock::now() - t0));
+  }
+  return us;
+}
+
 void transportCaller(const Phase& p, store::Store& st) {
   auto ctx = makeContext(p, "bench-caller");
   auto pipe = ctx->connect(st.getString("transport/addr"));
@@ -410,6 +543,19 @@ void transportCaller(const Phase& p, store::Store& st) {
       addLatency(pre + "_echo_1KiB_rtt", e, "");
     }
     report.add(pre + "_echo_" + sizeName(size), echoRate(size, e), "GB/s");
+  }
+  // The hand-off floor (handoffEcho): the no-op's and the small echoes'.
+  handoffEcho(*pipe, 8, false, warmup);
+  us = bestBlock(flags.iters, Best::kMedian,
+                 [&](int n) { return handoffEcho(*pipe, 8, false, n); });
+  addLatency(pre + "_handoff_rtt_8B", us, pre + "_rtt_8B");
+  for (size_t size : {kKiB, 64 * kKiB}) {
+    handoffEcho(*pipe, size, true, 2);
+    auto e = bestBlock(echoReps(size), Best::kMean, [&](int n) {
+      return handoffEcho(*pipe, size, true, n);
+    });
+    report.add(pre + "_handoff_echo_" + sizeName(size), echoRate(size, e),
+               "GB/s", pre + "_echo_" + sizeName(size));
   }
   tp::Message stop;
   stop.descriptor = "stop";
