@@ -476,16 +476,9 @@ TEST(ShmTransport, GarbageTailRefusesWritesNowAndFailsTheConnection) {
   std::atomic_ref<uint64_t> tail(seg.control(1)->tail);
   std::vector<uint8_t> bytes(100, 0x3c);
   const IoBuf buf{bytes.data(), bytes.size()};
-  // Written from this thread while the indices are sane...
-  const auto deadline = std::chrono::steady_clock::now() + kWait;
-  bool wrote = false;
-  while (!wrote && std::chrono::steady_clock::now() < deadline) {
-    wrote = conn->writeNow(&buf, 1);  // open once the setup is done
-    if (!wrote) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-  }
-  ASSERT_TRUE(wrote);
+  // Written from this thread while the indices are sane (open once the
+  // setup is done)...
+  ASSERT_TRUE(eventually([&] { return conn->writeNow(&buf, 1); }));
   EXPECT_EQ(head.load(std::memory_order_acquire), bytes.size());
   // ...and refused, with nothing written, once the tail claims bytes that
   // were never written.

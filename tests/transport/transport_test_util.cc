@@ -30,15 +30,20 @@ InCall::InCall() { ++tlInCall; }
 InCall::~InCall() { --tlInCall; }
 bool OnceChecker::inCall() { return tlInCall > 0; }
 
-bool OnceChecker::waitAll(std::chrono::milliseconds timeout) const {
+bool eventually(const std::function<bool()>& done,
+                std::chrono::milliseconds timeout) {
   const auto end = std::chrono::steady_clock::now() + timeout;
-  while (fired_.load() < created_.load()) {
+  while (!done()) {
     if (std::chrono::steady_clock::now() > end) {
       return false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return true;
+}
+
+bool OnceChecker::waitAll(std::chrono::milliseconds timeout) const {
+  return eventually([&] { return fired_.load() >= created_.load(); }, timeout);
 }
 
 ContextOptions optionsFor(const Backend& b, std::string name) {

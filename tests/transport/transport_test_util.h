@@ -25,6 +25,11 @@ namespace trellis::transport::testing {
 
 constexpr auto kWait = std::chrono::seconds(60);
 
+// Calls `done` every 2 ms until it returns true (then true) or `timeout`
+// has passed (then false): for states a test can only poll for.
+bool eventually(const std::function<bool()>& done,
+                std::chrono::milliseconds timeout = kWait);
+
 // What a contract instance needs to know about its backend: adding a
 // transport or channel to the suite is one INSTANTIATE line with one of these.
 struct Backend {

@@ -220,15 +220,8 @@ TEST(WriteNow, RefusedAtOnceAfterCloseAndOnceThePeerIsGone) {
     // The client's loop learns of the peer's end from the control socket;
     // from then on nothing is written now.
     auto m = patterned("after", {8}, {}, 10);
-    const auto deadline = std::chrono::steady_clock::now() + kWait;
-    bool refused = false;
-    while (!refused && std::chrono::steady_clock::now() < deadline) {
-      refused = !pp.clientPipe->tryWriteNow(m.view());
-      if (!refused) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      }
-    }
-    EXPECT_TRUE(refused);
+    EXPECT_TRUE(
+        eventually([&] { return !pp.clientPipe->tryWriteNow(m.view()); }));
     EXPECT_THROW(writeAsync(*pp.clientPipe, m.view()).wait(kWait),
                  ConnectionError);
   }
@@ -281,14 +274,8 @@ TEST(WriteNow, StoppedThenKilledPeerFillsTheRingThenFailsLikeWrite) {
   ASSERT_TRUE(pipe2->tryWriteNow(small.view()));
   ASSERT_EQ(::kill(second->pid, SIGKILL), 0);
   EXPECT_TRUE(WIFSIGNALED(second->wait()));
-  bool gone = false;
-  while (!gone && std::chrono::steady_clock::now() < deadline) {
-    gone = !pipe2->tryWriteNow(small.view());
-    if (!gone) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-  }
-  EXPECT_TRUE(gone) << "still written now long after the peer died";
+  EXPECT_TRUE(eventually([&] { return !pipe2->tryWriteNow(small.view()); }))
+      << "still written now long after the peer died";
   EXPECT_THROW(writeAsync(*pipe2, small.view()).wait(kWait), ConnectionError);
   // The process goes on: a new peer is served, and written to now.
   auto client = Context::create(optionsFor(kShm, "client"));
