@@ -406,6 +406,24 @@ void transportCallee(const Phase& p, store::Store& st) {
   ctx->join();
 }
 
+// The echoes' message, and the allocation their reply is read into: `size`
+// bytes at `data` as one tensor, or as one payload.
+tp::Message echoMessage(uint8_t* data, size_t size, bool tensor) {
+  tp::Message m;
+  if (tensor) {
+    m.tensors.push_back({data, size, {}});
+  } else {
+    m.payloads.push_back({data, size});
+  }
+  return m;
+}
+
+tp::Allocation echoAllocation(uint8_t* data, size_t size, bool tensor) {
+  tp::Allocation a;
+  (tensor ? a.tensors : a.payloads).push_back({data, size});
+  return a;
+}
+
 // Caller: `reps` sequential echoes of one message (a payload or a tensor
 // of `size` bytes), driven from callbacks on the loop thread as an RPC
 // layer would be; returns each round trip in µs. The source is on 4 KiB
@@ -422,21 +440,13 @@ std::vector<double> transportEcho(tp::Pipe& pipe, size_t size, bool tensor,
   Clock::time_point t0;
   std::function<void()> ping = [&] {
     t0 = Clock::now();
-    tp::Message m;
-    if (tensor) {
-      m.tensors.push_back({src.data(), size, {}});
-    } else {
-      m.payloads.push_back({src.data(), size});
-    }
-    pipe.write(std::move(m), [](const Error&) {});
+    pipe.write(echoMessage(src.data(), size, tensor), [](const Error&) {});
     pipe.readDescriptor([&](const Error& e, tp::Descriptor) {
       if (!e.ok()) {
         Promise<void>(done).setError(e);
         return;
       }
-      tp::Allocation a;
-      (tensor ? a.tensors : a.payloads).push_back({dst.data(), size});
-      pipe.read(std::move(a), [&](const Error& e) {
+      pipe.read(echoAllocation(dst.data(), size, tensor), [&](const Error& e) {
         if (!e.ok()) {
           Promise<void>(done).setError(e);
           return;
@@ -486,9 +496,7 @@ std::vector<double> handoffEcho(tp::Pipe& pipe, size_t size, bool tensor,
         signal(e);
         return;
       }
-      tp::Allocation a;
-      (tensor ? a.tensors : a.payloads).push_back({dst.data(), size});
-      pipe.read(std::move(a), [&](const Error& e) {
+      pipe.read(echoAllocation(dst.data(), size, tensor), [&](const Error& e) {
         if (e.ok() && armed < reps) {
           arm();
         }
@@ -501,13 +509,8 @@ std::vector<double> handoffEcho(tp::Pipe& pipe, size_t size, bool tensor,
   us.reserve(reps);
   for (int i = 0; i < reps; ++i) {
     const auto t0 = Clock::now();
-    tp::Message m;
+    tp::Message m = echoMessage(src.data(), size, tensor);
     m.descriptor = "handoff";
-    if (tensor) {
-      m.tensors.push_back({src.data(), size, {}});
-    } else {
-      m.payloads.push_back({src.data(), size});
-    }
     sendLikeRpc(pipe, std::move(m));
     std::unique_lock<std::mutex> lock(mu);
     if (!cv.wait_for(lock, kWait, [&] { return arrived > i; }) || !error.ok()) {
