@@ -70,6 +70,39 @@ function(trellis_test name)
   if(NOT A_TIMEOUT)
     set(A_TIMEOUT 120)
   endif()
-  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
-    PROPERTIES TIMEOUT ${A_TIMEOUT} LABELS "${A_LABELS}")
+  if(TRELLIS_SANITIZE)
+    trellis_sanitizer_tests(${name} TIMEOUT ${A_TIMEOUT} LABELS ${A_LABELS})
+  else()
+    gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
+      PROPERTIES TIMEOUT ${A_TIMEOUT} LABELS "${A_LABELS}")
+  endif()
+endfunction()
+
+# Cases the sanitizer builds leave out of every test binary: gtest negative
+# patterns, ':'-separated (the Makefile passes its list; docs/testing.md).
+set(TRELLIS_SANITIZER_GTEST_SKIP "" CACHE STRING
+    "gtest patterns of cases the sanitizer test runs skip")
+
+# The ctest entries of a test binary in a sanitizer build, written after it
+# links by cmake/GtestSuites.cmake: one per gtest suite for a binary that
+# loads libtorch (whose start costs ~2 s under ASan), one per case
+# otherwise.
+function(trellis_sanitizer_tests name)
+  cmake_parse_arguments(A "" "TIMEOUT" "LABELS" ${ARGN})
+  string(REPLACE ";" "," labels "${A_LABELS}")
+  set(ctest_file "${CMAKE_CURRENT_BINARY_DIR}/${name}_tests.cmake")
+  set(include_file "${CMAKE_CURRENT_BINARY_DIR}/${name}_include.cmake")
+  add_custom_command(TARGET ${name} POST_BUILD
+    BYPRODUCTS "${ctest_file}"
+    COMMAND "${CMAKE_COMMAND}"
+      "-DTEST_EXECUTABLE=$<TARGET_FILE:${name}>"
+      "-DCTEST_FILE=${ctest_file}"
+      "-DWORKING_DIR=${CMAKE_CURRENT_BINARY_DIR}"
+      "-DTIMEOUT=${A_TIMEOUT}" "-DLABELS=${labels}"
+      "-DSKIP=${TRELLIS_SANITIZER_GTEST_SKIP}"
+      -P "${PROJECT_SOURCE_DIR}/cmake/GtestSuites.cmake"
+    VERBATIM)
+  file(WRITE "${include_file}"
+    "if(EXISTS \"${ctest_file}\")\n  include(\"${ctest_file}\")\nendif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${include_file}")
 endfunction()
