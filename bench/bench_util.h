@@ -18,6 +18,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <optional>
+#include <spawn.h>
 #include <string>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -225,6 +226,21 @@ inline std::string perCallByThread(const std::map<std::string, double>& counts,
 inline std::string switchesPerCall(const std::map<std::string, double>& before,
                                    int calls, bool voluntaryOnly = false) {
   return perCallByThread(switchesSince(before, voluntaryOnly), calls);
+}
+
+// This program again (/proc/self/exe), with `argv` (null-terminated) and
+// this environment: a bench's second process (a callee, a ps). Exits the
+// bench, naming `bench`, when the spawn fails.
+inline pid_t spawnSelf(const char* bench, std::vector<const char*> argv,
+                       const posix_spawn_file_actions_t* actions = nullptr) {
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, "/proc/self/exe", actions, nullptr,
+                               const_cast<char* const*>(argv.data()), environ);
+  if (rc != 0) {
+    std::fprintf(stderr, "%s: spawn: %s\n", bench, std::strerror(rc));
+    std::exit(1);
+  }
+  return pid;
 }
 
 // n bytes with every page touched once: fresh pages fault at a fraction of

@@ -614,19 +614,6 @@ int runPs() {
   return 0;
 }
 
-// This program again, with `argv` (null-terminated) and this environment.
-pid_t spawnSelf(std::vector<const char*> argv,
-                const posix_spawn_file_actions_t* actions = nullptr) {
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, "/proc/self/exe", actions, nullptr,
-                               const_cast<char* const*>(argv.data()), environ);
-  if (rc != 0) {
-    std::fprintf(stderr, "dist_autograd_bench: spawn: %s\n", std::strerror(rc));
-    std::exit(1);
-  }
-  return pid;
-}
-
 // --role floor: the ps's half of FloorRun, one model per {rows, dim, hidden,
 // seed} message, until the trainer closes the socket.
 int runFloor() {
@@ -694,7 +681,8 @@ pid_t spawnFloor(const char* self, int* fd) {
   posix_spawn_file_actions_t actions;
   ::posix_spawn_file_actions_init(&actions);
   ::posix_spawn_file_actions_adddup2(&actions, sv[1], 3);  // clears CLOEXEC
-  const pid_t pid = spawnSelf(
+  const pid_t pid = bench::spawnSelf(
+      "dist_autograd_bench",
       {self, "--role", "floor", "--floor-fd", "3", nullptr}, &actions);
   ::posix_spawn_file_actions_destroy(&actions);
   ::close(sv[1]);
@@ -704,7 +692,8 @@ pid_t spawnFloor(const char* self, int* fd) {
 
 pid_t spawnPs(const char* self) {
   const std::string port = std::to_string(flags.storePort);
-  return spawnSelf(
+  return bench::spawnSelf(
+      "dist_autograd_bench",
       {self, "--role", "ps", "--store-port", port.c_str(), nullptr});
 }
 

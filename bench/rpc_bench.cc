@@ -33,7 +33,6 @@
 #include <mutex>
 #include <optional>
 #include <semaphore>
-#include <spawn.h>
 #include <string>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -834,14 +833,7 @@ pid_t spawnCallee(const char* self) {
   std::vector<const char*> argv = {self,           "--role",     "callee",
                                    "--store-port", port.c_str(), "--iters",
                                    iters.c_str(),  nullptr};
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr,
-                               const_cast<char* const*>(argv.data()), environ);
-  if (rc != 0) {
-    std::fprintf(stderr, "rpc_bench: spawn: %s\n", std::strerror(rc));
-    std::exit(1);
-  }
-  return pid;
+  return bench::spawnSelf("rpc_bench", std::move(argv));
 }
 
 // Waits (bounded) for the callee we started; kills it if it hangs.
