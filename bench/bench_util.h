@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +24,7 @@
 #include <string>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -241,6 +244,27 @@ inline pid_t spawnSelf(const char* bench, std::vector<const char*> argv,
     std::exit(1);
   }
   return pid;
+}
+
+// Waits for a child this bench started, at most `limit`; kills it by its
+// PID when it takes longer. Its exit code, 128 + the signal when a signal
+// ended it, 1 when it had to be killed.
+inline int reapChild(const char* bench, pid_t pid,
+                     std::chrono::seconds limit = std::chrono::seconds(60)) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    ::usleep(10'000);
+  }
+  std::fprintf(stderr, "%s: child %d did not exit; killing it\n", bench,
+               static_cast<int>(pid));
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return 1;
 }
 
 // n bytes with every page touched once: fresh pages fault at a fraction of

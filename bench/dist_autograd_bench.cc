@@ -697,25 +697,6 @@ pid_t spawnPs(const char* self) {
       {self, "--role", "ps", "--store-port", port.c_str(), nullptr});
 }
 
-// Waits (bounded) for a child we started; kills it if it hangs.
-int reapChild(pid_t pid) {
-  const auto end = Clock::now() + std::chrono::seconds(60);
-  int status = 0;
-  while (Clock::now() < end) {
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) {
-      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-    std::this_thread::sleep_for(10ms);
-  }
-  std::fprintf(stderr,
-               "dist_autograd_bench: child %d did not exit; killing it\n",
-               static_cast<int>(pid));
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, &status, 0);
-  return 1;
-}
-
 // What one hop to a sleeping thread of another process costs on this
 // machine, the unit the trace's request and reply ways are made of: a child
 // blocks in read() on a pipe; every 200 us (both sides idle meanwhile) this
@@ -828,9 +809,9 @@ int runTrainer(const char* self) {
        std::to_string(da::liveContextCount()));
   st->set("done", "1");
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
-  const int rc = reapChild(ps);
+  const int rc = bench::reapChild("dist_autograd_bench", ps);
   ::close(gFloorFd);  // the floor process exits on EOF
-  const int floorRc = reapChild(floorPid);
+  const int floorRc = bench::reapChild("dist_autograd_bench", floorPid);
   note(
       "total " +
       std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +

@@ -836,24 +836,6 @@ pid_t spawnCallee(const char* self) {
   return bench::spawnSelf("rpc_bench", std::move(argv));
 }
 
-// Waits (bounded) for the callee we started; kills it if it hangs.
-int reapCallee(pid_t pid) {
-  const auto end = Clock::now() + std::chrono::seconds(30);
-  int status = 0;
-  while (Clock::now() < end) {
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) {
-      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-    std::this_thread::sleep_for(10ms);
-  }
-  std::fprintf(stderr, "rpc_bench: callee %d did not exit; killing it\n",
-               static_cast<int>(pid));
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, &status, 0);
-  return 1;
-}
-
 int runCaller(const char* self) {
   store::TCPStoreServer server;
   flags.storePort = server.port();
@@ -875,7 +857,8 @@ int runCaller(const char* self) {
     auto st = connectStore("grpc");
     grpcCaller(*st);
   }
-  const int rc = reapCallee(callee);
+  const int rc =
+      bench::reapChild("rpc_bench", callee, std::chrono::seconds(30));
   note(
       "total " +
       std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
