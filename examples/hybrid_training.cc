@@ -50,6 +50,7 @@
 
 #include "click_data.h"
 #include "dlrm.h"
+#include "row_shards.h"
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/text.h>
 #include <trellis/core/worker_env.h>
@@ -68,6 +69,7 @@ using trellis::examples::auc;
 using trellis::examples::ClickWorld;
 using trellis::examples::DenseNet;
 using trellis::examples::DenseNetImpl;
+using trellis::examples::shardRows;
 
 namespace {
 
@@ -97,15 +99,9 @@ double seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
-// ---- servers ---------------------------------------------------------------
-
-// Rows of one table that live on one server: row r of the table is row
-// r / servers of the shard on server r % servers.
-int64_t shardRows(int64_t rows, int64_t servers, int64_t shard) {
-  return (rows - shard + servers - 1) / servers;
-}
-
 }  // namespace
+
+// ---- servers ---------------------------------------------------------------
 
 // The rows of every table that live on one server, stacked in one weight
 // (table batching, as TorchRec's batched embedding kernels do): table t's
@@ -342,38 +338,17 @@ struct Trainer {
   // (ServerShard); all lookups are in flight at once.
   at::Tensor embeddings(const ClickWorld::Batch& b) {
     const int64_t bags = b.offsets[0].size(0);
-    // ids[s] and counts[s]: per table, server s's rows and bag sizes.
-    std::vector<std::vector<at::Tensor>> ids(static_cast<size_t>(f.servers));
-    std::vector<std::vector<at::Tensor>> counts(static_cast<size_t>(f.servers));
-    for (int64_t t = 0; t < f.tables; ++t) {
-      const at::Tensor& tableIds = b.ids[static_cast<size_t>(t)];
-      // The bag of each id.
-      at::Tensor bagOf = torch::repeat_interleave(
-          torch::diff(b.offsets[static_cast<size_t>(t)],
-                      /*n=*/1, /*dim=*/0, /*prepend=*/c10::nullopt,
-                      torch::tensor({tableIds.size(0)}, torch::kLong)));
-      at::Tensor server = tableIds.remainder(f.servers);
-      for (int64_t s = 0; s < f.servers; ++s) {
-        at::Tensor mask = server.eq(s);
-        // Row r of table t on server s is its row t * rows(s) + r / servers.
-        const int64_t base = t * shardRows(f.rows, f.servers, s);
-        ids[static_cast<size_t>(s)].push_back(
-            tableIds.masked_select(mask).div(f.servers, "floor") + base);
-        counts[static_cast<size_t>(s)].push_back(
-            torch::bincount(bagOf.masked_select(mask), {}, bags));
-      }
-    }
+    const auto lookups = trellis::examples::splitLookups(b, f.rows, f.servers);
     std::vector<std::optional<trellis::Future<at::Tensor>>> parts;
     for (int64_t s = 0; s < f.servers; ++s) {
-      at::Tensor local = torch::cat(ids[static_cast<size_t>(s)]);
-      if (local.numel() == 0) {
+      const auto& l = lookups[static_cast<size_t>(s)];
+      if (l.ids.numel() == 0) {
         parts.emplace_back(std::nullopt);
         continue;
       }
-      at::Tensor perBag = torch::cat(counts[static_cast<size_t>(s)]);
       parts.emplace_back(
           shards[static_cast<size_t>(s)].rpcAsync<&ServerShard::lookup>(
-              local, perBag.cumsum(0) - perBag));
+              l.ids, l.offsets));
     }
     at::Tensor sum = torch::zeros({f.tables * bags, f.dim});
     for (auto& p : parts) {
