@@ -12,6 +12,7 @@
 #include <trellis/collectives/cpu/message.h>
 #include <trellis/collectives/dtype.h>
 #include <trellis/core/error.h>
+#include <trellis/core/thread_name.h>
 
 namespace trellis::collectives {
 
@@ -98,11 +99,14 @@ class BackendThread {
   BackendThread& operator=(const BackendThread&) = delete;
   ~BackendThread() { finish(); }
 
-  // Runs body(gone) on a new thread.
+  // Runs body(gone) on a new thread named `name` (docs/threads.md).
   template <typename Body>
-  void start(Body body) {
-    thread_ = std::thread(
-        [gone = gone_, body = std::move(body)]() mutable { body(*gone); });
+  void start(std::string name, Body body) {
+    thread_ = std::thread([gone = gone_, name = std::move(name),
+                           body = std::move(body)]() mutable {
+      setThreadName(name);
+      body(*gone);
+    });
   }
   bool isCurrent() const {
     return thread_.get_id() == std::this_thread::get_id();

@@ -23,7 +23,8 @@ class CpuBackend final : public Backend {
         shm_(std::move(shm)),
         timeout_(timeout),
         algo_(algo) {
-    worker_.start([this](const std::atomic<bool>& gone) { run(gone); });
+    worker_.start("pg-cpu",
+                  [this](const std::atomic<bool>& gone) { run(gone); });
   }
 
   ~CpuBackend() override {

@@ -195,8 +195,9 @@ class NcclBackend final : public Backend {
         size_(size),
         timeout_(options.timeout),
         description_(options.description + " rank " + std::to_string(rank)) {
-    completer_.start(
-        [this](const std::atomic<bool>& gone) { completeLoop(gone); });
+    completer_.start("pg-nccl-done", [this](const std::atomic<bool>& gone) {
+      completeLoop(gone);
+    });
   }
 
   ~NcclBackend() override {

@@ -3,10 +3,13 @@
 // Every result is checked against a reference computed locally.
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <map>
 #include <set>
+#include <string>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -303,6 +306,34 @@ INSTANTIATE_TEST_SUITE_P(
       return std::to_string(info.param.size) + "ranks" +
              (info.param.big ? "_4MiB" : "");
     });
+
+// The names of this process's threads (/proc/self/task/*/comm).
+std::multiset<std::string> threadNames() {
+  std::multiset<std::string> names;
+  for (const auto& task :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "comm");
+    std::string name;
+    if (std::getline(in, name)) {
+      names.insert(name);
+    }
+  }
+  return names;
+}
+
+// docs/threads.md: every thread Trellis starts names itself. The cpu
+// backend's worker runs each group's ops, so it is the thread that `top -H`
+// and `perf` show busy during a collective.
+TEST(ProcessGroup, EachGroupRunsItsOpsOnANamedThread) {
+  runRanks(2, [&](ProcessGroup& pg) {
+    auto t = torch::ones({4});
+    pg.allreduce(t).wait();  // both groups exist, and have run an op
+    if (pg.rank() == 0) {
+      EXPECT_GE(threadNames().count("pg-cpu"), 2u);
+    }
+    pg.barrier().wait();  // neither group goes before rank 0 has looked
+  });
+}
 
 TEST(ProcessGroup, AllreduceOpsMatchTheReference) {
   for (const char* algo : {"ring", "rd", "hier"}) {
