@@ -217,7 +217,7 @@ enum : int64_t { kLookup = 1, kGradient = 2 };
 constexpr int64_t kMaxElements = int64_t{1} << 26;
 
 // The descriptors a floor process finds its sockets on: 3, 4, ... in the
-// order the parent dup'ed them there (runFloor).
+// order the parent dup'ed them there (floorRun).
 constexpr int kFirstFd = 3;
 
 struct FloorFlags {
@@ -602,17 +602,20 @@ Split floorRun(const char* self, int servers, int trainers, int64_t steps,
 }
 
 void addSplit(trellis::bench::Report& r, const std::string& prefix,
-              const Split& s, bool hybridRun) {
-  if (hybridRun) {
-    r.add(prefix + "_lookup_rpc_ms", s.lookupMs, "ms");
+              const Split& s, bool distributed) {
+  if (distributed) {
+    // The floor's lookups are socket messages, the job's RPCs.
+    const bool isFloor = prefix.rfind("floor", 0) == 0;
+    r.add(prefix + (isFloor ? "_lookup_ms" : "_lookup_rpc_ms"), s.lookupMs,
+          "ms");
   }
   r.add(prefix + "_forward_ms", s.forwardMs, "ms");
   r.add(prefix + "_backward_ms", s.backwardMs, "ms");
-  if (hybridRun) {
+  if (distributed) {
     r.add(prefix + "_allreduce_ms", s.allreduceMs, "ms");
   }
   r.add(prefix + "_optimizer_ms", s.optimizerMs, "ms");
-  if (hybridRun) {
+  if (distributed) {
     r.add(prefix + "_barrier_ms", s.barrierMs, "ms");
   }
 }
