@@ -346,8 +346,11 @@ struct Trainer {
         parts.emplace_back(std::nullopt);
         continue;
       }
+      // Completed on the transport loop (docs/rref.md): these futures are
+      // only waited on below, so the loop wakes this thread itself rather
+      // than through a completion thread.
       parts.emplace_back(
-          shards[static_cast<size_t>(s)].rpcAsync<&ServerShard::lookup>(
+          shards[static_cast<size_t>(s)].rpcAsyncOnLoop<&ServerShard::lookup>(
               l.ids, l.offsets));
     }
     at::Tensor sum = torch::zeros({f.tables * bags, f.dim});
