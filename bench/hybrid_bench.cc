@@ -55,6 +55,28 @@ using trellis::examples::DenseNet;
 constexpr int64_t kTables = 3, kRows = 20000, kDim = 16, kDense = 4;
 constexpr double kLr = 0.1;
 
+// The job's synthetic clicks (its default flags).
+ClickWorld::Options worldOptions() {
+  return {.tables = kTables,
+          .rows = kRows,
+          .denseFeatures = kDense,
+          .weightStd = 0.4,
+          .zipf = 1.1,
+          .seed = 1234};
+}
+
+// The job's Adagrad, for the tables and the dense part alike.
+torch::optim::AdagradOptions adagradOptions() {
+  return torch::optim::AdagradOptions(kLr).initial_accumulator_value(0.1);
+}
+
+// The generator of trainer `trainer`'s batch at `step`, seeded as the job
+// seeds it (Trainer::batchAt; one process draws trainer 0's).
+std::mt19937_64 batchGenerator(int64_t step, int trainer) {
+  return std::mt19937_64(1234 * 7919 + static_cast<uint64_t>(step) * 131 +
+                         static_cast<uint64_t>(trainer));
+}
+
 double secondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -71,12 +93,7 @@ struct Split {
 // EmbeddingBag per table, as a PyTorch user would write it.
 Split oneProcess(int64_t steps, int64_t batch, bool batched) {
   torch::manual_seed(1234);
-  const ClickWorld world({.tables = kTables,
-                          .rows = kRows,
-                          .denseFeatures = kDense,
-                          .weightStd = 0.4,
-                          .zipf = 1.1,
-                          .seed = 1234});
+  const ClickWorld world(worldOptions());
   std::vector<torch::nn::EmbeddingBag> tables;
   std::vector<at::Tensor> params;
   for (int64_t t = 0; t < (batched ? 1 : kTables); ++t) {
@@ -90,8 +107,7 @@ Split oneProcess(int64_t steps, int64_t batch, bool batched) {
   for (const auto& p : net->parameters()) {
     params.push_back(p);
   }
-  torch::optim::Adagrad opt(
-      params, torch::optim::AdagradOptions(kLr).initial_accumulator_value(0.1));
+  torch::optim::Adagrad opt(params, adagradOptions());
   Split s;
   const int64_t warmup = steps / 10;
   Clock::time_point start;
@@ -100,7 +116,7 @@ Split oneProcess(int64_t steps, int64_t batch, bool batched) {
       s = Split{};
       start = Clock::now();
     }
-    std::mt19937_64 g(1234 * 7919 + static_cast<uint64_t>(step) * 131);
+    std::mt19937_64 g = batchGenerator(step, 0);
     const auto b = world.draw(g, batch);
     const auto t0 = Clock::now();
     opt.zero_grad();
@@ -241,9 +257,7 @@ int runFloorServer(const FloorFlags& f) {
     weight = at::empty({rows, kDim}).normal_(0.0, 0.05);
   }
   weight.requires_grad_(true);
-  torch::optim::Adagrad opt(
-      {weight},
-      torch::optim::AdagradOptions(kLr).initial_accumulator_value(0.1));
+  torch::optim::Adagrad opt({weight}, adagradOptions());
   const auto n = static_cast<size_t>(f.trainers);
   std::vector<pollfd> fds(n);
   for (size_t t = 0; t < n; ++t) {
@@ -325,16 +339,9 @@ class FloorTrainer {
  public:
   explicit FloorTrainer(const FloorFlags& f)
       : f_(f),
-        world_({.tables = kTables,
-                .rows = kRows,
-                .denseFeatures = kDense,
-                .weightStd = 0.4,
-                .zipf = 1.1,
-                .seed = 1234}),
+        world_(worldOptions()),
         net_(seededNet()),
-        opt_(net_->parameters(),
-             torch::optim::AdagradOptions(kLr).initial_accumulator_value(0.1)) {
-  }
+        opt_(net_->parameters(), adagradOptions()) {}
 
   // Every trainer's replica starts the same, as the job's (DDP checks it).
   static DenseNet seededNet() {
@@ -371,8 +378,7 @@ class FloorTrainer {
   int serverFd(int s) const { return kFirstFd + s; }
 
   void step(int64_t step, Split& s) {
-    std::mt19937_64 g(1234 * 7919 + static_cast<uint64_t>(step) * 131 +
-                      static_cast<uint64_t>(f_.index));
+    std::mt19937_64 g = batchGenerator(step, f_.index);
     const auto b = world_.draw(g, f_.batch);
     const auto t0 = Clock::now();
     // Lookups: all sent, then all answers read.
