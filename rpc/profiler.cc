@@ -127,7 +127,9 @@ std::string Profiler::chromeTrace() const {
   nlohmann::json out;
   out["traceEvents"] = std::move(trace);
   out["displayTimeUnit"] = "ms";
-  return out.dump();
+  // Names come from peers as bytes (envelope.proto): what is not UTF-8 is
+  // replaced, where json would throw.
+  return out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 void Profiler::exportChromeTrace(const std::string& path) const {

@@ -872,6 +872,20 @@ TEST(RpcProfiler, ThreadIdsAreSmallStableAndDistinct) {
   }
 }
 
+// A peer's events carry names as bytes (envelope.proto); the trace is JSON
+// all the same, with U+FFFD where they were not UTF-8.
+TEST(RpcProfiler, TraceOfANameThatIsNotUtf8IsValidJson) {
+  rpc::Profiler prof;
+  rpc::Profiler::record({"rpc#caf\xe9", "w\xff", rpc::profilerNowUs(), 5, 1});
+  const std::string trace = prof.chromeTrace();
+  const auto j = nlohmann::json::parse(trace);
+  bool found = false;
+  for (const auto& e : j["traceEvents"]) {
+    found = found || e["name"] == "rpc#caf\xef\xbf\xbd";
+  }
+  EXPECT_TRUE(found) << trace;
+}
+
 // w0 calls nestedSync on w1, which calls addInts on w2. In the exported
 // trace the nested call (w1's caller-side event) lies inside nestedSync's
 // event on w1, on the same thread row, and w2's addInts inside that.

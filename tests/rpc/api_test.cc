@@ -22,12 +22,17 @@ int64_t findRow(int64_t row) {
       trellis::Error::notFound("no row " + std::to_string(row)));
 }
 at::Tensor selfProduct(at::Tensor a) { return at::matmul(a, a); }
+// A message that is not UTF-8 (a Latin-1 file name, raw bytes).
+int64_t failsInLatin1(int64_t) {
+  throw std::runtime_error("no such file: caf\xe9.bin");
+}
 
 }  // namespace
 
 TRELLIS_REMOTE_FUNCTION(addPair);
 TRELLIS_REMOTE_FUNCTION(findRow);
 TRELLIS_REMOTE_FUNCTION(selfProduct);
+TRELLIS_REMOTE_FUNCTION(failsInLatin1);
 
 namespace {
 
@@ -75,6 +80,20 @@ TEST(RpcApi, RemoteErrorKeepsTheRemoteCodeAndOnlyTheFirstLine) {
     EXPECT_EQ(what.find("frame #"), std::string::npos) << what;
     EXPECT_EQ(what.find('\n'), std::string::npos) << what;
   }
+}
+
+TEST(RpcApi, AnErrorMessageThatIsNotUtf8ComesBackAndThePipeStays) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  try {
+    rpc::rpcSync<failsInLatin1>("w1", 1);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_NE(std::string(e.what()).find("no such file: caf"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(rpc::rpcSync<addPair>("w1", 1, 2), 3);
 }
 
 TEST(RpcApi, WhatHasNoSourcePlace) {

@@ -470,6 +470,31 @@ TEST(EnvelopeTest, OneWayOnlyInRequestsOutsideContexts) {
       << inContext.what();
 }
 
+// Text fields are bytes on the wire (envelope.proto): an error message or
+// a name that is not UTF-8 parses, byte for byte.
+TEST(EnvelopeTest, TextThatIsNotUtf8Parses) {
+  const std::string latin1 = "caf\xe9 \xff\xfe";
+  wire::Envelope env;
+  env.set_version(kEnvelopeVersion);
+  env.set_kind(wire::Envelope::RESPONSE);
+  env.set_function(latin1);
+  auto* info = env.mutable_error();
+  info->set_code(static_cast<uint32_t>(Code::kUnknown));
+  info->set_message("no such file: " + latin1);
+  info->set_worker(latin1);
+  info->set_function(latin1);
+  info->set_exception_type(latin1);
+  auto* ev = env.add_events();
+  ev->set_name(latin1);
+  ev->set_worker(latin1);
+  wire::Envelope out;
+  const Error e = parseEnvelope(env.SerializeAsString(), 4, false, &out);
+  ASSERT_TRUE(e.ok()) << e.what();
+  EXPECT_EQ(out.error().message(), "no such file: " + latin1);
+  EXPECT_EQ(out.error().exception_type(), latin1);
+  EXPECT_EQ(out.events(0).name(), latin1);
+}
+
 TEST(CodecTest, ConjugateViewsTravelAsValues) {
   at::Tensor c = sample(at::kComplexFloat).mul(at::ones({}, at::kComplexFloat));
   at::Tensor conj = c.conj();
