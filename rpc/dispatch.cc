@@ -422,6 +422,8 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
       // counting as running in its context here.
       gate->requestDone(autogradContext);
     }
+    // A long exception message fails this call, not the pipe.
+    fitReplyToLimits(&env);
     respond(env, std::move(body), std::move(context));
     running_.fetch_sub(1);
     done_(replies);

@@ -30,4 +30,13 @@ constexpr size_t kMaxExtensionPayloadBytes = 1024;
 Error parseEnvelope(std::string_view bytes, int32_t worldSize,
                     bool expectRequest, wire::Envelope* out);
 
+// What a sender does to a reply before it goes out, so that parseEnvelope
+// on the other side accepts it whatever the user's code put in it: an
+// error message or name longer than its bound is cut (the cut says how
+// many bytes went), and profile events past kMaxProfileEvents are dropped
+// but for one that says how many. A receiver closes the pipe on an
+// envelope out of bounds, failing every call on it; a long exception
+// message must fail its own call only.
+void fitReplyToLimits(wire::Envelope* env);
+
 }  // namespace trellis::rpc

@@ -60,6 +60,15 @@ int64_t nestedSync(std::string next, int64_t n) {
   return rpc::rpcSync<addInts>(next, n, int64_t{100});
 }
 
+// `count` nested calls, one after the other (a fan-out while profiled).
+int64_t nestedMany(std::string next, int64_t count) {
+  int64_t sum = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    sum += rpc::rpcSync<addInts>(next, i, int64_t{0});
+  }
+  return sum;
+}
+
 // A user struct as a method argument: serializable.h and the registry's
 // macros must coexist in one file.
 struct Delta {
@@ -190,6 +199,7 @@ TRELLIS_REMOTE_FUNCTION(throwsOutOfRange);
 TRELLIS_REMOTE_FUNCTION(sleepMs);
 TRELLIS_REMOTE_FUNCTION(asyncForward);
 TRELLIS_REMOTE_FUNCTION(nestedSync);
+TRELLIS_REMOTE_FUNCTION(nestedMany);
 TRELLIS_REMOTE_FUNCTION(makeCounter);
 TRELLIS_REMOTE_FUNCTION(readThrough);
 TRELLIS_REMOTE_FUNCTION(holdRRef);
@@ -884,6 +894,31 @@ TEST(RpcProfiler, TraceOfANameThatIsNotUtf8IsValidJson) {
     found = found || e["name"] == "rpc#caf\xef\xbf\xbd";
   }
   EXPECT_TRUE(found) << trace;
+}
+
+// A profiled function that makes more nested calls than a reply carries
+// events: the reply comes back (it closed the pipe when its events broke
+// the bound) with the events cut, saying how many were dropped.
+TEST(RpcProfiler, MoreNestedCallsThanAReplyCarriesEvents) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  rpc::Profiler prof;
+  const int64_t n = 1100;
+  EXPECT_EQ(rpc::rpcSync<nestedMany>("w1", std::string("w2"), n),
+            n * (n - 1) / 2);
+  bool dropped = false;
+  size_t nested = 0;
+  for (const auto& e : prof.events()) {
+    dropped =
+        dropped || e.name.find("nested events dropped") != std::string::npos;
+    nested += e.name == "rpc#addInts w1 -> w2" ? 1 : 0;
+  }
+  EXPECT_TRUE(dropped);
+  // Two events per nested call (w1's caller side, w2's run): about 511
+  // calls' worth fit.
+  EXPECT_GT(nested, 500u);
+  EXPECT_LT(nested, static_cast<size_t>(n));
+  EXPECT_EQ(rpc::rpcSync<addInts>("w1", 1, 2), 3);  // the pipe is up
 }
 
 // w0 calls nestedSync on w1, which calls addInts on w2. In the exported

@@ -22,6 +22,11 @@ int64_t findRow(int64_t row) {
       trellis::Error::notFound("no row " + std::to_string(row)));
 }
 at::Tensor selfProduct(at::Tensor a) { return at::matmul(a, a); }
+// A message longer than an envelope carries (a dump of a big tensor).
+int64_t failsAtLength(int64_t n) {
+  throw std::runtime_error(
+      "bad batch: " + std::string(static_cast<size_t>(n), 'x') + " end");
+}
 // A message that is not UTF-8 (a Latin-1 file name, raw bytes).
 int64_t failsInLatin1(int64_t) {
   throw std::runtime_error("no such file: caf\xe9.bin");
@@ -33,6 +38,7 @@ TRELLIS_REMOTE_FUNCTION(addPair);
 TRELLIS_REMOTE_FUNCTION(findRow);
 TRELLIS_REMOTE_FUNCTION(selfProduct);
 TRELLIS_REMOTE_FUNCTION(failsInLatin1);
+TRELLIS_REMOTE_FUNCTION(failsAtLength);
 
 namespace {
 
@@ -94,6 +100,28 @@ TEST(RpcApi, AnErrorMessageThatIsNotUtf8ComesBackAndThePipeStays) {
         << e.what();
   }
   EXPECT_EQ(rpc::rpcSync<addPair>("w1", 1, 2), 3);
+}
+
+TEST(RpcApi, AnErrorMessageTooLongForTheEnvelopeComesBackCut) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  for (int64_t n : {int64_t{1000}, int64_t{200000}}) {
+    try {
+      rpc::rpcSync<failsAtLength>("w1", n);
+      FAIL() << "no exception";
+    } catch (const trellis::RemoteError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("bad batch: xxx"), std::string::npos);
+      EXPECT_LE(what.size(), size_t{70000});
+      if (n == 1000) {
+        EXPECT_NE(what.find("xx end"), std::string::npos);
+      } else {
+        EXPECT_NE(what.find("bytes, the rest cut]"), std::string::npos)
+            << what.substr(0, 200);
+      }
+    }
+    EXPECT_EQ(rpc::rpcSync<addPair>("w1", 1, 2), 3);
+  }
 }
 
 TEST(RpcApi, WhatHasNoSourcePlace) {

@@ -495,6 +495,52 @@ TEST(EnvelopeTest, TextThatIsNotUtf8Parses) {
   EXPECT_EQ(out.events(0).name(), latin1);
 }
 
+// A reply whatever the user's code put in it (fitReplyToLimits) parses:
+// long text cut, saying so; events past the bound dropped, saying how many.
+TEST(EnvelopeTest, AReplyFittedToTheLimitsParses) {
+  wire::Envelope env;
+  env.set_version(kEnvelopeVersion);
+  env.set_kind(wire::Envelope::RESPONSE);
+  auto* info = env.mutable_error();
+  info->set_code(static_cast<uint32_t>(Code::kUnknown));
+  info->set_message("bad batch: " + std::string(200000, 'x'));
+  info->set_exception_type(std::string(5000, 'T'));
+  info->set_worker("w1");
+  for (int i = 0; i < kMaxProfileEvents + 500; ++i) {
+    auto* ev = env.add_events();
+    ev->set_name(i == 0 ? std::string(3000, 'n') : "rpc#f");
+    ev->set_worker("w1");
+    ev->set_start_us(i);
+    ev->set_duration_us(1);
+  }
+  wire::Envelope out;
+  EXPECT_EQ(parseEnvelope(env.SerializeAsString(), 4, false, &out).code(),
+            Code::kDataLoss);
+  fitReplyToLimits(&env);
+  const Error e = parseEnvelope(env.SerializeAsString(), 4, false, &out);
+  ASSERT_TRUE(e.ok()) << e.what();
+  const std::string& message = out.error().message();
+  EXPECT_EQ(message.size(), kMaxErrorMessageBytes);
+  EXPECT_EQ(message.rfind("bad batch: xxx", 0), 0u);
+  EXPECT_NE(message.find("[200011 bytes, the rest cut]"), std::string::npos)
+      << message.substr(message.size() - 80);
+  EXPECT_EQ(out.error().exception_type().size(), kMaxFunctionNameBytes);
+  EXPECT_EQ(out.error().worker(), "w1");
+  ASSERT_EQ(out.events_size(), kMaxProfileEvents);
+  EXPECT_EQ(out.events(0).name().size(), kMaxFunctionNameBytes);
+  EXPECT_EQ(out.events(kMaxProfileEvents - 2).name(), "rpc#f");
+  EXPECT_EQ(out.events(kMaxProfileEvents - 1).name(),
+            "rpc profiler: 501 more nested events dropped (at most 1024 per "
+            "reply)");
+  // Within the limits, nothing changes.
+  wire::Envelope small = out;
+  small.mutable_error()->set_message("short");
+  small.mutable_events()->DeleteSubrange(2, kMaxProfileEvents - 2);
+  const std::string before = small.SerializeAsString();
+  fitReplyToLimits(&small);
+  EXPECT_EQ(small.SerializeAsString(), before);
+}
+
 TEST(CodecTest, ConjugateViewsTravelAsValues) {
   at::Tensor c = sample(at::kComplexFloat).mul(at::ones({}, at::kComplexFloat));
   at::Tensor conj = c.conj();
