@@ -280,6 +280,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(
     bad("ProcessGroup::create: the initTimeout must be positive");
   }
   const std::string name = options.name.empty() ? "default" : options.name;
+  if (name.size() > kMaxGroupNameBytes) {
+    // Checked here, on every rank: the peers would refuse its hello, and
+    // the group would wait out its initTimeout.
+    bad("ProcessGroup::create: a group name of " + std::to_string(name.size()) +
+        " bytes (at most " + std::to_string(kMaxGroupNameBytes) + "): '" +
+        name.substr(0, 40) + "...'");
+  }
   bool known = backend == "cpu";
 #ifdef TRELLIS_HAVE_NCCL
   known = known || backend == "nccl";

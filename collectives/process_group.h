@@ -66,6 +66,10 @@ namespace detail {
 class Backend;
 }  // namespace detail
 
+// The longest group name (ProcessGroupOptions::name, with what newGroup()
+// appends): the ranks' hellos carry it with a generation number.
+inline constexpr size_t kMaxGroupNameBytes = 400;
+
 struct ProcessGroupOptions {
   // Bound on every op, from when it starts running; unset: 10 minutes,
   // like torch.distributed.
@@ -77,7 +81,7 @@ struct ProcessGroupOptions {
   // apart (a loaded machine, a slow file system loading libraries).
   std::optional<Duration> initTimeout;
   // Names the group in errors and logs; unset: "default" for create(),
-  // "<parent>.<n>" for newGroup().
+  // "<parent>.<n>" for newGroup(). At most kMaxGroupNameBytes.
   std::string name;
   // Peers must prove knowledge of this token; unset: TRELLIS_JOB_TOKEN.
   std::optional<auth::JobToken> token;

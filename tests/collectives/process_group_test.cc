@@ -784,6 +784,55 @@ TEST(ProcessGroup, WorldSizesThatDisagreeFailAtCreate) {
   EXPECT_NE(e1.find("world sizes disagree"), std::string::npos) << e1;
 }
 
+// A name longer than the mesh's hello carries fails at create, on every
+// rank, naming it (it failed the peers' hellos and left create to wait).
+TEST(ProcessGroup, ANameTooLongFailsAtCreateNamingIt) {
+  auto store = std::make_shared<store::HashStore>();
+  ProcessGroupOptions o;
+  o.timeout = 10s;
+  o.name = std::string(600, 'g');
+  std::string errors[2];
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        (void)ProcessGroup::create("cpu", store, r, 2, o);
+      } catch (const trellis::InvalidArgumentError& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) {
+    t.join();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("group name of 600 bytes"), std::string::npos) << e;
+  }
+  // At the bound it forms.
+  o.name = std::string(kMaxGroupNameBytes, 'g');
+  std::vector<std::shared_ptr<ProcessGroup>> groups(2);
+  ranks.clear();
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      groups[static_cast<size_t>(r)] =
+          ProcessGroup::create("cpu", store, r, 2, o);
+    });
+  }
+  for (auto& t : ranks) {
+    t.join();
+  }
+  at::Tensor x = at::ones({4});
+  at::Tensor y = at::ones({4});
+  Work wx = groups[0]->allreduce(x);
+  Work wy = groups[1]->allreduce(y);
+  wx.wait();
+  wy.wait();
+  EXPECT_TRUE(x.equal(at::full({4}, 2.0)));
+  EXPECT_TRUE(y.equal(at::full({4}, 2.0)));
+}
+
 // Strangers on a rank's mesh listener while its group forms (anything
 // that passes the transport's handshake: here no job token is set): a
 // first message that is not a hello, a hello from a rank that never
