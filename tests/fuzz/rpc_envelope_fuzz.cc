@@ -3,7 +3,8 @@
 // unbounded allocation. A valid one keeps the bounds the agent relies on,
 // the extension fields' among them (an extension payload only in a
 // request, only with an extension id, at most kMaxExtensionPayloadBytes)
-// and one_way's (only in a request, never with an autograd context).
+// and one_way's (only in a request, never with an autograd context). A
+// valid reply stays valid through fitReplyToLimits.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -34,6 +35,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                     &again);
     if (!e.ok()) {
       __builtin_trap();
+    }
+    // Fitting a valid reply to the limits (what a callee does before it
+    // sends) changes nothing the receiver checks.
+    if (!request) {
+      trellis::rpc::fitReplyToLimits(&again);
+      if (!trellis::rpc::parseEnvelope(again.SerializeAsString(), world, false,
+                                       &again)
+               .ok()) {
+        __builtin_trap();
+      }
     }
   } else if (e.code() != trellis::Code::kDataLoss) {
     __builtin_trap();
