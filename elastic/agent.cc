@@ -665,9 +665,15 @@ RunResult Agent::run() {
         }
       }
       ErrorRecord record;
-      if (!w.exit.succeeded() && w.exit.pid > 0 &&
-          readErrorFile(w.exit.errorFile, &record).ok()) {
-        w.exit.error = record;
+      if (!w.exit.succeeded() && w.exit.pid > 0) {
+        if (const Error e = readErrorFile(w.exit.errorFile, &record); e.ok()) {
+          w.exit.error = record;
+        } else if (e.code() != Code::kNotFound) {
+          // A worker that recorded no error writes no file; one that wrote
+          // a file the reader refuses is worth a line.
+          log("local rank " + std::to_string(w.exit.localRank) +
+              ": its error file is not usable: " + e.message());
+        }
       }
       attempt.workers.push_back(w.exit);
     }
@@ -760,8 +766,14 @@ RunResult Agent::run() {
            " (rank " + std::to_string(f.rank) + ", pid " +
            std::to_string(f.pid) + ") " + f.describe();
       if (f.error) {
-        s += "\n  error file: " + f.errorFile +
-             "\n  message: " + f.error->message;
+        // A summary line, not a dump: the file has the rest.
+        constexpr size_t kShown = 4096;
+        const std::string& m = f.error->message;
+        s += "\n  error file: " + f.errorFile + "\n  message: " +
+             (m.size() <= kShown
+                  ? m
+                  : m.substr(0, kShown) + " ... [" + std::to_string(m.size()) +
+                        " bytes; the error file has more]");
       } else {
         s += "\n  error file: none written (" + f.errorFile + ")";
       }

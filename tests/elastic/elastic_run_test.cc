@@ -257,6 +257,39 @@ TEST(ElasticRun, BudgetSpentNamesTheFirstFailureAndItsMessage) {
   EXPECT_EQ(run.env(1, 1).at("TORCHELASTIC_RESTART_COUNT"), "1");
 }
 
+// A worker's message too big for an error file still reaches the agent's
+// summary, cut (the writer keeps within the reader's bound); a file the
+// reader refuses is named in the agent's log.
+TEST(ElasticRun, AHugeMessageIsCutAndABadErrorFileIsNamed) {
+  {
+    AgentRun run;
+    run.start({"--standalone", "--nproc-per-node", "1"},
+              {"--dir", run.dir().string(), "--fail-rank", "0", "--fail-pad",
+               "3000000"});
+    EXPECT_EQ(exitCode(run.wait()), 1) << run.agentErr().substr(0, 2000);
+    const std::string err = run.agentErr();
+    EXPECT_NE(err.find("message: std::runtime_error: boom from rank 0xxx"),
+              std::string::npos)
+        << err.substr(0, 2000);
+    // The summary shows the head; the file keeps what fits in it.
+    EXPECT_NE(err.find("bytes; the error file has more]"), std::string::npos);
+    EXPECT_LT(err.size(), size_t{64} << 10);
+    EXPECT_EQ(err.find("not usable"), std::string::npos);
+  }
+  {
+    AgentRun run;
+    run.start(
+        {"--standalone", "--nproc-per-node", "1"},
+        {"--dir", run.dir().string(), "--fail-rank", "0", "--fail-garbage"});
+    EXPECT_EQ(exitCode(run.wait()), 1) << run.agentErr();
+    const std::string err = run.agentErr();
+    EXPECT_NE(err.find("local rank 0: its error file is not usable: "),
+              std::string::npos)
+        << err;
+    EXPECT_NE(err.find("exited with code 3"), std::string::npos) << err;
+  }
+}
+
 TEST(ElasticRun, SigtermStopsEveryWorkerAndExits143) {
   AgentRun run;
   run.start({"--standalone", "--nproc-per-node", "2"},

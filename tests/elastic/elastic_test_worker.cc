@@ -6,6 +6,8 @@
 //                      error file, then exits 3 ...
 //   --fail-restart N   ... only when TORCHELASTIC_RESTART_COUNT is N
 //                      (default: every attempt)
+//   --fail-pad N       ... with N more bytes ('x') after that message
+//   --fail-garbage     ... writing "not json" as its error file instead
 //   --sleep-ms M       sleep M ms before exiting (0 by default)
 //   --sleep-first-ms M sleep M ms more when TORCHELASTIC_RESTART_COUNT is 0
 //   --ignore-signals   ignore SIGTERM, SIGINT, SIGHUP (needs SIGKILL)
@@ -22,6 +24,7 @@
 //                      and whether its own prefix was empty (fresh). Done
 //                      before --fail-rank fails.
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -118,6 +121,8 @@ int main(int argc, char** argv) {
   long sleepMs = 0;
   long sleepFirstMs = 0;
   bool store = false;
+  long failPad = 0;
+  bool failGarbage = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const char* next = i + 1 < argc ? argv[i + 1] : "";
@@ -130,6 +135,11 @@ int main(int argc, char** argv) {
     } else if (a == "--fail-restart") {
       failRestart = std::atoi(next);
       ++i;
+    } else if (a == "--fail-pad") {
+      failPad = std::atol(next);
+      ++i;
+    } else if (a == "--fail-garbage") {
+      failGarbage = true;
     } else if (a == "--sleep-ms") {
       sleepMs = std::atol(next);
       ++i;
@@ -175,8 +185,14 @@ int main(int argc, char** argv) {
   }
   if (failRank >= 0 && std::to_string(failRank) == rank &&
       (failRestart < 0 || std::to_string(failRestart) == restart)) {
+    if (failGarbage) {
+      std::ofstream(env("TORCHELASTIC_ERROR_FILE")) << "not json";
+      return 3;
+    }
     try {
-      throw std::runtime_error("boom from rank " + rank);
+      throw std::runtime_error(
+          "boom from rank " + rank +
+          std::string(static_cast<size_t>(std::max(failPad, 0L)), 'x'));
     } catch (...) {
       (void)trellis::elastic::recordCurrentException();  // exits 3 anyway
     }

@@ -80,6 +80,36 @@ TEST_F(ErrorFiles, TorchrunsFormat) {
   EXPECT_THAT(ours, HasSubstr(R"("timestamp":"0")"));
 }
 
+// A message or stack too big for the reader's bound is cut so the file
+// still reads, its head kept; control bytes, escaped six to one in JSON,
+// count as what they become.
+TEST_F(ErrorFiles, AMessageTooBigForTheReaderIsCutAndStillReads) {
+  for (char fill : {'x', '\x01'}) {
+    ErrorRecord r;
+    r.message = "std::runtime_error: bad batch " +
+                std::string(3 * kMaxErrorFileBytes, fill);
+    r.callstack = std::string(kMaxErrorFileBytes / 2, 's');
+    r.exceptionType = std::string(5000, 'T');
+    r.rank = 3;
+    const std::string text = encodeErrorFile(r);
+    EXPECT_LE(text.size(), kMaxErrorFileBytes);
+    ErrorRecord back;
+    const Error e = parseErrorFile(text, &back);
+    ASSERT_TRUE(e.ok()) << e.what();
+    EXPECT_EQ(back.message.rfind("std::runtime_error: bad batch ", 0), 0u);
+    EXPECT_THAT(back.message, HasSubstr("[" + std::to_string(r.message.size()) +
+                                        " bytes, the rest cut]"));
+    EXPECT_EQ(back.exceptionType.size(), 1024u);
+    EXPECT_EQ(back.rank, 3);
+  }
+  // Within the bound nothing is cut.
+  ErrorRecord small;
+  small.message = std::string(kMaxErrorFileBytes / 4, 'm');
+  ErrorRecord back;
+  ASSERT_TRUE(parseErrorFile(encodeErrorFile(small), &back).ok());
+  EXPECT_EQ(back.message, small.message);
+}
+
 TEST_F(ErrorFiles, RecordCurrentExceptionUsesTheVariable) {
   const std::string p = path("rank0/error.json");
   ::setenv(kErrorFileEnvVar, p.c_str(), 1);
