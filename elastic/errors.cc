@@ -198,46 +198,7 @@ ErrorRecord recordOfCurrentException() {
   return r;
 }
 
-}  // namespace
-
-namespace {
-
-std::string encodeWhole(const ErrorRecord& record);
-
-// `s` cut to half its length, the cut said at its end.
-void halve(std::string& s, size_t total) {
-  s.resize(s.size() / 2);
-  s += " ... [" + std::to_string(total) + " bytes, the rest cut]";
-}
-
-}  // namespace
-
-std::string encodeErrorFile(const ErrorRecord& record) {
-  std::string text = encodeWhole(record);
-  if (text.size() <= kMaxErrorFileBytes) {
-    return text;
-  }
-  // The reader refuses a larger file, and the message would be lost: the
-  // longer of the message and the stack is halved until it fits (JSON
-  // escapes make the text up to six times the bytes).
-  ErrorRecord cut = record;
-  const size_t messageBytes = record.message.size();
-  const size_t stackBytes = record.callstack.size();
-  if (cut.exceptionType.size() > 1024) {  // a type name, not a message
-    cut.exceptionType.resize(1024);
-  }
-  while ((text = encodeWhole(cut)).size() > kMaxErrorFileBytes) {
-    if (cut.message.size() >= cut.callstack.size()) {
-      halve(cut.message, messageBytes);
-    } else {
-      halve(cut.callstack, stackBytes);
-    }
-  }
-  return text;
-}
-
-namespace {
-
+// The JSON text of `record`, whatever its size.
 std::string encodeWhole(const ErrorRecord& record) {
   Json extra = {{"py_callstack", record.callstack},
                 {"timestamp", std::to_string(record.timestamp)}};
@@ -256,7 +217,36 @@ std::string encodeWhole(const ErrorRecord& record) {
                                          Json::error_handler_t::replace);
 }
 
+// `s` cut to half its length, the cut said at its end (`total`: the
+// length before any cut).
+void halve(std::string& s, size_t total) {
+  s.resize(s.size() / 2);
+  s += " ... [" + std::to_string(total) + " bytes, the rest cut]";
+}
+
 }  // namespace
+
+std::string encodeErrorFile(const ErrorRecord& record) {
+  std::string text = encodeWhole(record);
+  if (text.size() <= kMaxErrorFileBytes) {
+    return text;
+  }
+  // The reader refuses a larger file, and the message would be lost: the
+  // longer of the message and the stack is halved until it fits (JSON
+  // escapes make the text up to six times the bytes).
+  ErrorRecord fitted = record;
+  if (fitted.exceptionType.size() > 1024) {  // a type name, not a message
+    fitted.exceptionType.resize(1024);
+  }
+  while ((text = encodeWhole(fitted)).size() > kMaxErrorFileBytes) {
+    if (fitted.message.size() >= fitted.callstack.size()) {
+      halve(fitted.message, record.message.size());
+    } else {
+      halve(fitted.callstack, record.callstack.size());
+    }
+  }
+  return text;
+}
 
 Error parseErrorFile(std::string_view text, ErrorRecord* out) noexcept {
   try {
