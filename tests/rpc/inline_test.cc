@@ -146,17 +146,26 @@ TEST(RpcInline, AnAsyncInlineFunctionDoesNotHoldTheLoop) {
 // default) is counted (and logged, naming it) from its second slow run in
 // a row, once the thread's waits show it went to sleep; the same sleep on
 // the pool is not, since it holds no loop.
+//
+// The callee counts a run after its reply is written, so the caller waits
+// (bounded) for the count it expects: read at once, a slow machine (TSan
+// in CI) showed the count before the last run's increment.
 TEST(RpcInline, AnInlineFunctionThatBlocksIsReported) {
   Group g(2);
   rpc::CurrentAgentScope scope(&g[0]);
+  const auto slowRuns = [&](uint64_t n) {
+    return waitUntil([&] { return g[1].stats().slowInlineRuns == n; }, 10s);
+  };
   EXPECT_EQ(rpc::rpcSync<sleepOnPoolMs>("w1", int64_t{20}), 20);
   EXPECT_EQ(rpc::rpcSync<sleepOnPoolMs>("w1", int64_t{20}), 20);
   EXPECT_EQ(g[1].stats().slowInlineRuns, 0u);
   EXPECT_EQ(rpc::rpcSync<sleepInlineMs>("w1", int64_t{20}), 20);
   EXPECT_EQ(g[1].stats().slowInlineRuns, 0u);  // a suspect, measured next
   EXPECT_EQ(rpc::rpcSync<sleepInlineMs>("w1", int64_t{20}), 20);
+  EXPECT_TRUE(slowRuns(1));
   EXPECT_EQ(g[1].stats().slowInlineRuns, 1u);
   EXPECT_EQ(rpc::rpcSync<sleepInlineMs>("w1", int64_t{20}), 20);
+  EXPECT_TRUE(slowRuns(2));
   EXPECT_EQ(g[1].stats().slowInlineRuns, 2u);
   EXPECT_EQ(g[0].stats().slowInlineRuns, 0u);
 }
@@ -171,6 +180,9 @@ TEST(RpcInline, AnInlineFunctionThatComputesIsReported) {
   rpc::CurrentAgentScope scope(&g[0]);
   EXPECT_EQ(rpc::rpcSync<spinInlineMs>("w1", int64_t{5}), 5);
   EXPECT_EQ(rpc::rpcSync<spinInlineMs>("w1", int64_t{5}), 5);
+  // Counted after the reply went (see the test above).
+  EXPECT_TRUE(
+      waitUntil([&] { return g[1].stats().slowInlineRuns == 1u; }, 10s));
   EXPECT_EQ(g[1].stats().slowInlineRuns, 1u);
 }
 
