@@ -101,6 +101,7 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
   auto impl = std::make_unique<Impl>();
   impl->me.name = name;
   impl->me.rank = rank;
+  impl->me.maxMessageBytes = options.maxMessageBytes;
   impl->worldSize = worldSize;
   impl->options = std::move(options);
   if (!impl->options.token) {
@@ -134,6 +135,9 @@ std::shared_ptr<Agent> Agent::start(const std::string& name, int32_t rank,
           d.connections->beginExpectedWork();
         }
       });
+  d.dispatcher->setReplyCheck([&d](int32_t peer, const Encoder& body) {
+    return d.connections->checkFits(peer, body);
+  });
   d.connections = std::make_unique<detail::Connections>(
       d.me, d.worldSize, d.options, d.group.workers,
       [&d](const std::shared_ptr<PipeState>& ps,
@@ -302,6 +306,15 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
     timeout = timeoutOr(spec.timeout, d.options.defaultTimeout, "rpc timeout");
   } catch (const Exception& e) {
     return makeErrorFuture<Reply>(e.error());
+  }
+  // Before anything is recorded or sent: the callee would close the pipe,
+  // and every other call on it, over a message it does not accept.
+  if (Error e = d.connections->checkFits(to, args); !e.ok()) {
+    return makeErrorFuture<Reply>(
+        Error(e.code(),
+              "rpc of '" + std::string(spec.function) + "' to " +
+                  detail::describeWorker(d.group.workers[to]) +
+                  ": the arguments do not fit one message: " + e.message()));
   }
   const uint64_t id = d.calls->nextRequestId();
   pb::Envelope env;

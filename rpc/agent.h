@@ -65,6 +65,9 @@ struct WorkerInfo {
   std::string name;
   int32_t rank = -1;
   std::string address;  // transport address ("uv://10.0.0.3:41234")
+  // The most bytes of one argument or result encoding it accepts (its
+  // RpcOptions::maxMessageBytes, published at the rendezvous).
+  size_t maxMessageBytes = 0;
 };
 
 struct RpcOptions {
@@ -93,6 +96,10 @@ struct RpcOptions {
   // Job token for pipes and the store; unset = TRELLIS_JOB_TOKEN if set.
   std::optional<auth::JobToken> token;
   // Bytes of one argument or result encoding a peer may make us allocate.
+  // Published to the group: a caller fails a call whose arguments encode
+  // to more (RESOURCE_EXHAUSTED, nothing sent), and a callee whose result
+  // does answers with that error instead; the pipe and every other call
+  // on it go on. Tensors travel beside the encoding and do not count.
   size_t maxMessageBytes = size_t{4} << 30;
 };
 

@@ -75,6 +75,7 @@ class Encoder {
   explicit Encoder(CodecContext* context = nullptr) : context_(context) {}
 
   ::trellis::wire::WireWriter& wire() { return wire_; }
+  size_t wireBytes() const { return wire_.size(); }
 
   // Registers `t` to travel out of band and returns its index in tensors().
   // The span sent is the tensor's own memory when it is non-overlapping and

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <algorithm>
 
 #include "rendezvous.h"
 #include <trellis/core/logging.h>
@@ -33,6 +34,17 @@ at::Tensor receiveBuffer(BufferPool& pool, size_t length) {
       [buffer = std::move(buffer)](void*) mutable { buffer.reset(); }, options);
 }
 
+// The transport's limits: its defaults, except that a payload may be as
+// large as this worker accepts. What a peer sends here is held to this
+// worker's maxMessageBytes in onDescriptor, before anything is allocated;
+// what this worker sends, to the peer's (checkFits).
+tp::Limits transportLimits(const RpcOptions& options) {
+  tp::Limits limits;
+  limits.maxPayloadBytes =
+      std::max(limits.maxPayloadBytes, options.maxMessageBytes);
+  return limits;
+}
+
 }  // namespace
 
 Connections::Connections(const WorkerInfo& self, int32_t worldSize,
@@ -60,7 +72,7 @@ std::string Connections::listen() {
   co.tokenFromEnvironment = false;
   co.transports = options_.transports;
   co.channels = options_.channels;
-  co.limits.maxPayloadBytes = options_.maxMessageBytes;
+  co.limits = transportLimits(options_);
   ctx_ = tp::Context::create(co);
   listener_ = ctx_->listen({"uv://" + net::bracketIfIpv6(host) + ":0"});
   std::string address = listener_->address("uv");
@@ -176,6 +188,41 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
         kept.reset();  // buffers may go now
         line->run([&] { done(e); });
       });
+}
+
+Error Connections::checkFits(int32_t to, const Encoder& body) const {
+  const tp::Limits limits = transportLimits(options_);
+  const WorkerInfo& peer = workers_[to];
+  auto tooMuch = [](const std::string& what) {
+    return Error(Code::kResourceExhausted, what);
+  };
+  if (body.wireBytes() > peer.maxMessageBytes) {
+    return tooMuch("the encoding is " + std::to_string(body.wireBytes()) +
+                   " bytes, more than the " +
+                   std::to_string(peer.maxMessageBytes) + " that " +
+                   describeWorker(peer) +
+                   " accepts (its RpcOptions::maxMessageBytes)");
+  }
+  if (body.wireBytes() > limits.maxPayloadBytes) {
+    return tooMuch("the encoding is " + std::to_string(body.wireBytes()) +
+                   " bytes, more than one message carries (" +
+                   std::to_string(limits.maxPayloadBytes) + ")");
+  }
+  if (body.tensors().size() > limits.maxTensorsPerMessage) {
+    return tooMuch(std::to_string(body.tensors().size()) +
+                   " tensors, more than one message carries (" +
+                   std::to_string(limits.maxTensorsPerMessage) + ")");
+  }
+  for (size_t i = 0; i < body.tensors().size(); ++i) {
+    const size_t bytes = body.tensors()[i].nbytes();
+    if (bytes > limits.maxTensorBytes) {
+      return tooMuch("tensor " + std::to_string(i) + " is " +
+                     std::to_string(bytes) +
+                     " bytes, more than one message carries (" +
+                     std::to_string(limits.maxTensorBytes) + ")");
+    }
+  }
+  return Error();
 }
 
 // ---- receiving -------------------------------------------------------------

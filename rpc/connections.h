@@ -89,6 +89,11 @@ class Connections {
   void send(const std::shared_ptr<PipeState>& ps, const wire::Envelope& env,
             Encoder&& body, std::unique_ptr<CodecContext> context,
             std::function<void(const Error&)> done);
+  // Whether `body` fits one message to worker `to`: its encoding within
+  // that worker's maxMessageBytes, its tensors within the transport's
+  // count and size limits. RESOURCE_EXHAUSTED saying what is too big, for
+  // the caller to put the call's name in front; nothing is written.
+  Error checkFits(int32_t to, const Encoder& body) const;
   // Closes `ps` and reports it once to OnFailed.
   void fail(const std::shared_ptr<PipeState>& ps, const Error& error);
   // "worker 'w1' (rank 1)", or the address of a peer not known yet.

@@ -378,6 +378,13 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
         } else {
           v.encode(body, v.value.get());
         }
+        if (replies && replyCheck_ != nullptr) {
+          if (Error fit = replyCheck_(peer, body); !fit.ok()) {
+            throwError(Error(fit.code(), "the result of '" + function +
+                                             "' does not fit one message: " +
+                                             fit.message()));
+          }
+        }
         if (autogradContext != 0 && !body.gradTensors().empty()) {
           // The result's gradient comes back to this worker's graph.
           OutgoingMessage out;

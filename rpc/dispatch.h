@@ -63,6 +63,12 @@ class Dispatcher {
     resumed_ = std::move(resumed);
   }
 
+  // Checks that a result fits one message to the caller (rank `peer`);
+  // one that does not is answered with the check's error instead, so the
+  // pipe is not closed over it. Call before any request.
+  using ReplyCheck = std::function<Error(int32_t peer, const Encoder& body)>;
+  void setReplyCheck(ReplyCheck check) { replyCheck_ = std::move(check); }
+
   // Requests received and not yet answered.
   uint64_t running() const { return running_.load(); }
   // Inline functions that held the loop longer than the threshold.
@@ -109,6 +115,7 @@ class Dispatcher {
   // Set once before the first request (setHoldHooks).
   RequestHook held_;
   RequestHook resumed_;
+  ReplyCheck replyCheck_;
   ThreadPool pool_;
   std::atomic<uint64_t> running_{0};
   std::atomic<uint64_t> slowInlineRuns_{0};

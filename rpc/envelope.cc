@@ -1,6 +1,11 @@
 #include "envelope.h"
 
+#include <algorithm>
+#include <cctype>
+#include <optional>
 #include <string>
+
+#include <trellis/core/text.h>
 
 namespace trellis::rpc {
 
@@ -141,6 +146,50 @@ void fitReplyToLimits(wire::Envelope* env) {
       ev.set_duration_us(0);
     }
   }
+}
+
+bool validWorkerName(std::string_view name) {
+  if (name.empty() || name.size() > kMaxWorkerNameBytes) {
+    return false;
+  }
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' ||
+           c == '-' || c == '.' || c == ':';
+  });
+}
+
+std::string encodeWorkerEntry(const WorkerEntry& entry) {
+  return entry.name + "\n" + entry.address + "\n" +
+         std::to_string(entry.maxMessageBytes);
+}
+
+Error parseWorkerEntry(std::string_view bytes, WorkerEntry* out) {
+  const size_t nl = bytes.find('\n');
+  const size_t nl2 =
+      nl == std::string_view::npos ? nl : bytes.find('\n', nl + 1);
+  if (nl2 == std::string_view::npos) {
+    return Error::protocol("not three lines (name, address, maxMessageBytes)");
+  }
+  const std::string_view name = bytes.substr(0, nl);
+  const std::string_view address = bytes.substr(nl + 1, nl2 - nl - 1);
+  const std::optional<int64_t> limit = parseDecimal(bytes.substr(nl2 + 1));
+  if (!validWorkerName(name)) {
+    return Error::protocol(
+        "the worker name is not 1-128 characters of "
+        "[A-Za-z0-9_.:-]");
+  }
+  if (address.rfind("uv://", 0) != 0 ||
+      address.size() > kMaxWorkerAddressBytes) {
+    return Error::protocol("the address is not a uv:// address of at most " +
+                           std::to_string(kMaxWorkerAddressBytes) + " bytes");
+  }
+  if (!limit || *limit <= 0) {
+    return Error::protocol("maxMessageBytes is not a positive decimal number");
+  }
+  out->name = std::string(name);
+  out->address = std::string(address);
+  out->maxMessageBytes = static_cast<size_t>(*limit);
+  return Error();
 }
 
 }  // namespace trellis::rpc

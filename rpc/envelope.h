@@ -3,7 +3,9 @@
 // Parsing and validation of RPC envelopes (internal; docs/rpc_wire.md).
 // Kept free of libtorch so that the fuzz target stays small.
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 #include "envelope.pb.h"
@@ -38,5 +40,22 @@ Error parseEnvelope(std::string_view bytes, int32_t worldSize,
 // envelope out of bounds, failing every call on it; a long exception
 // message must fail its own call only.
 void fitReplyToLimits(wire::Envelope* env);
+
+// A worker's entry in the rendezvous store, which any process holding the
+// store (and the job token) could have written:
+// "<name>\n<address>\n<maxMessageBytes>" (docs/rpc_wire.md).
+struct WorkerEntry {
+  std::string name;
+  std::string address;
+  size_t maxMessageBytes = 0;
+};
+constexpr size_t kMaxWorkerNameBytes = 128;
+constexpr size_t kMaxWorkerAddressBytes = 512;
+std::string encodeWorkerEntry(const WorkerEntry& entry);
+// A valid name, a uv:// address of at most kMaxWorkerAddressBytes, a limit
+// in [1, 2^63) in decimal; else a ProtocolError naming the part.
+Error parseWorkerEntry(std::string_view bytes, WorkerEntry* out);
+// 1-128 characters of [A-Za-z0-9_.:-].
+bool validWorkerName(std::string_view name);
 
 }  // namespace trellis::rpc

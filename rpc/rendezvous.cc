@@ -1,8 +1,9 @@
 #include "rendezvous.h"
 
-#include <algorithm>
-#include <cctype>
+#include <limits>
+#include <string_view>
 
+#include "envelope.h"
 #include <trellis/core/deadline.h>
 #include <trellis/core/logging.h>
 #include <trellis/core/net.h>
@@ -15,18 +16,6 @@
 namespace trellis::rpc::detail {
 
 namespace {
-
-constexpr size_t kMaxWorkerNameBytes = 128;
-
-bool validWorkerName(const std::string& name) {
-  if (name.empty() || name.size() > kMaxWorkerNameBytes) {
-    return false;
-  }
-  return std::all_of(name.begin(), name.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' ||
-           c == '-' || c == '.' || c == ':';
-  });
-}
 
 std::string workerKey(int32_t rank) {
   return std::string(kStoreKeyPrefix) + "worker/" + std::to_string(rank);
@@ -80,6 +69,13 @@ void checkStartArguments(const std::string& name, int32_t rank,
     throwError(Error::invalidArgument(
         "RpcOptions: numWorkerThreads and numCompletionThreads must be >= 1"));
   }
+  if (options.maxMessageBytes < 1 ||
+      options.maxMessageBytes >
+          static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+    throwError(Error::invalidArgument(
+        "RpcOptions: maxMessageBytes must be in [1, 2^63), got " +
+        std::to_string(options.maxMessageBytes)));
+  }
   throwIfError(Registry::global().status());
 }
 
@@ -97,7 +93,8 @@ void rendezvous(const WorkerInfo& me, int32_t worldSize,
     makeStore(me.rank, options, group);
   }
   store::Store& store = *group.store;
-  store.set(workerKey(me.rank), me.name + "\n" + me.address);
+  store.set(workerKey(me.rank),
+            encodeWorkerEntry({me.name, me.address, me.maxMessageBytes}));
   std::vector<std::string> keys;
   for (int32_t r = 0; r < worldSize; ++r) {
     keys.push_back(workerKey(r));
@@ -120,21 +117,20 @@ void rendezvous(const WorkerInfo& me, int32_t worldSize,
   const auto values = store.multiGet(keys);
   group.workers.resize(worldSize);
   for (int32_t r = 0; r < worldSize; ++r) {
-    const std::string v(values[r].begin(), values[r].end());
-    const size_t nl = v.find('\n');
-    WorkerInfo w;
-    w.rank = r;
-    if (nl != std::string::npos) {
-      w.name = v.substr(0, nl);
-      w.address = v.substr(nl + 1);
-    }
-    if (!validWorkerName(w.name) || w.address.rfind("uv://", 0) != 0 ||
-        w.address.size() > 512) {
+    const std::string_view v(reinterpret_cast<const char*>(values[r].data()),
+                             values[r].size());
+    WorkerEntry entry;
+    if (Error e = parseWorkerEntry(v, &entry); !e.ok()) {
       throwError(
           Error::protocol("rpc::init: malformed rendezvous entry for "
                           "rank " +
-                          std::to_string(r)));
+                          std::to_string(r) + ": " + e.message()));
     }
+    WorkerInfo w;
+    w.rank = r;
+    w.name = std::move(entry.name);
+    w.address = std::move(entry.address);
+    w.maxMessageBytes = entry.maxMessageBytes;
     if (auto [it, fresh] = group.byName.emplace(w.name, r); !fresh) {
       throwError(Error(Code::kAlreadyExists,
                        "rpc::init: ranks " + std::to_string(it->second) +

@@ -21,8 +21,11 @@ namespace trellis::rpc::testing {
 class AgentGroup {
  public:
   // `base` is every agent's options; the store and loopback address are
-  // filled in, and initTimeout is bounded at 30 s.
-  explicit AgentGroup(int n, RpcOptions base = {}) {
+  // filled in, and initTimeout is bounded at 30 s. `perRank`, when given,
+  // changes agent i's copy of them.
+  explicit AgentGroup(
+      int n, RpcOptions base = {},
+      const std::function<void(int, RpcOptions&)>& perRank = nullptr) {
     auto store = std::make_shared<store::HashStore>();
     std::vector<std::thread> threads;
     agents_.resize(n);
@@ -32,6 +35,9 @@ class AgentGroup {
         o.store = store;
         o.localAddress = "127.0.0.1";
         o.initTimeout = std::chrono::seconds(30);
+        if (perRank) {
+          perRank(i, o);
+        }
         agents_[i] = Agent::start("w" + std::to_string(i), i, n, o);
       });
     }

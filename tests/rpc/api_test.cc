@@ -1,14 +1,19 @@
 // The user-facing API's edges: the timeout model, ShutdownOptions, what a
 // remote failure looks like to the caller.
 #include <ATen/ATen.h>
+#include <ATen/ops/full.h>
 #include <chrono>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "agent_group.h"
 #include <trellis/core/error.h>
 #include <trellis/rpc/rpc.h>
+#include <trellis/store/hash_store.h>
+#include <trellis/transport/context.h>
 
 namespace {
 
@@ -32,9 +37,35 @@ int64_t failsInLatin1(int64_t) {
   throw std::runtime_error("no such file: caf\xe9.bin");
 }
 
+// Results and arguments of a chosen size: a large lookup, a dumped table.
+std::string bytesOfLength(int64_t n) {
+  return std::string(static_cast<size_t>(n), 'b');
+}
+int64_t lengthOf(std::string s) { return static_cast<int64_t>(s.size()); }
+std::vector<at::Tensor> manyTensors(int64_t n) {
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back(at::full({1}, static_cast<double>(i)));
+  }
+  return out;
+}
+int64_t countTensors(std::vector<at::Tensor> ts) {
+  return static_cast<int64_t>(ts.size());
+}
+// Keeps a call in flight on its pipe for `ms`.
+int64_t sleepThenEcho(int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+
 }  // namespace
 
 TRELLIS_REMOTE_FUNCTION(addPair);
+TRELLIS_REMOTE_FUNCTION(bytesOfLength);
+TRELLIS_REMOTE_FUNCTION(lengthOf);
+TRELLIS_REMOTE_FUNCTION(manyTensors);
+TRELLIS_REMOTE_FUNCTION(countTensors);
+TRELLIS_REMOTE_FUNCTION(sleepThenEcho);
 TRELLIS_REMOTE_FUNCTION(findRow);
 TRELLIS_REMOTE_FUNCTION(selfProduct);
 TRELLIS_REMOTE_FUNCTION(failsInLatin1);
@@ -121,6 +152,126 @@ TEST(RpcApi, AnErrorMessageTooLongForTheEnvelopeComesBackCut) {
       }
     }
     EXPECT_EQ(rpc::rpcSync<addPair>("w1", 1, 2), 3);
+  }
+}
+
+// A caller that accepts less than a callee returns got its pipe closed,
+// and every other call on it failed with a ConnectionError that did not
+// say why: now the callee answers that call with the error, and only it.
+TEST(RpcApi, AResultTooBigForTheCallerComesBackAsAnErrorAndThePipeStays) {
+  Group g(2, rpc::testing::callsBoundedBy(30s), [](int rank, auto& o) {
+    if (rank == 0) {
+      o.maxMessageBytes = size_t{64} << 10;
+    }
+  });
+  EXPECT_EQ(g[1].workerInfo(0).maxMessageBytes, size_t{64} << 10);
+  EXPECT_EQ(g[0].workerInfo(1).maxMessageBytes,
+            rpc::RpcOptions{}.maxMessageBytes);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto inFlight = rpc::rpcAsync<sleepThenEcho>("w1", 300);
+  try {
+    rpc::rpcSync<bytesOfLength>("w1", int64_t{1} << 20);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.code(), trellis::Code::kResourceExhausted) << what;
+    EXPECT_NE(what.find("on worker 'w1' in bytesOfLength"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("the result of 'bytesOfLength' does not fit one "
+                        "message: the encoding is 1048"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("more than the 65536 that worker 'w0' (rank 0) "
+                        "accepts (its RpcOptions::maxMessageBytes)"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_EQ(inFlight.wait(10s), 300);
+  EXPECT_EQ(rpc::rpcSync<bytesOfLength>("w1", 60000).size(), 60000u);
+  // The limit is on what w0 receives, not on what it sends.
+  EXPECT_EQ(rpc::rpcSync<lengthOf>("w1", std::string(1 << 20, 'a')), 1 << 20);
+}
+
+TEST(RpcApi, ArgumentsTooBigForTheCalleeFailTheCallBeforeItIsSent) {
+  Group g(2, rpc::testing::callsBoundedBy(30s), [](int rank, auto& o) {
+    if (rank == 1) {
+      o.maxMessageBytes = size_t{64} << 10;
+    }
+  });
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto inFlight = rpc::rpcAsync<sleepThenEcho>("w1", 300);
+  const uint64_t sent = g[0].stats().messagesSent;
+  try {
+    rpc::rpcSync<lengthOf>("w1", std::string(1 << 20, 'a'));
+    FAIL() << "no exception";
+  } catch (const trellis::ResourceExhaustedError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rpc of 'lengthOf' to worker 'w1' (rank 1): the "
+                        "arguments do not fit one message: the encoding is "),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("more than the 65536 that worker 'w1' (rank 1) "
+                        "accepts"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_EQ(g[0].stats().messagesSent, sent);
+  EXPECT_EQ(inFlight.wait(10s), 300);
+  EXPECT_EQ(rpc::rpcSync<lengthOf>("w1", std::string(60000, 'a')), 60000);
+}
+
+TEST(RpcApi, MoreTensorsThanAMessageCarriesFailThatCallOnly) {
+  Group g(2, rpc::testing::callsBoundedBy(30s));
+  rpc::CurrentAgentScope scope(&g[0]);
+  const size_t most = trellis::transport::Limits{}.maxTensorsPerMessage;
+  const auto n = static_cast<int64_t>(most + 1);
+  auto inFlight = rpc::rpcAsync<sleepThenEcho>("w1", 300);
+  try {
+    rpc::rpcSync<manyTensors>("w1", n);
+    FAIL() << "no exception";
+  } catch (const trellis::RemoteError& e) {
+    EXPECT_EQ(e.code(), trellis::Code::kResourceExhausted);
+    EXPECT_NE(std::string(e.what()).find(
+                  "does not fit one message: " + std::to_string(n) +
+                  " tensors, more than one message carries (" +
+                  std::to_string(most) + ")"),
+              std::string::npos)
+        << e.what();
+  }
+  std::vector<at::Tensor> args = manyTensors(n);
+  EXPECT_THROW(rpc::rpcSync<countTensors>("w1", args),
+               trellis::ResourceExhaustedError);
+  EXPECT_EQ(inFlight.wait(10s), 300);
+  const auto fits = rpc::rpcSync<manyTensors>("w1", static_cast<int64_t>(most));
+  ASSERT_EQ(fits.size(), most);
+  EXPECT_EQ(fits.back().item<float>(), static_cast<float>(most - 1));
+  args.pop_back();
+  EXPECT_EQ(rpc::rpcSync<countTensors>("w1", args), static_cast<int64_t>(most));
+}
+
+TEST(RpcApi, AMalformedRendezvousEntryFailsStartNamingTheRank) {
+  rpc::RpcOptions o;
+  o.maxMessageBytes = 0;
+  EXPECT_THROW(rpc::Agent::start("w0", 0, 1, o), trellis::InvalidArgumentError);
+  for (const std::string entry :
+       {"w1\nuv://127.0.0.1:1", "w1\nuv://127.0.0.1:1\n-5",
+        "w1\nuv://127.0.0.1:1\n12x", "w1\nuv://127.0.0.1:1\n0"}) {
+    auto store = std::make_shared<trellis::store::HashStore>();
+    store->set("trellis/rpc/worker/1",
+               std::vector<uint8_t>(entry.begin(), entry.end()));
+    rpc::RpcOptions options;
+    options.store = store;
+    options.localAddress = "127.0.0.1";
+    options.initTimeout = 10s;
+    try {
+      rpc::Agent::start("w0", 0, 2, options);
+      FAIL() << "started with the entry " << entry;
+    } catch (const trellis::ProtocolError& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("malformed rendezvous entry for rank 1"),
+          std::string::npos)
+          << e.what();
+    }
   }
 }
 
