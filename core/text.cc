@@ -16,6 +16,18 @@ std::optional<int64_t> parseDecimal(std::string_view s) {
   return v;
 }
 
+void cutWithNote(std::string& s, size_t max, size_t originalBytes) {
+  if (s.size() <= max) {
+    return;
+  }
+  const std::string note =
+      " ... [" + std::to_string(originalBytes != 0 ? originalBytes : s.size()) +
+      " bytes, the rest cut]";
+  const size_t keep = max > note.size() ? max - note.size() : 0;
+  s.resize(keep);
+  s.append(note, 0, max - keep);
+}
+
 std::string toHex(std::span<const uint8_t> bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string out;

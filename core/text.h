@@ -1,6 +1,7 @@
 #pragma once
 // Small text and file-descriptor helpers that several layers need. Not
 // installed: nothing public takes or returns them.
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -13,6 +14,12 @@ namespace trellis {
 // (no space, no '+', no trailing text); nullopt when it is not one or does
 // not fit in int64_t. Callers check the range and name what was wrong.
 std::optional<int64_t> parseDecimal(std::string_view s);
+
+// Cuts `s` to at most `max` bytes when it is longer, ending it in
+// " ... [N bytes, the rest cut]" so a reader knows text is missing (N:
+// `originalBytes`, the length before any earlier cut, or s's length when
+// 0). With `max` below the note's length, only the note's first bytes fit.
+void cutWithNote(std::string& s, size_t max, size_t originalBytes = 0);
 
 // Lowercase hexadecimal, two digits per byte.
 std::string toHex(std::span<const uint8_t> bytes);

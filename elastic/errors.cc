@@ -217,13 +217,6 @@ std::string encodeWhole(const ErrorRecord& record) {
                                          Json::error_handler_t::replace);
 }
 
-// `s` cut to half its length, the cut said at its end (`total`: the
-// length before any cut).
-void halve(std::string& s, size_t total) {
-  s.resize(s.size() / 2);
-  s += " ... [" + std::to_string(total) + " bytes, the rest cut]";
-}
-
 }  // namespace
 
 std::string encodeErrorFile(const ErrorRecord& record) {
@@ -240,9 +233,11 @@ std::string encodeErrorFile(const ErrorRecord& record) {
   }
   while ((text = encodeWhole(fitted)).size() > kMaxErrorFileBytes) {
     if (fitted.message.size() >= fitted.callstack.size()) {
-      halve(fitted.message, record.message.size());
+      cutWithNote(fitted.message, fitted.message.size() / 2,
+                  record.message.size());
     } else {
-      halve(fitted.callstack, record.callstack.size());
+      cutWithNote(fitted.callstack, fitted.callstack.size() / 2,
+                  record.callstack.size());
     }
   }
   return text;

@@ -102,29 +102,13 @@ Error parseEnvelope(std::string_view bytes, int32_t worldSize,
   return Error();
 }
 
-namespace {
-
-// `s` cut to at most `max` bytes, the cut said at its end.
-void cut(std::string* s, size_t max) {
-  if (s->size() <= max) {
-    return;
-  }
-  const std::string note =
-      " ... [" + std::to_string(s->size()) + " bytes, the rest cut]";
-  const size_t keep = max > note.size() ? max - note.size() : 0;
-  s->resize(keep);
-  s->append(note, 0, max - keep);
-}
-
-}  // namespace
-
 void fitReplyToLimits(wire::Envelope* env) {
   if (env->has_error()) {
     auto* e = env->mutable_error();
-    cut(e->mutable_message(), kMaxErrorMessageBytes);
-    cut(e->mutable_worker(), kMaxFunctionNameBytes);
-    cut(e->mutable_function(), kMaxFunctionNameBytes);
-    cut(e->mutable_exception_type(), kMaxFunctionNameBytes);
+    cutWithNote(*e->mutable_message(), kMaxErrorMessageBytes);
+    cutWithNote(*e->mutable_worker(), kMaxFunctionNameBytes);
+    cutWithNote(*e->mutable_function(), kMaxFunctionNameBytes);
+    cutWithNote(*e->mutable_exception_type(), kMaxFunctionNameBytes);
   }
   auto* events = env->mutable_events();
   if (events->size() > kMaxProfileEvents) {
@@ -140,8 +124,8 @@ void fitReplyToLimits(wire::Envelope* env) {
     note->set_thread(last.thread());
   }
   for (auto& ev : *events) {
-    cut(ev.mutable_name(), kMaxFunctionNameBytes);
-    cut(ev.mutable_worker(), kMaxFunctionNameBytes);
+    cutWithNote(*ev.mutable_name(), kMaxFunctionNameBytes);
+    cutWithNote(*ev.mutable_worker(), kMaxFunctionNameBytes);
     if (ev.duration_us() < 0) {
       ev.set_duration_us(0);
     }

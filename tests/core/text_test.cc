@@ -1,6 +1,7 @@
 #include <array>
 #include <cerrno>
 #include <fcntl.h>
+#include <string>
 #include <thread>
 #include <unistd.h>
 
@@ -24,6 +25,28 @@ TEST(ParseDecimal, TakesWholeIntegersOnly) {
                           "9223372036854775808", "--1", "1e3"}) {
     EXPECT_EQ(parseDecimal(bad), std::nullopt) << "'" << bad << "'";
   }
+}
+
+TEST(CutWithNote, KeepsTheBoundAndSaysWhatWasCut) {
+  std::string shortText = "fits";
+  cutWithNote(shortText, 4);
+  EXPECT_EQ(shortText, "fits");
+
+  std::string s(1000, 'x');
+  cutWithNote(s, 100);
+  EXPECT_EQ(s.size(), 100u);
+  EXPECT_EQ(s, std::string(100 - 31, 'x') + " ... [1000 bytes, the rest cut]");
+
+  // A second cut names the length before the first.
+  cutWithNote(s, 50, 1000);
+  EXPECT_EQ(s, std::string(50 - 31, 'x') + " ... [1000 bytes, the rest cut]");
+
+  // Below the note's own length only its start fits: never over the bound.
+  std::string tiny(40, 'y');
+  cutWithNote(tiny, 10);
+  EXPECT_EQ(tiny, " ... [40 b");
+  cutWithNote(tiny, 0);
+  EXPECT_EQ(tiny, "");
 }
 
 TEST(ToHex, TwoLowercaseDigitsPerByte) {
