@@ -1,3 +1,5 @@
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include <trellis/core/ids.h>
@@ -17,7 +19,11 @@ TEST(LoggingTest, ParsesLevelsCaseInsensitively) {
 
 TEST(LoggingTest, BadEnvValueKeepsDefaultAndSaysWhy) {
   // The logger reads TRELLIS_LOG_LEVEL once; this runs in a child so that the
-  // value under test is the one it sees first.
+  // value under test is the one it sees first. "threadsafe": the child is
+  // a fresh run of this binary, not a fork of a process whose earlier tests
+  // (the whole binary run at once) made the logger already.
+  const std::string style = GTEST_FLAG_GET(death_test_style);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
         setenv("TRELLIS_LOG_LEVEL", "loud", 1);
@@ -26,6 +32,7 @@ TEST(LoggingTest, BadEnvValueKeepsDefaultAndSaysWhy) {
       },
       ::testing::ExitedWithCode(0),
       "ignoring TRELLIS_LOG_LEVEL='loud': expected one of trace, debug");
+  GTEST_FLAG_SET(death_test_style, style);
 }
 
 TEST(IdsTest, HierarchicalIds) {
