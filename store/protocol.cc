@@ -233,25 +233,56 @@ Error decodeRequest(std::span<const uint8_t> payload, const Limits& limits,
   }
   Request req;
   req.op = static_cast<Op>(op);
+  // A length or count over `limits` in a request that is otherwise well
+  // formed is not a framing error: the rest is read (it is within the frame
+  // already received), and the request fails with RESOURCE_EXHAUSTED, which
+  // the server answers without closing the connection. Nothing over a limit
+  // is kept.
+  std::string overLimit;
+  // "a value of 4096 bytes exceeds the server's limit of 1024
+  // (Limits::maxValueBytes)"
+  auto over = [&](const std::string& what, uint64_t got, size_t max,
+                  std::string_view limit) {
+    if (overLimit.empty()) {
+      overLimit = "store request: " + what + " of " + std::to_string(got) +
+                  (limit == "maxKeysPerOp" ? "" : " bytes") +
+                  " exceeds the server's limit of " + std::to_string(max) +
+                  " (Limits::" + std::string(limit) + ")";
+    }
+  };
+  constexpr size_t kFrameBound = std::numeric_limits<size_t>::max();
   auto readKey = [&] {
-    req.keys.emplace_back(r.string(limits.maxKeyBytes, "key"));
+    const std::string_view k = r.string(kFrameBound, "key");
+    if (k.size() > limits.maxKeyBytes) {
+      over("a key", k.size(), limits.maxKeyBytes, "maxKeyBytes");
+    } else if (overLimit.empty()) {
+      req.keys.emplace_back(k);
+    }
   };
   auto readValue = [&](std::string_view field) {
-    auto b = r.bytes(limits.maxValueBytes, field);
-    req.values.emplace_back(b.begin(), b.end());
+    auto b = r.bytes(kFrameBound, field);
+    if (b.size() > limits.maxValueBytes) {
+      over("a " + std::string(field), b.size(), limits.maxValueBytes,
+           "maxValueBytes");
+    } else if (overLimit.empty()) {
+      req.values.emplace_back(b.begin(), b.end());
+    }
   };
   if (hasSingleKey(req.op)) {
     readKey();
   }
   if (hasKeyList(req.op)) {
-    const uint64_t n = r.varint(limits.maxKeysPerOp, "key count");
+    const uint64_t n = r.varint("key count");
     // Each key costs at least one byte: a count beyond the bytes left is a
     // lie, caught here before anything is reserved from it.
     if (r.ok() && n > r.remaining()) {
       r.fail("key count", "claims " + std::to_string(n) + " keys but only " +
                               std::to_string(r.remaining()) + " bytes remain");
     }
-    if (r.ok()) {
+    if (r.ok() && n > limits.maxKeysPerOp) {
+      over("a key count", n, limits.maxKeysPerOp, "maxKeysPerOp");
+    }
+    if (r.ok() && overLimit.empty()) {
       req.keys.reserve(n);
       if (req.op == Op::kMultiSet) {
         req.values.reserve(n);
@@ -284,6 +315,9 @@ Error decodeRequest(std::span<const uint8_t> payload, const Limits& limits,
   r.expectEnd();
   if (!r.ok()) {
     return r.error();
+  }
+  if (!overLimit.empty()) {
+    return Error(Code::kResourceExhausted, overLimit);
   }
   *out = std::move(req);
   return Error();

@@ -111,8 +111,11 @@ Error checkClientAnswer(const auth::JobToken& token,
                         const std::string& peer, auth::Nonce* clientNonce);
 
 // Request payloads (without the frame header). decodeRequest never reads
-// outside `payload` and never allocates more than the payload's own size;
-// a failure is a DATA_LOSS Error naming the field and offset.
+// outside `payload` and never allocates more than the payload's own size.
+// A malformed payload is a DATA_LOSS Error naming the field and offset; a
+// well-formed one with a key, value or key count over `limits` is
+// RESOURCE_EXHAUSTED naming the first of them (the server answers that one
+// request with it and keeps the connection).
 Bytes encodeRequest(const Request& req);
 Error decodeRequest(std::span<const uint8_t> payload, const Limits& limits,
                     Request* out);

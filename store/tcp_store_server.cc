@@ -263,6 +263,14 @@ asio::awaitable<void> TCPStoreServer::Impl::session(tcp::socket sock) {
       if (buf.capacity() > kKeptBufferBytes) {
         Bytes().swap(buf);
       }
+      if (decoded.code() == Code::kResourceExhausted) {
+        // Well framed, only over this server's limits (a client configured
+        // with larger ones): that request fails, the connection stays.
+        TRELLIS_LOG_DEBUG("{}: refusing a request from {}: {}", id, peer,
+                          decoded.message());
+        co_await sendError(sock, decoded);
+        continue;
+      }
       if (!decoded.ok()) {
         TRELLIS_LOG_WARN("{}: closing {}: {}", id, peer, decoded.message());
         co_await sendError(sock, decoded);

@@ -1,7 +1,8 @@
 // Fuzz target for the TCPStore request decoder (store/protocol.h): arbitrary
 // bytes must never make it read out of bounds, allocate from an unchecked
 // length or crash; whatever it accepts must re-encode to the same bytes and
-// respect the limits. The response decoder gets the same bytes too.
+// respect the limits; what it refuses for a limit alone must be well
+// formed. The response decoder gets the same bytes too.
 #include <cstdint>
 #include <cstdlib>
 #include <span>
@@ -49,6 +50,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     require(back.op == req.op && back.keys == req.keys &&
             back.values == req.values && back.delta == req.delta &&
             back.timeoutMs == req.timeoutMs);
+  } else if (e.code() == trellis::Code::kResourceExhausted) {
+    // Over a limit but well formed: it decodes under limits as large as
+    // the frame, and the server keeps the connection.
+    Limits unbounded;
+    unbounded.maxKeyBytes = limits.maxFrameBytes;
+    unbounded.maxValueBytes = limits.maxFrameBytes;
+    unbounded.maxKeysPerOp = limits.maxFrameBytes;
+    protocol::Request whole;
+    require(protocol::decodeRequest(in, unbounded, &whole).ok());
   } else {
     require(e.code() == trellis::Code::kDataLoss);
   }

@@ -184,7 +184,10 @@ TEST_F(TcpStoreTest, OversizedFrameGetsAnErrorAndIsClosed) {
   expectServerHealthy(bystander);
 }
 
-TEST_F(TcpStoreTest, OversizedValueGetsAnErrorAndIsClosed) {
+// A well-framed request over the server's limits (a client configured
+// with larger ones) fails alone: the connection goes on. It used to be
+// closed, and a TCPStore client then failed every later call.
+TEST_F(TcpStoreTest, OversizedValueFailsThatRequestAndTheConnectionStays) {
   TCPStore bystander(clientOptions(server_->port()));
   RawClient raw(server_->port());
   raw.helloOk();
@@ -193,10 +196,42 @@ TEST_F(TcpStoreTest, OversizedValueGetsAnErrorAndIsClosed) {
   req.keys = {"big"};
   req.values = {Bytes((1 << 20) + 1, 'v')};  // over maxValueBytes
   raw.send(protocol::frame(protocol::encodeRequest(req)));
-  EXPECT_EQ(raw.readResponseStatus(), static_cast<int>(Code::kDataLoss));
-  EXPECT_TRUE(raw.closedByPeer());
-  EXPECT_FALSE(bystander.check({"big"}));
+  std::string message;
+  EXPECT_EQ(raw.readResponseStatus(&message),
+            static_cast<int>(Code::kResourceExhausted));
+  EXPECT_EQ(message,
+            "store request: a value of 1048577 bytes exceeds the server's "
+            "limit of 1048576 (Limits::maxValueBytes)");
+  protocol::Request many;
+  many.op = Op::kCheck;
+  many.keys.assign(70000, "k");  // over maxKeysPerOp (65536)
+  raw.send(protocol::frame(protocol::encodeRequest(many)));
+  EXPECT_EQ(raw.readResponseStatus(&message),
+            static_cast<int>(Code::kResourceExhausted));
+  EXPECT_NE(message.find("a key count of 70000 exceeds"), std::string::npos)
+      << message;
+  // The same connection still serves.
+  req.values = {Bytes(16, 'v')};
+  raw.send(protocol::frame(protocol::encodeRequest(req)));
+  EXPECT_EQ(raw.readResponseStatus(), 0);
+  EXPECT_EQ(bystander.get("big").size(), 16u);
   expectServerHealthy(bystander);
+}
+
+TEST_F(TcpStoreTest, AClientWithLargerLimitsThanTheServerKeepsWorking) {
+  auto o = clientOptions(server_->port());
+  o.limits.maxValueBytes = 4 << 20;  // the server takes 1 MiB
+  TCPStore c(o);
+  try {
+    c.set("k", std::string(3 << 19, 'v'));  // 1.5 MiB: within its frame limit
+    FAIL() << "the server took a value over its limit";
+  } catch (const ResourceExhaustedError& e) {
+    EXPECT_NE(std::string(e.what()).find("Limits::maxValueBytes"),
+              std::string::npos)
+        << e.what();
+  }
+  c.set("k", "small");
+  EXPECT_EQ(c.getString("k"), "small");
 }
 
 TEST_F(TcpStoreTest, MalformedRequestsGetAnErrorAndAreClosed) {
