@@ -34,10 +34,6 @@ at::Tensor receiveBuffer(BufferPool& pool, size_t length) {
       [buffer = std::move(buffer)](void*) mutable { buffer.reset(); }, options);
 }
 
-// The transport's limits: its defaults, except that a payload may be as
-// large as this worker accepts. What a peer sends here is held to this
-// worker's maxMessageBytes in onDescriptor, before anything is allocated;
-// what this worker sends, to the peer's (checkFits).
 tp::Limits transportLimits(const RpcOptions& options) {
   tp::Limits limits;
   limits.maxPayloadBytes =
@@ -54,6 +50,7 @@ Connections::Connections(const WorkerInfo& self, int32_t worldSize,
     : self_(self),
       worldSize_(worldSize),
       options_(options),
+      limits_(transportLimits(options)),
       workers_(workers),
       onMessage_(std::move(onMessage)),
       onFailed_(std::move(onFailed)) {}
@@ -72,7 +69,7 @@ std::string Connections::listen() {
   co.tokenFromEnvironment = false;
   co.transports = options_.transports;
   co.channels = options_.channels;
-  co.limits = transportLimits(options_);
+  co.limits = limits_;
   ctx_ = tp::Context::create(co);
   listener_ = ctx_->listen({"uv://" + net::bracketIfIpv6(host) + ":0"});
   std::string address = listener_->address("uv");
@@ -191,7 +188,7 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
 }
 
 Error Connections::checkFits(int32_t to, const Encoder& body) const {
-  const tp::Limits limits = transportLimits(options_);
+  const tp::Limits& limits = limits_;
   const WorkerInfo& peer = workers_[to];
   auto tooMuch = [](const std::string& what) {
     return Error(Code::kResourceExhausted, what);

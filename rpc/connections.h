@@ -31,6 +31,7 @@
 #include <trellis/core/lifeline.h>
 #include <trellis/core/mutex.h>
 #include <trellis/rpc/agent.h>
+#include <trellis/transport/context.h>
 
 namespace trellis::transport {
 class Context;
@@ -125,6 +126,11 @@ class Connections {
   const WorkerInfo& self_;
   const int32_t worldSize_;
   const RpcOptions& options_;
+  // The transport context's limits: its defaults, except that a payload
+  // may be as large as this worker accepts. What a peer sends here is held
+  // to this worker's maxMessageBytes in onDescriptor, before anything is
+  // allocated; what this worker sends, to the peer's (checkFits).
+  const transport::Limits limits_;
   const std::vector<WorkerInfo>& workers_;
   const OnMessage onMessage_;
   const OnFailed onFailed_;

@@ -241,20 +241,19 @@ Error decodeRequest(std::span<const uint8_t> payload, const Limits& limits,
   std::string overLimit;
   // "a value of 4096 bytes exceeds the server's limit of 1024
   // (Limits::maxValueBytes)"
-  auto over = [&](const std::string& what, uint64_t got, size_t max,
-                  std::string_view limit) {
+  auto over = [&](const std::string& what, uint64_t got, std::string_view unit,
+                  size_t max, std::string_view limit) {
     if (overLimit.empty()) {
       overLimit = "store request: " + what + " of " + std::to_string(got) +
-                  (limit == "maxKeysPerOp" ? "" : " bytes") +
-                  " exceeds the server's limit of " + std::to_string(max) +
-                  " (Limits::" + std::string(limit) + ")";
+                  std::string(unit) + " exceeds the server's limit of " +
+                  std::to_string(max) + " (Limits::" + std::string(limit) + ")";
     }
   };
   constexpr size_t kFrameBound = std::numeric_limits<size_t>::max();
   auto readKey = [&] {
     const std::string_view k = r.string(kFrameBound, "key");
     if (k.size() > limits.maxKeyBytes) {
-      over("a key", k.size(), limits.maxKeyBytes, "maxKeyBytes");
+      over("a key", k.size(), " bytes", limits.maxKeyBytes, "maxKeyBytes");
     } else if (overLimit.empty()) {
       req.keys.emplace_back(k);
     }
@@ -262,7 +261,7 @@ Error decodeRequest(std::span<const uint8_t> payload, const Limits& limits,
   auto readValue = [&](std::string_view field) {
     auto b = r.bytes(kFrameBound, field);
     if (b.size() > limits.maxValueBytes) {
-      over("a " + std::string(field), b.size(), limits.maxValueBytes,
+      over("a " + std::string(field), b.size(), " bytes", limits.maxValueBytes,
            "maxValueBytes");
     } else if (overLimit.empty()) {
       req.values.emplace_back(b.begin(), b.end());
@@ -280,7 +279,7 @@ Error decodeRequest(std::span<const uint8_t> payload, const Limits& limits,
                               std::to_string(r.remaining()) + " bytes remain");
     }
     if (r.ok() && n > limits.maxKeysPerOp) {
-      over("a key count", n, limits.maxKeysPerOp, "maxKeysPerOp");
+      over("a key count", n, "", limits.maxKeysPerOp, "maxKeysPerOp");
     }
     if (r.ok() && overLimit.empty()) {
       req.keys.reserve(n);
