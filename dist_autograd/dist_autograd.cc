@@ -406,7 +406,8 @@ class LeafHooks {
  public:
   struct Hook {
     std::vector<at::Tensor> leaves;
-    LeafGradientHook fn;
+    LeafGradientHook fn;  // one of the two
+    AsyncLeafGradientHook asyncFn;
   };
   struct Slot {
     std::shared_ptr<const Hook> hook;
@@ -418,8 +419,9 @@ class LeafHooks {
     return *hooks;
   }
 
-  uint64_t add(std::vector<at::Tensor> leaves, LeafGradientHook fn) {
-    if (leaves.empty() || !fn) {
+  uint64_t add(std::vector<at::Tensor> leaves, LeafGradientHook fn,
+               AsyncLeafGradientHook asyncFn = nullptr) {
+    if (leaves.empty() || (!fn && !asyncFn)) {
       throwError(Error::invalidArgument(
           "registerLeafGradientHook: no leaves, or no hook"));
     }
@@ -437,7 +439,8 @@ class LeafHooks {
                                           " is listed twice"));
       }
     }
-    auto hook = std::make_shared<Hook>(Hook{std::move(leaves), std::move(fn)});
+    auto hook = std::make_shared<Hook>(
+        Hook{std::move(leaves), std::move(fn), std::move(asyncFn)});
     MutexLock lock(mu_);
     for (size_t i = 0; i < hook->leaves.size(); ++i) {
       if (byLeaf_.count(hook->leaves[i].unsafeGetTensorImpl()) != 0) {
@@ -491,9 +494,11 @@ class LeafHooks {
 
 // Gives the hooks of this run's leaves their gradients (a hook sees all of
 // its leaves, undefined where the run produced none) and takes back what
-// they return.
-void runLeafHooks(uint64_t contextId, std::vector<at::Tensor>& leaves,
-                  std::vector<at::Tensor>& grads) {
+// they return; the futures of the asynchronous ones.
+std::vector<Future<void>> runLeafHooks(Agent& agent, uint64_t contextId,
+                                       std::vector<at::Tensor>& leaves,
+                                       std::vector<at::Tensor>& grads) {
+  std::vector<Future<void>> pending;
   struct Call {
     std::shared_ptr<const LeafHooks::Hook> hook;
     std::vector<at::Tensor> grads;  // parallel to hook->leaves
@@ -518,7 +523,11 @@ void runLeafHooks(uint64_t contextId, std::vector<at::Tensor>& leaves,
     it->fromRun[slot.index] = i;
   }
   for (auto& call : calls) {
-    call.hook->fn(contextId, call.grads);
+    if (call.hook->asyncFn) {
+      pending.push_back(call.hook->asyncFn(agent, contextId, call.grads));
+    } else {
+      call.hook->fn(contextId, call.grads);
+    }
     for (size_t k = 0; k < call.grads.size(); ++k) {
       if (call.fromRun[k] != kNone) {
         grads[call.fromRun[k]] = std::move(call.grads[k]);
@@ -530,6 +539,7 @@ void runLeafHooks(uint64_t contextId, std::vector<at::Tensor>& leaves,
       }
     }
   }
+  return pending;
 }
 
 // Sums `grad` into the context's gradient of `leaf`, taking it over when
@@ -661,8 +671,9 @@ Future<void> runGraph(Container& container,
   }
   // After the sends: a hook's work (DDP's allreduce) overlaps the other
   // workers' parts of the backward.
+  std::vector<Future<void>> hooks;
   try {
-    runLeafHooks(state->id, leafTensors, leafGrads);
+    hooks = runLeafHooks(container.agent(), state->id, leafTensors, leafGrads);
   } catch (...) {
     return makeErrorFuture<void>(errorFromCurrentException().withContext(
         "backward on worker '" + container.agent().self().name + "'"));
@@ -670,7 +681,27 @@ Future<void> runGraph(Container& container,
   for (size_t i = 0; i < leafTensors.size(); ++i) {
     accumulate(*state, leafTensors[i], std::move(leafGrads[i]));
   }
-  return whenAllSucceed(replies);
+  if (hooks.empty()) {
+    return whenAllSucceed(replies);
+  }
+  // This part is done when the other workers' parts and the hooks' work
+  // (an in-backward optimizer step) are.
+  const std::string where =
+      "backward on worker '" + container.agent().self().name + "'";
+  for (auto& h : hooks) {
+    Promise<void> named;
+    Future<void> out = named.getFuture();
+    h.addDoneCallback([named, where](const Future<void>& f) mutable {
+      if (f.hasError()) {
+        named.setError(f.error().withContext(where));
+      } else {
+        named.setValue();
+      }
+    });
+    h = std::move(out);
+  }
+  hooks.push_back(whenAllSucceed(replies));
+  return whenAllSucceed(hooks);
 }
 
 }  // namespace
@@ -825,6 +856,16 @@ LeafGradientHookHandle registerLeafGradientHook(std::vector<at::Tensor> leaves,
                                                 LeafGradientHook hook) {
   return LeafGradientHookHandle(
       LeafHooks::get().add(std::move(leaves), std::move(hook)));
+}
+
+LeafGradientHookHandle registerAsyncLeafGradientHook(
+    std::vector<at::Tensor> leaves, AsyncLeafGradientHook hook) {
+  if (!hook) {
+    throwError(Error::invalidArgument(
+        "registerAsyncLeafGradientHook: no leaves, or no hook"));
+  }
+  return LeafGradientHookHandle(
+      LeafHooks::get().add(std::move(leaves), nullptr, std::move(hook)));
 }
 
 GradientMap getGradients(uint64_t contextId) {

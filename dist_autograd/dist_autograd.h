@@ -42,6 +42,7 @@
 #include <vector>
 
 #include <trellis/core/deadline.h>
+#include <trellis/core/future.h>
 
 namespace trellis::rpc {
 class Agent;
@@ -136,6 +137,13 @@ size_t liveContextCount(rpc::Agent& agent);
 using LeafGradientHook =
     std::function<void(uint64_t contextId, std::vector<at::Tensor>& gradients)>;
 
+// The same, for work that may complete later (OptimizerInBackward's step,
+// which may wait for other contexts): this worker's part of the backward
+// completes only when the returned future does, and fails with it. `agent`
+// is the worker whose backward part runs.
+using AsyncLeafGradientHook = std::function<Future<void>(
+    rpc::Agent& agent, uint64_t contextId, std::vector<at::Tensor>& gradients)>;
+
 // Keeps a hook registered; removing it waits for no run in progress, so
 // the hook must stay valid (hold a weak reference to its owner).
 class LeafGradientHookHandle {
@@ -155,6 +163,8 @@ class LeafGradientHookHandle {
  private:
   friend LeafGradientHookHandle registerLeafGradientHook(
       std::vector<at::Tensor>, LeafGradientHook);
+  friend LeafGradientHookHandle registerAsyncLeafGradientHook(
+      std::vector<at::Tensor>, AsyncLeafGradientHook);
   explicit LeafGradientHookHandle(uint64_t key) : key_(key) {}
   uint64_t key_ = 0;
 };
@@ -164,5 +174,7 @@ class LeafGradientHookHandle {
 // already belongs to a hook.
 LeafGradientHookHandle registerLeafGradientHook(std::vector<at::Tensor> leaves,
                                                 LeafGradientHook hook);
+LeafGradientHookHandle registerAsyncLeafGradientHook(
+    std::vector<at::Tensor> leaves, AsyncLeafGradientHook hook);
 
 }  // namespace trellis::dist_autograd

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <c10/core/ScalarType.h>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -158,132 +159,32 @@ Mutex& stepMutex() {
 
 }  // namespace
 
-// The owner's half: its parameters (the RRefs' owner values, so the very
-// tensors its model uses) and a torch::optim optimizer over them, whose
-// state (momentum, Adam moments) lives here across steps.
-class LocalOptimizer {
+// Parameters and the torch::optim optimizer over them, on their owner: the
+// part that DistributedOptimizer's LocalOptimizer and OptimizerInBackward
+// share. State (momentum, Adagrad sums, Adam moments) lives here across
+// steps.
+class ParamStepper {
  public:
-  LocalOptimizer(const OptimizerConfig& config, std::vector<at::Tensor> params)
+  ParamStepper(const OptimizerConfig& config, std::vector<at::Tensor> params)
       : params_(std::move(params)),
         optimizer_(makeTorchOptimizer(config, params_)) {}
 
-  // Applies the gradients this worker accumulated in `contextId`, once no
-  // other context's backward pass still needs the parameters' current
-  // values here (StepGate, docs/dist_autograd.md). `waitUs` bounds that
-  // wait (0: none); the step itself is not interrupted.
-  Future<void> step(uint64_t contextId, int64_t waitUs) {
-    auto& agent = rpc::Agent::current();
-    GradientMap grads;
-    try {
-      grads = getGradients(contextId);
-    } catch (const NotFoundError&) {
-      // No message of the context reached this worker, so none of its
-      // parameters has a gradient in it: nothing to apply. (A context that
-      // was released here before the step is indistinguishable; its
-      // gradients are gone either way.)
-      return makeReadyFuture();
-    }
-    bool any = false;
-    for (const auto& p : params_) {
-      any = any || grads.contains(p);
-    }
-    if (!any) {
-      return makeReadyFuture();  // changes nothing: no need to wait
-    }
-    GateRef ref = gateOf(agent, contextId);
-    if (ref.slot == nullptr) {
-      return makeReadyFuture();  // released just now: gradients are gone
-    }
-    const Deadline deadline =
-        waitUs > 0 ? Deadline::after(std::chrono::microseconds(waitUs))
-                   : Deadline::never();
-    // The RRef's holder keeps this object alive until the future completes.
-    Future<void> admitted = ref.gate->beginWrite(
-        ref.slot, deadline, "the step of " + contextName(contextId));
-    std::weak_ptr<rpc::Agent> weak = agent.shared_from_this();
-    auto run = [this, ref, weak, grads = std::move(grads)] {
-      struct EndWrite {
-        const GateRef& ref;
-        ~EndWrite() { ref.gate->endWrite(*ref.slot); }
-      } end{ref};
-      auto a = weak.lock();
-      TRELLIS_CHECK(a == nullptr || !a->onLoopThread(),
-                    "an optimizer step on a transport loop thread");
-      apply(grads);
-    };
-    if (admitted.completed()) {
-      return admitted.then(std::move(run));  // here, on this worker thread
-    }
-    // Held: the thread that ends the last read lets the step through. That
-    // may be a transport loop (an inline function's reply, the answer to a
-    // backward this worker forwarded), where a step would stall every
-    // pipe: then it goes to a worker thread.
-    return admitted.then([weak, ref, run = std::move(run)]() -> Future<void> {
-      auto a = weak.lock();
-      if (a == nullptr || !a->onLoopThread()) {
-        run();
-        return makeReadyFuture();
-      }
-      Promise<void> done;
-      auto out = done.getFuture();
-      a->runOnWorkerThread([done, ref, run](const Error& e) mutable {
-        if (!e.ok()) {  // the agent is closing: the step does not run
-          ref.gate->endWrite(*ref.slot);
-          done.setError(e);
-          return;
-        }
-        try {
-          run();
-          done.setValue();
-        } catch (...) {
-          done.setError(errorFromCurrentException());
-        }
-      });
-      return out;
-    });
-  }
+  const std::vector<at::Tensor>& params() const { return params_; }
 
-  // The torch::optim state, serialized.
-  std::string saveState() {
+  // One torch::optim step with `grads` (parallel to params(); undefined:
+  // that parameter is left alone). torch::optim steps every parameter
+  // whose .grad is defined, so each one gets exactly its gradient here (or
+  // none), whatever .grad held; that is put back afterwards, also when the
+  // step throws.
+  void apply(std::vector<at::Tensor> grads) {
     MutexLock lock(stepMutex());
-    torch::serialize::OutputArchive archive;
-    optimizer_->save(archive);
-    std::ostringstream out;
-    archive.save_to(out);
-    return sealState(out.str());
-  }
-
-  // `bytes` came over the network: its seal is checked (openState), then
-  // torch's reader checks the archive.
-  bool loadState(const std::string& bytes) {
-    const std::string_view payload = openState(bytes);
-    MutexLock lock(stepMutex());
-    try {
-      torch::serialize::InputArchive archive;
-      archive.load_from(payload.data(), payload.size());
-      optimizer_->load(archive);
-    } catch (const c10::Error& e) {
-      throwError(Error::invalidArgument(
-          "optimizer state (" + std::to_string(bytes.size()) +
-          " bytes) does not load: " + e.what_without_backtrace()));
-    }
-    return true;
-  }
-
- private:
-  void apply(const GradientMap& grads) {
-    MutexLock lock(stepMutex());
-    // torch::optim steps every parameter whose .grad is defined, so each
-    // one gets exactly its context gradient (or none), whatever .grad held;
-    // that is put back afterwards, also when the step throws.
     std::vector<at::Tensor> saved;
     saved.reserve(params_.size());
     bool any = false;
-    for (auto& p : params_) {
-      saved.push_back(p.grad());
-      at::Tensor g = grads.find(p);
-      any = any || g.defined();
-      p.mutable_grad() = std::move(g);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      saved.push_back(params_[i].grad());
+      any = any || grads[i].defined();
+      params_[i].mutable_grad() = std::move(grads[i]);
     }
     struct Restore {
       std::vector<at::Tensor>& params;
@@ -299,8 +200,177 @@ class LocalOptimizer {
     }
   }
 
+  // The torch::optim state, serialized and sealed.
+  std::string saveState() {
+    MutexLock lock(stepMutex());
+    torch::serialize::OutputArchive archive;
+    optimizer_->save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    return sealState(out.str());
+  }
+
+  // `bytes` may have come over the network: its seal is checked
+  // (openState), then torch's reader checks the archive.
+  void loadState(const std::string& bytes) {
+    const std::string_view payload = openState(bytes);
+    MutexLock lock(stepMutex());
+    try {
+      torch::serialize::InputArchive archive;
+      archive.load_from(payload.data(), payload.size());
+      optimizer_->load(archive);
+    } catch (const c10::Error& e) {
+      throwError(Error::invalidArgument(
+          "optimizer state (" + std::to_string(bytes.size()) +
+          " bytes) does not load: " + e.what_without_backtrace()));
+    }
+  }
+
+ private:
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+// Runs `run` (a step of `contextId` on this worker) once no other context's
+// backward pass still needs the parameters' current values here (StepGate,
+// docs/dist_autograd.md); `waitUs` bounds that wait (0: none), `what` names
+// the step in the gate's timeout. The step runs on this thread when the
+// gate lets it through at once, else on the thread that ends the last read,
+// or on a worker thread when that is a transport loop (a step there would
+// stall every pipe). A context not alive here (released just now: its
+// gradients are gone) steps nothing.
+Future<void> gatedStep(rpc::Agent& agent, uint64_t contextId, int64_t waitUs,
+                       std::string what, std::function<void()> run) {
+  GateRef ref = gateOf(agent, contextId);
+  if (ref.slot == nullptr) {
+    return makeReadyFuture();
+  }
+  const Deadline deadline =
+      waitUs > 0 ? Deadline::after(std::chrono::microseconds(waitUs))
+                 : Deadline::never();
+  Future<void> admitted =
+      ref.gate->beginWrite(ref.slot, deadline, std::move(what));
+  std::weak_ptr<rpc::Agent> weak = agent.shared_from_this();
+  auto gated = [ref, weak, run = std::move(run)] {
+    struct EndWrite {
+      const GateRef& ref;
+      ~EndWrite() { ref.gate->endWrite(*ref.slot); }
+    } end{ref};
+    auto a = weak.lock();
+    TRELLIS_CHECK(a == nullptr || !a->onLoopThread(),
+                  "an optimizer step on a transport loop thread");
+    run();
+  };
+  if (admitted.completed()) {
+    return admitted.then(std::move(gated));  // here, on this thread
+  }
+  // Held: the thread that ends the last read lets the step through. That
+  // may be a transport loop (an inline function's reply, the answer to a
+  // backward this worker forwarded): then it goes to a worker thread.
+  return admitted.then([weak, ref, gated = std::move(gated)]() -> Future<void> {
+    auto a = weak.lock();
+    if (a == nullptr || !a->onLoopThread()) {
+      gated();
+      return makeReadyFuture();
+    }
+    Promise<void> done;
+    auto out = done.getFuture();
+    a->runOnWorkerThread([done, ref, gated](const Error& e) mutable {
+      if (!e.ok()) {  // the agent is closing: the step does not run
+        ref.gate->endWrite(*ref.slot);
+        done.setError(e);
+        return;
+      }
+      try {
+        gated();
+        done.setValue();
+      } catch (...) {
+        done.setError(errorFromCurrentException());
+      }
+    });
+    return out;
+  });
+}
+
+// Parameters some OptimizerInBackward steps, process-wide: a
+// DistributedOptimizer refuses them (their gradients never reach a
+// context, so its step would silently skip them).
+class InBackwardParams {
+ public:
+  static InBackwardParams& get() {
+    static auto* p = new InBackwardParams;  // never destroyed: used at exit
+    return *p;
+  }
+  void add(const std::vector<at::Tensor>& params) {
+    MutexLock lock(mu_);
+    for (const auto& t : params) {
+      set_.insert(t.unsafeGetTensorImpl());
+    }
+  }
+  void remove(const std::vector<at::Tensor>& params) {
+    MutexLock lock(mu_);
+    for (const auto& t : params) {
+      set_.erase(t.unsafeGetTensorImpl());
+    }
+  }
+  bool contains(const at::Tensor& t) const {
+    MutexLock lock(mu_);
+    return set_.count(t.unsafeGetTensorImpl()) != 0;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::unordered_set<const void*> set_ TRELLIS_GUARDED_BY(mu_);
+};
+
+// The owner's half of a DistributedOptimizer: its parameters (the RRefs'
+// owner values, so the very tensors its model uses) and their stepper.
+class LocalOptimizer {
+ public:
+  LocalOptimizer(const OptimizerConfig& config, std::vector<at::Tensor> params)
+      : stepper_(config, std::move(params)) {}
+
+  // Applies the gradients this worker accumulated in `contextId`, once no
+  // other context's backward pass still needs the parameters' current
+  // values here (gatedStep). `waitUs` bounds that wait (0: none); the step
+  // itself is not interrupted.
+  Future<void> step(uint64_t contextId, int64_t waitUs) {
+    GradientMap map;
+    try {
+      map = getGradients(contextId);
+    } catch (const NotFoundError&) {
+      // No message of the context reached this worker, so none of its
+      // parameters has a gradient in it: nothing to apply. (A context that
+      // was released here before the step is indistinguishable; its
+      // gradients are gone either way.)
+      return makeReadyFuture();
+    }
+    std::vector<at::Tensor> grads;
+    bool any = false;
+    for (const auto& p : stepper_.params()) {
+      grads.push_back(map.find(p));
+      any = any || grads.back().defined();
+    }
+    if (!any) {
+      return makeReadyFuture();  // changes nothing: no need to wait
+    }
+    // The RRef's holder keeps this object alive until the future completes.
+    return gatedStep(rpc::Agent::current(), contextId, waitUs,
+                     "the step of " + contextName(contextId),
+                     [this, grads = std::move(grads)]() mutable {
+                       stepper_.apply(std::move(grads));
+                     });
+  }
+
+  std::string saveState() { return stepper_.saveState(); }
+
+  bool loadState(const std::string& bytes) {
+    stepper_.loadState(bytes);
+    return true;
+  }
+
+ private:
+  ParamStepper stepper_;
 };
 
 // Runs on the owner of every RRef in `params` (remote()).
@@ -329,6 +399,13 @@ std::shared_ptr<LocalOptimizer> makeLocalOptimizer(
     if (!seen.insert(t.unsafeGetTensorImpl()).second) {
       // torch::optim would step it twice.
       throwError(Error::invalidArgument(which + " appears twice"));
+    }
+    if (InBackwardParams::get().contains(t)) {
+      throwError(Error::invalidArgument(
+          which +
+          " is stepped in the backward pass by an OptimizerInBackward; its "
+          "gradients never reach the context, so a DistributedOptimizer "
+          "cannot step it too"));
     }
     tensors.push_back(std::move(t));
   }
@@ -600,6 +677,86 @@ void DistributedOptimizer::loadStateDict(
   }
   waitOwners(done, impl_->ownerNames, deadline, impl_->waitLimit,
              "loading the optimizer state");
+}
+
+// ---- OptimizerInBackward ---------------------------------------------------
+
+struct OptimizerInBackward::Impl {
+  Impl(const detail::OptimizerConfig& config, std::vector<at::Tensor> params,
+       std::optional<Duration> t)
+      : stepper(config, std::move(params)), timeout(t) {}
+  detail::ParamStepper stepper;
+  std::optional<Duration> timeout;  // as given
+};
+
+OptimizerInBackward::OptimizerInBackward(OptimizerSpec spec,
+                                         std::vector<at::Tensor> params,
+                                         std::optional<Duration> timeout) {
+  if (params.empty()) {
+    throwError(Error::invalidArgument(
+        "OptimizerInBackward: the parameter list is empty"));
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& t = params[i];
+    if (t.defined() && !at::isFloatingType(t.scalar_type())) {
+      throwError(Error::invalidArgument(
+          "OptimizerInBackward: parameter " + std::to_string(i) + " is a " +
+          std::string(c10::toString(t.scalar_type())) +
+          " tensor; optimizers update floating-point parameters only"));
+    }
+  }
+  if (timeout && *timeout < Duration::zero()) {
+    throwError(Error::invalidArgument(
+        "OptimizerInBackward: the timeout is negative (" +
+        formatDuration(*timeout) + ")"));
+  }
+  try {
+    impl_ = std::make_shared<Impl>(detail::toConfig(spec), params, timeout);
+  } catch (const c10::Error& e) {
+    throwError(Error::invalidArgument(std::string("OptimizerInBackward: ") +
+                                      e.what_without_backtrace()));
+  }
+  // The hook holds the stepper: a backward part that found the hook keeps
+  // it alive after this object is gone.
+  try {
+    hook_ = registerAsyncLeafGradientHook(
+        params, [impl = impl_](rpc::Agent& agent, uint64_t contextId,
+                               std::vector<at::Tensor>& grads) {
+          // Taken: none of them goes into the context.
+          std::vector<at::Tensor> taken(grads.size());
+          for (size_t i = 0; i < grads.size(); ++i) {
+            taken[i] = std::exchange(grads[i], at::Tensor());
+          }
+          const Duration limit =
+              impl->timeout.value_or(agent.options().defaultTimeout);
+          return detail::gatedStep(
+              agent, contextId, ownerWaitUs(limit),
+              "the in-backward step of " + contextName(contextId),
+              [impl, taken = std::move(taken)]() mutable {
+                impl->stepper.apply(std::move(taken));
+              });
+        });
+  } catch (const Exception& e) {
+    throwError(e.error().withContext("OptimizerInBackward"));
+  }
+  detail::InBackwardParams::get().add(params);
+}
+
+OptimizerInBackward::~OptimizerInBackward() {
+  hook_.reset();
+  detail::InBackwardParams::get().remove(impl_->stepper.params());
+}
+
+std::string OptimizerInBackward::stateDict() const {
+  return impl_->stepper.saveState();
+}
+
+void OptimizerInBackward::loadStateDict(const std::string& state) {
+  try {
+    impl_->stepper.loadState(state);
+  } catch (const Exception& e) {
+    throwError(e.error().withContext("OptimizerInBackward"));
+  }
 }
 
 }  // namespace trellis::dist_autograd

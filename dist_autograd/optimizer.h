@@ -60,6 +60,7 @@
 #include <vector>
 
 #include <trellis/core/deadline.h>
+#include <trellis/dist_autograd/dist_autograd.h>
 #include <trellis/rref/rref.h>
 
 namespace trellis::dist_autograd {
@@ -129,6 +130,75 @@ class DistributedOptimizer {
 
  private:
   std::unique_ptr<Impl> impl_;
+};
+
+// ---- Stepping parameters inside the backward pass ---------------------------
+//
+// OptimizerInBackward: steps parameters this worker holds inside each
+// distributed backward pass that reaches them, instead of in a later
+// DistributedOptimizer::step: what TorchRec's fused optimizers do for
+// embedding tables, and torch.distributed.optim's
+// _apply_optimizer_in_backward for local parameters. It saves the step's
+// round trip to the owner, and the step overlaps the rest of the backward
+// (docs/dist_autograd.md, "Stepping inside the backward pass").
+//
+//   // on a parameter server, over the tables it holds:
+//   OptimizerInBackward tables(Adagrad{.lr = 0.1}, {weight});
+//   // on the trainers: a DistributedOptimizer over the other parameters
+//
+// Contract
+//  - Each time this worker's part of a context's backward pass runs (once
+//    per gradient message that arrives here; on the context's creator, its
+//    own part) and produces gradients for some of `params`, those are
+//    stepped with those gradients, with torch::optim and the same options
+//    and update as DistributedOptimizer's; that part of the backward
+//    completes after the step, so when ctx.backward() returns every step
+//    it caused is applied. The gradients do not go into the context
+//    (getGradients has none for them).
+//  - One step per gradient message: a context whose forward reached these
+//    parameters through two RPCs to this worker steps them twice, each
+//    time with one message's gradient, where torch::optim would step once
+//    with the sum. It suits parameters that a step's forward reaches once
+//    per worker (one lookup per server and step, as in
+//    examples/hybrid_training.cc).
+//  - The step waits like a DistributedOptimizer step on this worker until
+//    no other context's backward still needs the parameters' values (the
+//    step gate, docs/dist_autograd.md), up to `timeout` less a margin
+//    (unset: the agent's call timeout; zero: no limit). Past it that
+//    backward fails with a DEADLINE_EXCEEDED error naming the contexts it
+//    waited for, and the parameters are unchanged. Parameters that only
+//    step-safe functions use never wait.
+//  - What the step throws (torch::optim::Adagrad refusing weight decay
+//    with a sparse gradient, say) fails the backward, naming this worker.
+//  - InvalidArgumentError for an empty list, a tensor that is not a
+//    floating-point leaf requiring grad, a tensor listed twice or one that
+//    already has a leaf-gradient hook (DDP's parameters, another
+//    OptimizerInBackward's), options torch::optim refuses, or a negative
+//    timeout. While this object lives, a DistributedOptimizer refuses
+//    these parameters.
+//  - Steps serialise with the DistributedOptimizer steps of this process
+//    (one lock). Destruction unregisters: later backward passes put the
+//    gradients into the context again; a step under way finishes.
+//  - stateDict()/loadStateDict(): the torch::optim state for checkpoints,
+//    sealed as DistributedOptimizer's parts are; loading refuses anything
+//    stateDict() did not return. Not concurrently with a backward pass
+//    that reaches the parameters.
+class OptimizerInBackward {
+ public:
+  OptimizerInBackward(OptimizerSpec spec, std::vector<at::Tensor> params,
+                      std::optional<Duration> timeout = std::nullopt);
+  ~OptimizerInBackward();
+  OptimizerInBackward(const OptimizerInBackward&) = delete;
+  OptimizerInBackward& operator=(const OptimizerInBackward&) = delete;
+
+  std::string stateDict() const;
+  void loadStateDict(const std::string& state);
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+  LeafGradientHookHandle hook_;
 };
 
 }  // namespace trellis::dist_autograd

@@ -153,6 +153,46 @@ double inlineSlowRead(std::string key) {
   return layerAt(key)->w.sum().item<double>();
 }
 
+// Tables by key on their owner, for OptimizerInBackward: the test makes
+// the optimizer over the owner's very tensor (one process holds every
+// worker), as a server does over its own.
+std::mutex gTablesMu;
+std::map<std::string, std::shared_ptr<Table>> gTables;
+std::shared_ptr<Table> tableAt(const std::string& key) {
+  std::lock_guard<std::mutex> lock(gTablesMu);
+  auto it = gTables.find(key);
+  if (it == gTables.end()) {
+    throw std::out_of_range("no table " + key);
+  }
+  return it->second;
+}
+void addTable(std::string key, at::Tensor weight) {
+  auto t = makeTable(std::move(weight));
+  std::lock_guard<std::mutex> lock(gTablesMu);
+  gTables[key] = std::move(t);
+}
+void dropTable(std::string key) {
+  std::lock_guard<std::mutex> lock(gTablesMu);
+  gTables.erase(key);
+}
+at::Tensor tableLookup(std::string key, at::Tensor ids, at::Tensor offsets) {
+  return tableAt(key)->lookup(std::move(ids), std::move(offsets));
+}
+at::Tensor tableValue(std::string key) { return tableAt(key)->value(); }
+// Whether `contextId` holds a gradient for the table here.
+bool tableHasContextGradient(std::string key, uint64_t contextId) {
+  return dist::getGradients(contextId).find(tableAt(key)->weight).defined();
+}
+// Read on the owner's threads: the test's own thread reaching into the
+// tensor would race with the owner's later steps as far as ThreadSanitizer
+// can see (the messages between them go through the kernel).
+bool tableGradDefined(std::string key) { return tableAt(key)->gradDefined(); }
+
+TRELLIS_REMOTE_FUNCTION(addTable);
+TRELLIS_REMOTE_FUNCTION(tableLookup);
+TRELLIS_REMOTE_FUNCTION(tableValue);
+TRELLIS_REMOTE_FUNCTION(tableHasContextGradient);
+TRELLIS_REMOTE_FUNCTION(tableGradDefined);
 TRELLIS_REMOTE_FUNCTION(slowLayerForward);
 TRELLIS_REMOTE_FUNCTION(inlineSlowRead);
 TRELLIS_REMOTE_INLINE(inlineSlowRead);
@@ -362,14 +402,17 @@ TEST_P(SparseParity, EmbeddingBagSparseGradients) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Specs, SparseParity,
-    ::testing::Values(ParityCase{"Sgd", dist::SGD{.lr = 0.3}},
-                      ParityCase{"Adagrad",
-                                 dist::Adagrad{.lr = 0.2, .lrDecay = 0.05}}),
-    [](const ::testing::TestParamInfo<ParityCase>& info) {
-      return info.param.name;
-    });
+// The optimizers torch::optim runs with sparse gradients.
+auto sparseSpecs() {
+  return ::testing::Values(
+      ParityCase{"Sgd", dist::SGD{.lr = 0.3}},
+      ParityCase{"Adagrad", dist::Adagrad{.lr = 0.2, .lrDecay = 0.05}});
+}
+std::string caseName(const ::testing::TestParamInfo<ParityCase>& info) {
+  return info.param.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, SparseParity, sparseSpecs(), caseName);
 
 // ---- parameters without gradients ------------------------------------------
 
@@ -808,6 +851,262 @@ TEST(DistributedOptimizer, StateDictRestoresEveryOwnersState) {
     }
   }
   second.loadStateDict(state);
+}
+
+// ---- OptimizerInBackward ----------------------------------------------------
+
+// A table on w1 (key "t"), removed at the end of the test.
+struct KeyedTable {
+  explicit KeyedTable(const at::Tensor& weight) {
+    rpc::rpcSync<addTable>("w1", std::string("t"), weight);
+  }
+  ~KeyedTable() { dropTable("t"); }
+  at::Tensor& weight() { return tableAt("t")->weight; }
+};
+
+// One step's lookup on w1 and its backward, in a context of its own; the
+// context's id.
+uint64_t lookupAndBackward(const at::Tensor& ids, const at::Tensor& offsets,
+                           const at::Tensor& c) {
+  dist::Context ctx;
+  at::Tensor rows =
+      rpc::rpcSync<tableLookup>("w1", std::string("t"), ids, offsets);
+  ctx.backward({(rows * c).tanh().sum()});
+  return ctx.id();
+}
+
+class InBackwardParity : public ::testing::TestWithParam<ParityCase> {};
+
+// The table's owner steps it inside each backward: when ctx.backward()
+// returns, the table equals torch::optim's after the same gradients, and
+// the context holds no gradient for it.
+TEST_P(InBackwardParity, StepsWithinTheBackwardLikeTorchOptim) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor weight = grid(10, 3, 0.0);
+  KeyedTable table(weight);
+  dist::OptimizerInBackward inBackward(GetParam().spec, {table.weight()});
+  at::Tensor ref = weight.clone().requires_grad_(true);
+  auto refOpt = localOptimizer(GetParam().spec, {ref});
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor ids = at::tensor({1, 4, 7, 7, 8}, at::kLong);
+    const at::Tensor offsets = at::tensor({0, 2}, at::kLong);
+    const at::Tensor c = grid(2, 3, 0.2 * step);
+    {
+      dist::Context ctx;
+      at::Tensor rows =
+          rpc::rpcSync<tableLookup>("w1", std::string("t"), ids, offsets);
+      ctx.backward({(rows * c).tanh().sum()});
+      // Applied already, and nothing left in the context.
+      refOpt->zero_grad();
+      at::Tensor rrows = std::get<0>(
+          at::embedding_bag(ref, ids, offsets, false, 0, /*sparse=*/true));
+      (rrows * c).tanh().sum().backward();
+      refOpt->step();
+      at::Tensor got = rpc::rpcSync<tableValue>("w1", std::string("t"));
+      EXPECT_LE(maxAbsDiff(got, ref), kTol) << "step " << step;
+      EXPECT_GT(maxAbsDiff(got, weight), 1e-6);
+      EXPECT_TRUE(got[0].equal(weight[0]));  // never looked up
+      EXPECT_FALSE(rpc::rpcSync<tableHasContextGradient>("w1", std::string("t"),
+                                                         ctx.id()));
+    }
+    EXPECT_FALSE(rpc::rpcSync<tableGradDefined>("w1", std::string("t")));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, InBackwardParity, sparseSpecs(), caseName);
+
+// Dense parameters on the context's creator step in its own part of the
+// backward, on the calling thread; the rest of the model goes on with a
+// DistributedOptimizer, which refuses the in-backward parameters.
+TEST(OptimizerInBackward, TheCreatorsOwnParametersAndADistributedOptimizer) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const dist::SGD spec{.lr = 0.1, .momentum = 0.9};
+  auto layer = rpc::remote<makeLayer>("w1", grid(3, 4, 0.0),
+                                      grid(1, 4, 0.1).reshape({4}));
+  at::Tensor m = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_(true);
+  at::Tensor refM = m.detach().clone().requires_grad_(true);
+  auto refOpt = localOptimizer(spec, {refM});
+  dist::OptimizerInBackward inBackward(spec, {m});
+  try {
+    dist::DistributedOptimizer both(spec, dist::localParameters({m}), 30s);
+    FAIL() << "a DistributedOptimizer took an in-backward parameter";
+  } catch (const trellis::Exception& e) {
+    EXPECT_NE(std::string(e.what()).find("stepped in the backward pass"),
+              std::string::npos)
+        << e.what();
+  }
+  dist::DistributedOptimizer rest(spec, layer.rpcSync<&Layer::parameters>(),
+                                  30s);
+  for (int k = 0; k < 3; ++k) {
+    const at::Tensor x = grid(5, 3, 0.1 * k);
+    at::Tensor before = layer.rpcSync<&Layer::values>()[0];
+    {
+      dist::Context ctx;
+      at::Tensor out = layer.rpcSync<&Layer::forward>(x) * m;
+      ctx.backward({out.pow(2).sum()});
+      EXPECT_FALSE(dist::getGradients(ctx.id()).find(m).defined());
+      // The reference: the same gradient for m, from the layer's output.
+      at::Tensor y = layer.rpcSync<&Layer::forward>(x).detach();
+      refOpt->zero_grad();
+      (y * refM).pow(2).sum().backward();
+      refOpt->step();
+      EXPECT_LE(maxAbsDiff(m, refM), kTol) << "step " << k;
+      rest.step(ctx);
+    }
+    EXPECT_GT(maxAbsDiff(layer.rpcSync<&Layer::values>()[0], before), 1e-9);
+  }
+}
+
+// What the step throws fails the backward, naming the owner; the table is
+// unchanged. torch::optim::Adagrad refuses weight decay with a sparse
+// gradient.
+TEST(OptimizerInBackward, AFailingStepFailsTheBackwardNamingTheOwner) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor weight = grid(10, 3, 0.0);
+  KeyedTable table(weight);
+  dist::OptimizerInBackward inBackward(dist::Adagrad{.weightDecay = 0.1},
+                                       {table.weight()});
+  try {
+    lookupAndBackward(at::tensor({1, 2}, at::kLong), at::tensor({0}, at::kLong),
+                      grid(1, 3, 0.0));
+    FAIL() << "no exception";
+  } catch (const trellis::Exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("backward on worker 'w1'"), std::string::npos) << what;
+    EXPECT_NE(what.find("sparse"), std::string::npos) << what;
+  }
+  EXPECT_TRUE(rpc::rpcSync<tableValue>("w1", std::string("t")).equal(weight));
+  EXPECT_FALSE(rpc::rpcSync<tableGradDefined>("w1", std::string("t")));
+}
+
+// The step waits for another context that still reads on the owner (its
+// lookup is not step-safe and its backward has not run): bounded, it
+// fails that backward naming the context it waited for and changes
+// nothing; when the other context's backward comes, the waiting step goes
+// through after it.
+TEST(OptimizerInBackward, TheStepWaitsForOtherContextsReadsBounded) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const at::Tensor weight = grid(10, 3, 0.0);
+  KeyedTable table(weight);
+  dist::OptimizerInBackward inBackward(dist::SGD{.lr = 0.1}, {table.weight()},
+                                       400ms);
+  const at::Tensor ids = at::tensor({1, 2}, at::kLong);
+  const at::Tensor offsets = at::tensor({0}, at::kLong);
+  const at::Tensor c = grid(1, 3, 0.0);
+  // Current on this thread (the contexts below nest inside it).
+  auto reader = std::make_unique<dist::Context>();
+  at::Tensor held =
+      rpc::rpcSync<tableLookup>("w1", std::string("t"), ids, offsets);
+  const std::string readerName = std::to_string(reader->id());
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    lookupAndBackward(ids, offsets, c);
+    FAIL() << "the step did not wait for the reading context";
+  } catch (const trellis::Exception& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.error().code(), trellis::Code::kDeadlineExceeded) << what;
+    EXPECT_NE(what.find("in-backward step"), std::string::npos) << what;
+    EXPECT_NE(what.find(readerName), std::string::npos) << what;
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms);
+  EXPECT_TRUE(rpc::rpcSync<tableValue>("w1", std::string("t")).equal(weight));
+
+  // Again, and the reader's backward ends its read while the step waits.
+  std::atomic<bool> done{false};
+  std::thread other([&] {
+    rpc::CurrentAgentScope s(&g[0]);
+    lookupAndBackward(ids, offsets, c);
+    done = true;
+  });
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(done.load());
+  reader->backward({held.sum()});
+  other.join();
+  EXPECT_TRUE(done.load());
+  // Both steps applied: the reader's gradient (ones) and the other's.
+  EXPECT_GT(
+      maxAbsDiff(rpc::rpcSync<tableValue>("w1", std::string("t")), weight),
+      1e-6);
+  reader.reset();
+}
+
+// The constructor's refusals, and the state for checkpoints.
+TEST(OptimizerInBackward, RefusesBadParametersAndRestoresItsState) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  const dist::Adagrad spec{.lr = 0.2};
+  at::Tensor p = grid(4, 3, 0.0).requires_grad_(true);
+  EXPECT_THROW(dist::OptimizerInBackward(spec, {}),
+               trellis::InvalidArgumentError);
+  EXPECT_THROW(dist::OptimizerInBackward(spec, {at::arange(3, at::kLong)}),
+               trellis::InvalidArgumentError);
+  EXPECT_THROW(dist::OptimizerInBackward(spec, {grid(2, 2, 0.0)}),
+               trellis::InvalidArgumentError);  // no requires_grad
+  EXPECT_THROW(dist::OptimizerInBackward(spec, {p, p}),
+               trellis::InvalidArgumentError);
+  EXPECT_THROW(dist::OptimizerInBackward(spec, {p}, -1s),
+               trellis::InvalidArgumentError);
+  EXPECT_THROW(dist::OptimizerInBackward(dist::Adagrad{.lr = -1}, {p}),
+               trellis::InvalidArgumentError);
+  {
+    dist::OptimizerInBackward first(spec, {p});
+    try {
+      dist::OptimizerInBackward second(spec, {p});
+      FAIL() << "two in-backward optimizers over one tensor";
+    } catch (const trellis::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("already belongs"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // Gone with its owner: the tensor is free again.
+  dist::OptimizerInBackward again(spec, {p});
+
+  // stateDict/loadStateDict: a copy with the state loaded steps exactly as
+  // the original; without it, differently.
+  const at::Tensor weight = grid(10, 3, 0.0);
+  const at::Tensor ids = at::tensor({1, 4, 7}, at::kLong);
+  const at::Tensor offsets = at::tensor({0}, at::kLong);
+  std::string state;
+  at::Tensor afterTwo, afterThree;
+  {
+    KeyedTable table(weight);
+    dist::OptimizerInBackward opt(spec, {table.weight()});
+    lookupAndBackward(ids, offsets, grid(1, 3, 0.0));
+    lookupAndBackward(ids, offsets, grid(1, 3, 0.3));
+    state = opt.stateDict();
+    afterTwo = rpc::rpcSync<tableValue>("w1", std::string("t"));
+    lookupAndBackward(ids, offsets, grid(1, 3, 0.6));
+    afterThree = rpc::rpcSync<tableValue>("w1", std::string("t"));
+  }
+  for (const bool load : {true, false}) {
+    KeyedTable table(afterTwo);
+    dist::OptimizerInBackward opt(spec, {table.weight()});
+    if (load) {
+      opt.loadStateDict(state);
+    }
+    lookupAndBackward(ids, offsets, grid(1, 3, 0.6));
+    const double diff = maxAbsDiff(
+        rpc::rpcSync<tableValue>("w1", std::string("t")), afterThree);
+    if (load) {
+      EXPECT_EQ(diff, 0.0);
+    } else {
+      EXPECT_GT(diff, 1e-6);  // the state mattered
+    }
+    std::string bad = state;
+    bad[bad.size() / 2] ^= 0x10;
+    try {
+      opt.loadStateDict(bad);
+      FAIL() << "a corrupted state loaded";
+    } catch (const trellis::InvalidArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("does not load"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 }  // namespace
