@@ -14,15 +14,17 @@
 // dense part (a bottom MLP for the dense features, DLRM's pairwise
 // dot-product interaction, a top MLP) replicated over the trainers with
 // DDP, ctx.backward() (the tables' gradients go to the servers over RPC,
-// the dense part's are averaged by DDP into the context), and one
-// DistributedOptimizer step: Adagrad on the servers for their rows
-// (sparse), Adagrad on each trainer for its replica of the dense part.
+// where each server steps its rows with sparse Adagrad inside the
+// backward, as TorchRec's fused optimizers do: OptimizerInBackward; the
+// dense part's gradients are averaged by DDP into the context), and one
+// DistributedOptimizer step: Adagrad on each trainer for its replica of
+// the dense part.
 //
 // Fault tolerance: every --checkpoint-every steps the group checkpoints
-// (trainers: the dense part and the whole optimizer state; servers: their
-// rows). --fail-at-step S makes the last trainer exit abnormally at step
-// S of the first attempt; elastic-run restarts the group, which resumes
-// from the last checkpoint every rank completed. The data are a
+// (trainers: the dense part and its optimizer state; servers: their rows
+// and their Adagrad state). --fail-at-step S makes the last trainer exit
+// abnormally at step S of the first attempt; elastic-run restarts the group,
+// which resumes from the last checkpoint every rank completed. The data are a
 // deterministic function of (seed, trainer, step), so a resumed run trains
 // on what an undisturbed one would have.
 #include <ATen/CPUGeneratorImpl.h>
@@ -114,7 +116,7 @@ double seconds(Clock::duration d) {
 class ServerShard {
  public:
   ServerShard(int64_t server, int64_t tables, int64_t rowsPerTable, int64_t dim,
-              int64_t servers, uint64_t seed)
+              int64_t servers, uint64_t seed, double lr)
       : server_(server) {
     const int64_t rows = shardRows(rowsPerTable, servers, server);
     at::NoGradGuard noGrad;
@@ -132,6 +134,13 @@ class ServerShard {
     weight_.requires_grad_(true);
     looked_ = std::vector<char>(static_cast<size_t>(tables * rows), 0);
     initial_ = weight_.detach().clone();
+    // Each backward pass that reaches this server (one per trainer and
+    // step: one lookup each) steps its rows right there, so the trainers'
+    // optimizer step makes no round trip to the servers and this step
+    // overlaps the rest of their backward (DDP's allreduce).
+    optimizer_ = std::make_unique<da::OptimizerInBackward>(
+        da::Adagrad{.lr = lr, .initialAccumulatorValue = 0.1},
+        std::vector<at::Tensor>{weight_});
   }
 
   // Sum-mode bags over rows `ids` of the stacked weight.
@@ -161,15 +170,13 @@ class ServerShard {
                                          /*mode=*/0, /*sparse=*/true));
   }
 
-  std::vector<rpc::RRef<at::Tensor>> parameters() {
-    return da::localParameters({weight_});
-  }
-
-  // Checkpoint `step` of this server's rows (the caller, trainer 0, has
-  // made sure no step is in flight).
+  // Checkpoint `step` of this server's rows and their Adagrad state (the
+  // caller, trainer 0, has made sure no step is in flight).
   bool save(int64_t step) {
+    const std::string state = optimizer_->stateDict();
     checkpoints().save(step, [&](torch::serialize::OutputArchive& a) {
       a.write("weight", weight_.detach());
+      a.write("optimizer", c10::IValue(state));
     });
     return true;
   }
@@ -186,6 +193,13 @@ class ServerShard {
       throw std::runtime_error("checkpoint " + loaded->path.string() +
                                ": the server's shape of the tables differs");
     }
+    c10::IValue state;
+    loaded->archive.read("optimizer", state);
+    if (!state.isString()) {
+      throw std::runtime_error("checkpoint " + loaded->path.string() +
+                               ": no optimizer state for the tables");
+    }
+    optimizer_->loadStateDict(state.toStringRef());
     at::NoGradGuard noGrad;
     weight_.copy_(w);
     std::lock_guard<std::mutex> lock(mu_);
@@ -240,6 +254,7 @@ class ServerShard {
   std::mutex mu_;
   std::vector<char> looked_;
   at::Tensor initial_;
+  std::unique_ptr<da::OptimizerInBackward> optimizer_;
 };
 
 namespace {
@@ -257,7 +272,7 @@ std::shared_ptr<ServerShard> serverShard() {
 }
 
 TRELLIS_REMOTE_FUNCTION(serverShard);
-TRELLIS_REMOTE_METHODS(ServerShard, lookup, parameters, save, restore);
+TRELLIS_REMOTE_METHODS(ServerShard, lookup, save, restore);
 // A lookup is a bounds check and one embedding_bag over a few hundred rows
 // (tens of microseconds, no waits; its lock is held by stats() alone, after
 // training): it runs on the server's transport loop, without a hand-off to
@@ -404,15 +419,10 @@ struct Trainer {
 
     trellis::ddp::DistributedDataParallel model(net, group);
     model.registerCommHook(timedAllreduce());
-    std::vector<rpc::RRef<at::Tensor>> params;
-    for (auto& shard : shards) {
-      auto p = shard.rpcSync<&ServerShard::parameters>();
-      params.insert(params.end(), p.begin(), p.end());
-    }
-    auto dense = da::localParameters(net->parameters());
-    params.insert(params.end(), dense.begin(), dense.end());
+    // The dense part only: the servers step the tables in the backward.
     da::DistributedOptimizer opt(
-        da::Adagrad{.lr = f.lr, .initialAccumulatorValue = 0.1}, params);
+        da::Adagrad{.lr = f.lr, .initialAccumulatorValue = 0.1},
+        da::localParameters(net->parameters()));
     if (loaded) {
       c10::IValue state;
       loaded->archive.read("optimizer", state);
@@ -777,9 +787,9 @@ int main(int argc, char** argv) {
     if (isServer) {
       ServerShard::setCheckpointDir(dir / ("server" + std::to_string(rank)));
       std::lock_guard<std::mutex> lock(gShardMu);
-      gShard = std::make_shared<ServerShard>(rank, f.tables, f.rows, f.dim,
-                                             f.servers,
-                                             static_cast<uint64_t>(f.seed));
+      gShard = std::make_shared<ServerShard>(
+          rank, f.tables, f.rows, f.dim, f.servers,
+          static_cast<uint64_t>(f.seed), f.lr);
     }
     rpc::RpcOptions options;
     options.store =
