@@ -89,6 +89,8 @@ ROWS = [
     ("dist_autograd", "ps_dist_iter_median", "ps_local_iter_median", "<=", 1.5),
     ("dist_autograd", "ps_dist_iter_median", "ps_floor_iter_median", None, None),
     ("dist_autograd", "ps_floor_iter_median", "ps_local_iter_median", None, None),
+    ("dist_autograd", "ps_dist_in_backward_iter_median", "ps_local_iter_median", None, None),
+    ("dist_autograd", "ps_dist_in_backward_iter_median", "ps_floor_iter_median", None, None),
     ("dist_autograd", "ps_dist_wakeups_per_iter", None, "<=", 6.0),
     ("dist_autograd", "tiny_dist_iter_median", "tiny_local_iter_median", None, None),
     ("collectives", "trellis_allreduce_64MiB_busbw_2r", "gloo_best_allreduce_64MiB_busbw_2r", ">=", 3.0),

@@ -102,9 +102,18 @@ class BenchPs {
     return da::localParameters(parameterTensors());
   }
 
+  // From now on this worker steps its parameters inside each backward
+  // pass that reaches them (Adagrad at `lr`), not through a
+  // DistributedOptimizer.
+  void stepInBackward(double lr) {
+    inBackward_ = std::make_unique<da::OptimizerInBackward>(
+        da::Adagrad{.lr = lr}, parameterTensors());
+  }
+
  private:
   torch::nn::EmbeddingBag table_;
   torch::nn::Linear dense_;
+  std::unique_ptr<da::OptimizerInBackward> inBackward_;
 };
 
 std::shared_ptr<BenchPs> makeBenchPs(int64_t rows, int64_t dim, int64_t hidden,
@@ -112,9 +121,19 @@ std::shared_ptr<BenchPs> makeBenchPs(int64_t rows, int64_t dim, int64_t hidden,
   return std::make_shared<BenchPs>(rows, dim, hidden, seed);
 }
 
+// The same, stepping its parameters inside the backward at `lr`.
+std::shared_ptr<BenchPs> makeSteppingBenchPs(int64_t rows, int64_t dim,
+                                             int64_t hidden, int64_t seed,
+                                             double lr) {
+  auto ps = std::make_shared<BenchPs>(rows, dim, hidden, seed);
+  ps->stepInBackward(lr);
+  return ps;
+}
+
 void benchNoop() {}
 
 TRELLIS_REMOTE_FUNCTION(makeBenchPs);
+TRELLIS_REMOTE_FUNCTION(makeSteppingBenchPs);
 TRELLIS_REMOTE_FUNCTION(benchNoop);
 TRELLIS_REMOTE_METHODS(BenchPs, forward, parameters);
 
@@ -371,14 +390,21 @@ class FloorRun {
   std::unique_ptr<torch::optim::Adagrad> optim_;
 };
 
-// The same model with the table and dense layer on the ps.
+// The same model with the table and dense layer on the ps. With
+// `inBackward` the ps steps them inside the backward (OptimizerInBackward)
+// and the DistributedOptimizer holds the head only.
 class DistRun {
  public:
-  explicit DistRun(const ModelSize& m)
-      : ps_(rpc::remote<makeBenchPs>("ps", m.rows, m.dim, m.hidden,
-                                     int64_t{7})),
+  DistRun(const ModelSize& m, bool inBackward)
+      : ps_(inBackward ? rpc::remote<makeSteppingBenchPs>(
+                             "ps", m.rows, m.dim, m.hidden, int64_t{7}, kLr)
+                       : rpc::remote<makeBenchPs>("ps", m.rows, m.dim, m.hidden,
+                                                  int64_t{7})),
         head_(makeHead(m.hidden, 7)) {
-    auto params = ps_.rpcSync<&BenchPs::parameters>();
+    std::vector<rpc::RRef<at::Tensor>> params;
+    if (!inBackward) {
+      params = ps_.rpcSync<&BenchPs::parameters>();
+    }
     for (auto& r : da::localParameters(head_->parameters())) {
       params.push_back(std::move(r));
     }
@@ -438,15 +464,17 @@ class DistRun {
 void runModel(const ModelSize& m) {
   const auto batches = drawBatches(m, 42);
   LocalRun local(m);
-  DistRun dist(m);
+  DistRun dist(m, /*inBackward=*/false);
+  DistRun stepping(m, /*inBackward=*/true);
   FloorRun floor(m, gFloorFd);
   const int warmup = std::max(5, m.iters / 10);
   for (int i = 0; i < warmup; ++i) {
     local.iteration(batches[i % kBatches], nullptr);
     dist.iteration(batches[i % kBatches], nullptr);
+    stepping.iteration(batches[i % kBatches], nullptr);
     floor.iteration(batches[i % kBatches], nullptr);
   }
-  Samples ls, ds, fs;
+  Samples ls, ds, is, fs;
   std::map<std::string, double> distWakeups;  // per thread, all dist blocks
   std::vector<double> plain, inContext;
   constexpr int kBlocks = 4;
@@ -470,6 +498,11 @@ void runModel(const ModelSize& m) {
     }
     c0 = Switches::now();
     for (int i = 0; i < n; ++i) {
+      stepping.iteration(batches[(next + i) % kBatches], &is);
+    }
+    is.switches.addSince(c0);
+    c0 = Switches::now();
+    for (int i = 0; i < n; ++i) {
       floor.iteration(batches[(next + i) % kBatches], &fs);
     }
     fs.switches.addSince(c0);
@@ -486,7 +519,11 @@ void runModel(const ModelSize& m) {
       bench::perCallByThread(distWakeups, static_cast<double>(ds.iter.size())));
   addSamples(m.name + "_local", ls, "");
   addSamples(m.name + "_dist", ds, m.name + "_local");
+  addSamples(m.name + "_dist_in_backward", is, m.name + "_local");
   addSamples(m.name + "_floor", fs, m.name + "_local");
+  report.add(m.name + "_dist_in_backward_iter_median_vs_floor",
+             report.valueOf(m.name + "_dist_in_backward_iter_median"), "us",
+             m.name + "_floor_iter_median");
   report.add(m.name + "_dist_iter_median_vs_floor",
              report.valueOf(m.name + "_dist_iter_median"), "us",
              m.name + "_floor_iter_median");
@@ -510,7 +547,7 @@ using bench::note;
 void traceIterations(const ModelSize& m) {
   constexpr int kIters = 40;
   const auto batches = drawBatches(m, 43);
-  DistRun dist(m);
+  DistRun dist(m, /*inBackward=*/false);
   for (int i = 0; i < 20; ++i) {
     dist.iteration(batches[i % kBatches], nullptr);
   }
