@@ -170,6 +170,9 @@ class DistributedOptimizer {
 //    step-safe functions use never wait.
 //  - What the step throws (torch::optim::Adagrad refusing weight decay
 //    with a sparse gradient, say) fails the backward, naming this worker.
+//    A backward that fails for any reason may still have stepped some
+//    parameters (on other workers, or here before the failure), as a
+//    failed DistributedOptimizer::step may have stepped some owners.
 //  - InvalidArgumentError for an empty list, a tensor that is not a
 //    floating-point leaf requiring grad, a tensor listed twice or one that
 //    already has a leaf-gradient hook (DDP's parameters, another
