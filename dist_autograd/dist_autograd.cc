@@ -685,23 +685,16 @@ Future<void> runGraph(Container& container,
     return whenAllSucceed(replies);
   }
   // This part is done when the other workers' parts and the hooks' work
-  // (an in-backward optimizer step) are.
-  const std::string where =
-      "backward on worker '" + container.agent().self().name + "'";
-  for (auto& h : hooks) {
-    Promise<void> named;
-    Future<void> out = named.getFuture();
-    h.addDoneCallback([named, where](const Future<void>& f) mutable {
-      if (f.hasError()) {
-        named.setError(f.error().withContext(where));
-      } else {
-        named.setValue();
-      }
-    });
-    h = std::move(out);
-  }
-  hooks.push_back(whenAllSucceed(replies));
-  return whenAllSucceed(hooks);
+  // (an in-backward optimizer step) are; a hook's failure names this worker.
+  Future<void> hooksDone = whenAllSucceed(hooks).then(
+      [where = "backward on worker '" + container.agent().self().name +
+               "'"](const Future<void>& f) {
+        return f.hasError()
+                   ? makeErrorFuture<void>(f.error().withContext(where))
+                   : makeReadyFuture();
+      });
+  return whenAllSucceed(
+      std::vector<Future<void>>{std::move(hooksDone), whenAllSucceed(replies)});
 }
 
 }  // namespace

@@ -157,6 +157,19 @@ Mutex& stepMutex() {
   return mu;
 }
 
+// InvalidArgumentError unless `t` is a tensor an optimizer can update;
+// `which` names it in the message.
+void checkUpdatable(const at::Tensor& t, const std::string& which) {
+  if (!t.defined()) {
+    throwError(Error::invalidArgument(which + " is an undefined tensor"));
+  }
+  if (!at::isFloatingType(t.scalar_type())) {
+    throwError(Error::invalidArgument(
+        which + " is a " + std::string(c10::toString(t.scalar_type())) +
+        " tensor; optimizers update floating-point parameters only"));
+  }
+}
+
 }  // namespace
 
 // Parameters and the torch::optim optimizer over them, on their owner: the
@@ -388,14 +401,7 @@ std::shared_ptr<LocalOptimizer> makeLocalOptimizer(
     const std::string which = "parameter " + std::to_string(i) + " (RRef " +
                               std::to_string(r.id().worker) + ":" +
                               std::to_string(r.id().local) + ")";
-    if (!t.defined()) {
-      throwError(Error::invalidArgument(which + " is an undefined tensor"));
-    }
-    if (!at::isFloatingType(t.scalar_type())) {
-      throwError(Error::invalidArgument(
-          which + " is a " + std::string(c10::toString(t.scalar_type())) +
-          " tensor; optimizers update floating-point parameters only"));
-    }
+    checkUpdatable(t, which);
     if (!seen.insert(t.unsafeGetTensorImpl()).second) {
       // torch::optim would step it twice.
       throwError(Error::invalidArgument(which + " appears twice"));
@@ -697,19 +703,12 @@ OptimizerInBackward::OptimizerInBackward(OptimizerSpec spec,
         "OptimizerInBackward: the parameter list is empty"));
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& t = params[i];
-    if (t.defined() && !at::isFloatingType(t.scalar_type())) {
-      throwError(Error::invalidArgument(
-          "OptimizerInBackward: parameter " + std::to_string(i) + " is a " +
-          std::string(c10::toString(t.scalar_type())) +
-          " tensor; optimizers update floating-point parameters only"));
-    }
+    detail::checkUpdatable(
+        params[i], "OptimizerInBackward: parameter " + std::to_string(i));
   }
-  if (timeout && *timeout < Duration::zero()) {
-    throwError(Error::invalidArgument(
-        "OptimizerInBackward: the timeout is negative (" +
-        formatDuration(*timeout) + ")"));
-  }
+  // The fallback (the agent's call timeout) is known only in the backward;
+  // this refuses a negative timeout now.
+  timeoutOr(timeout, Duration::zero(), "OptimizerInBackward timeout");
   try {
     impl_ = std::make_shared<Impl>(detail::toConfig(spec), params, timeout);
   } catch (const c10::Error& e) {
@@ -728,7 +727,8 @@ OptimizerInBackward::OptimizerInBackward(OptimizerSpec spec,
             taken[i] = std::exchange(grads[i], at::Tensor());
           }
           const Duration limit =
-              impl->timeout.value_or(agent.options().defaultTimeout);
+              timeoutOr(impl->timeout, agent.options().defaultTimeout,
+                        "OptimizerInBackward timeout");
           return detail::gatedStep(
               agent, contextId, ownerWaitUs(limit),
               "the in-backward step of " + contextName(contextId),

@@ -96,27 +96,44 @@ std::shared_ptr<Table> makeTable(at::Tensor weight) {
 at::Tensor makeLongTensor() { return at::arange(4, at::kLong); }
 at::Tensor failToMakeTensor() { throw std::runtime_error("no tensor for you"); }
 
-// Layers by key on their owner, for a test where trainers on several
-// workers use one layer without an RRef to it.
-std::mutex gLayersMu;
-std::map<std::string, std::shared_ptr<Layer>> gLayers;
-std::shared_ptr<Layer> layerAt(const std::string& key) {
-  std::lock_guard<std::mutex> lock(gLayersMu);
-  auto it = gLayers.find(key);
-  if (it == gLayers.end()) {
-    throw std::out_of_range("no layer " + key);
+// Objects by key on their owner (one process holds every worker), for
+// tests that reach them without an RRef.
+template <typename T>
+class ByKey {
+ public:
+  explicit ByKey(std::string kind) : kind_(std::move(kind)) {}
+  std::shared_ptr<T> at(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = objects_.find(key);
+    if (it == objects_.end()) {
+      throw std::out_of_range("no " + kind_ + " " + key);
+    }
+    return it->second;
   }
-  return it->second;
+  void put(std::string key, std::shared_ptr<T> object) {
+    std::lock_guard<std::mutex> lock(mu_);
+    objects_[std::move(key)] = std::move(object);
+  }
+  void drop(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    objects_.erase(key);
+  }
+
+ private:
+  const std::string kind_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<T>> objects_;
+};
+
+// Layers, for a test where trainers on several workers use one layer.
+ByKey<Layer> gLayers("layer");
+std::shared_ptr<Layer> layerAt(const std::string& key) {
+  return gLayers.at(key);
 }
 void addLayer(std::string key, at::Tensor w, at::Tensor b) {
-  auto l = makeLayer(std::move(w), std::move(b));
-  std::lock_guard<std::mutex> lock(gLayersMu);
-  gLayers[key] = std::move(l);
+  gLayers.put(std::move(key), makeLayer(std::move(w), std::move(b)));
 }
-void dropLayer(std::string key) {
-  std::lock_guard<std::mutex> lock(gLayersMu);
-  gLayers.erase(key);
-}
+void dropLayer(std::string key) { gLayers.drop(key); }
 at::Tensor layerForward(std::string key, at::Tensor x) {
   return layerAt(key)->forward(std::move(x));
 }
@@ -153,28 +170,16 @@ double inlineSlowRead(std::string key) {
   return layerAt(key)->w.sum().item<double>();
 }
 
-// Tables by key on their owner, for OptimizerInBackward: the test makes
-// the optimizer over the owner's very tensor (one process holds every
-// worker), as a server does over its own.
-std::mutex gTablesMu;
-std::map<std::string, std::shared_ptr<Table>> gTables;
+// Tables, for OptimizerInBackward: the test makes the optimizer over the
+// owner's very tensor, as a server does over its own.
+ByKey<Table> gTables("table");
 std::shared_ptr<Table> tableAt(const std::string& key) {
-  std::lock_guard<std::mutex> lock(gTablesMu);
-  auto it = gTables.find(key);
-  if (it == gTables.end()) {
-    throw std::out_of_range("no table " + key);
-  }
-  return it->second;
+  return gTables.at(key);
 }
 void addTable(std::string key, at::Tensor weight) {
-  auto t = makeTable(std::move(weight));
-  std::lock_guard<std::mutex> lock(gTablesMu);
-  gTables[key] = std::move(t);
+  gTables.put(std::move(key), makeTable(std::move(weight)));
 }
-void dropTable(std::string key) {
-  std::lock_guard<std::mutex> lock(gTablesMu);
-  gTables.erase(key);
-}
+void dropTable(std::string key) { gTables.drop(key); }
 at::Tensor tableLookup(std::string key, at::Tensor ids, at::Tensor offsets) {
   return tableAt(key)->lookup(std::move(ids), std::move(offsets));
 }
