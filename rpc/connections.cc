@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <algorithm>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "rendezvous.h"
 #include <trellis/core/logging.h>
@@ -32,6 +33,37 @@ at::Tensor receiveBuffer(BufferPool& pool, size_t length) {
   return at::from_blob(
       data, {static_cast<int64_t>(length)},
       [buffer = std::move(buffer)](void*) mutable { buffer.reset(); }, options);
+}
+
+// The cuda_ipc channel orders its copy after the writer's legacy default
+// stream only (docs/transport.md, "cuda_ipc channel"). A tensor the sending
+// thread made on another current stream (a side stream of torch's pool)
+// may still be being written there: make the default stream wait for the
+// current one, once per device of the message. An event and a wait on the
+// GPU; the host does not block.
+void joinCurrentStreams(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> joined;  // stays empty without CUDA tensors
+  for (const auto& t : tensors) {
+    if (!t.is_cuda()) {
+      continue;
+    }
+    const c10::Device device = t.device();
+    if (std::find(joined.begin(), joined.end(), device) != joined.end()) {
+      continue;
+    }
+    joined.push_back(device);
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    const c10::Stream current = impl->getStream(device);
+    const c10::Stream legacy = impl->getDefaultStream(device);
+    if (current == legacy) {
+      continue;
+    }
+    void* event = nullptr;
+    impl->record(&event, current, device.index(),
+                 c10::EventFlag::PYTORCH_DEFAULT);
+    impl->block(event, legacy);
+    impl->destroyEvent(event, device.index());  // freed once it fired
+  }
 }
 
 tp::Limits transportLimits(const RpcOptions& options) {
@@ -156,6 +188,7 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
   held.bytes = body.wire().release();
   held.tensors = body.tensors();
   held.context = std::move(context);
+  joinCurrentStreams(held.tensors);
   tp::Message m;
   m.descriptor = env.SerializeAsString();
   m.payloads.push_back({held.bytes.data(), held.bytes.size()});

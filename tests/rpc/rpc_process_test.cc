@@ -1,7 +1,8 @@
 // RPC between real worker processes (rpc_worker_helper): all-pairs calls
 // with a clean shutdown, a callee SIGKILLed mid-call, an RRef forked across
 // three processes, 32 workers at once, and malformed envelopes written by
-// a raw transport pipe. The in-process tests are in agent_test.cc.
+// a raw transport pipe, and CUDA tensors between processes. The in-process
+// tests are in agent_test.cc.
 
 #include <arpa/inet.h>
 #include <chrono>
@@ -235,6 +236,24 @@ TEST(RpcProcess, RRefForkedAcrossThreeProcessesFreedExactlyAfterLastUser) {
   }
   const auto status = job.waitAll(60s);
   for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(exitedZero(status[r])) << "rank " << r << "\n"
+                                       << job.stderrOf(r);
+    const auto loud = loudLines(job.stderrOf(r));
+    EXPECT_TRUE(loud.empty()) << "rank " << r << ": " << loud.front();
+  }
+}
+
+// CUDA tensors between two processes (cuda_ipc opens the other process's
+// memory and event handles); skips where the workers see no GPU.
+TEST(RpcProcess, CudaTensorsBetweenProcesses) {
+  RpcJob job("cuda", 2);
+  const std::string line = lineStartingWith(job[0], "cuda ", 120000);
+  const auto status = job.waitAll(60s);
+  if (line.rfind("cuda skip", 0) == 0) {
+    GTEST_SKIP() << line.substr(10);
+  }
+  EXPECT_EQ(line, "cuda ok 45") << job.stderrOf(0) << job.stderrOf(1);
+  for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(exitedZero(status[r])) << "rank " << r << "\n"
                                        << job.stderrOf(r);
     const auto loud = loudLines(job.stderrOf(r));

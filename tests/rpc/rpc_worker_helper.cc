@@ -23,7 +23,13 @@
 //           "third ok <n> failed <m>". Once the file argv[3] exists (w1
 //           has been SIGCONTed) it calls w1 again ("after <sum>") and
 //           lets w1 and w2 finish.
+//   cuda    2 workers; w0 echoes CUDA tensors through w1 (cuda_ipc between
+//           processes) and fetches one by remote() + toHere: "cuda ok <n>",
+//           or "cuda skip <why>" where there is no GPU or CUDA libtorch
 
+#include <ATen/Context.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -100,10 +106,17 @@ void dropHeld() {
   }
 }
 
+at::Tensor echo(const at::Tensor& t) { return t; }
+at::Tensor makeOnDevice(int64_t n) {
+  return at::arange(n, at::TensorOptions().device(at::kCUDA, 0)).to(at::kFloat);
+}
+
 std::atomic<int> gCalls{0};
 void countCall() { ++gCalls; }
 
 TRELLIS_REMOTE_FUNCTION(addInts);
+TRELLIS_REMOTE_FUNCTION(echo);
+TRELLIS_REMOTE_FUNCTION(makeOnDevice);
 TRELLIS_REMOTE_FUNCTION(countCall);
 TRELLIS_REMOTE_FUNCTION(whoAmI);
 TRELLIS_REMOTE_FUNCTION(sleepMs);
@@ -429,6 +442,54 @@ int scenarioStop(int32_t rank, const std::string& stoppedFile,
   return 0;
 }
 
+// Both workers see the same machine, so both skip or neither does.
+int scenarioCuda(int32_t rank) {
+  if (!at::hasCUDA()) {
+    if (rank == 0) {
+      say("cuda skip no GPU visible, or a libtorch without CUDA");
+    }
+    rpc::shutdown({.graceful = true});
+    return 0;
+  }
+  if (rank == 0) {
+    const auto on = at::TensorOptions().device(at::kCUDA, 0);
+    std::vector<at::Tensor> sent = {at::arange(0, on.dtype(at::kFloat)),
+                                    at::arange(1000, on.dtype(at::kHalf)),
+                                    at::arange(1 << 20, on.dtype(at::kLong)),
+                                    at::arange(64 * 64, on.dtype(at::kFloat))
+                                        .view({64, 64})
+                                        .narrow(0, 8, 16)};
+    // One allocation sent again and again: the reader's cached handle.
+    for (int i = 0; i < 20; ++i) {
+      sent.push_back(sent[2]);
+    }
+    // Fresh allocations, freed as soon as echoed: addresses reused by the
+    // caching allocator, each a new buffer to the reader.
+    for (int i = 0; i < 20; ++i) {
+      sent.push_back(at::full({1 << 16}, float(i), on));
+    }
+    int ok = 0;
+    for (const auto& t : sent) {
+      const at::Tensor back = rpc::rpcSync<echo>("w1", t);
+      if (!back.is_cuda() || !back.cpu().equal(t.cpu())) {
+        say("cuda mismatch at " + std::to_string(ok));
+        return 3;
+      }
+      ++ok;
+    }
+    const at::Tensor fetched =
+        rpc::remote<makeOnDevice>("w1", int64_t{100000}).toHere();
+    if (!fetched.is_cuda() ||
+        !fetched.cpu().equal(at::arange(100000).to(at::kFloat))) {
+      say("cuda toHere mismatch");
+      return 3;
+    }
+    say("cuda ok " + std::to_string(ok + 1));
+  }
+  rpc::shutdown({.graceful = true});
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: rpc_worker_helper SCENARIO [ARG]\n");
@@ -469,6 +530,9 @@ int main(int argc, char** argv) {
     }
     if (scenario == "stop" && argc > 3) {
       return scenarioStop(rank, argv[2], argv[3]);
+    }
+    if (scenario == "cuda") {
+      return scenarioCuda(rank);
     }
     if (scenario == "serve") {
       return scenarioServe(rank, argc > 2 ? argv[2] : "");
