@@ -11,9 +11,13 @@
 #   build_on_gpu_machine.sh test [OUTDIR]  (there, from the repository root,
 #       with .gpu-debs/ copied along) unpacks them into a private prefix,
 #       configures against the machine's PyTorch and NCCL, builds the GPU
-#       tests and runs them; logs go to OUTDIR;
+#       tests (nccl, cuda_ipc, CUDA tensors over RPC, DDP over nccl) and
+#       runs them, then the GPU echo benchmark; logs go to OUTDIR;
 #   build_on_gpu_machine.sh all [OUTDIR]   (there, after `test`) builds the
-#       rest of the tree against the same libtorch, to show it compiles.
+#       rest of the tree against the same libtorch, to show it compiles,
+#       and runs the CPU suites against it;
+#   build_on_gpu_machine.sh build OUTDIR TARGET...   (there) builds only
+#       those targets (to debug one test against that libtorch).
 #
 # The packages are unpacked into /opt/trellis-deps, never over /.
 set -euo pipefail
@@ -24,7 +28,12 @@ prefix=/opt/trellis-deps
 build=build/gpu
 packages=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 nlohmann-json3-dev
   libgtest-dev libgmock-dev libuv1-dev libuv1 libprotobuf-dev libprotobuf32
-  protobuf-compiler libprotoc32 libboost1.74-dev libssl-dev zlib1g-dev)
+  protobuf-compiler libprotoc32 libboost1.74-dev libssl-dev zlib1g-dev
+  libcli11-dev libgrpc++-dev libgrpc-dev libgrpc++1.51 libgrpc29
+  protobuf-compiler-grpc libabsl-dev libabsl20220623 libre2-dev libre2-9
+  libc-ares-dev libc-ares2)
+# elastic/ needs CLI11 and gRPC at configure time (elastic-run's etcd
+# client), even where none of its targets is built.
 
 unpack() {
   mkdir -p "$prefix"
@@ -44,13 +53,19 @@ unpack() {
   done
 }
 
-configure() {
-  local torch nccl
+# In this shell, not in configure's (which runs in a pipeline's subshell):
+# the build runs carried programs too (grpc_cpp_plugin needs libgrpc29's
+# libraries).
+setenv() {
   torch=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   nccl=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')
   local lib=$prefix/usr/lib/x86_64-linux-gnu
   export PKG_CONFIG_PATH=$lib/pkgconfig PKG_CONFIG_SYSROOT_DIR=$prefix
   export LD_LIBRARY_PATH=$lib:$nccl/lib:${LD_LIBRARY_PATH:-}
+}
+
+configure() {
+  local lib=$prefix/usr/lib/x86_64-linux-gnu
   python3 -c 'import torch; print("torch", torch.__version__, "cuda",
     torch.version.cuda, "nccl", torch.cuda.nccl.version(),
     torch.cuda.get_device_name(0))'
@@ -64,7 +79,8 @@ configure() {
     -DTRELLIS_ENABLE_NCCL=ON \
     -DTRELLIS_NCCL_INCLUDE_DIR="$nccl/include" \
     -DTRELLIS_NCCL_LIBRARY="$(ls "$nccl"/lib/libnccl.so* | head -1)" \
-    -DCMAKE_CUDA_ARCHITECTURES=90
+    -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5
 }
 
 case "${1:-}" in
@@ -73,21 +89,31 @@ case "${1:-}" in
     (cd "$debs" && apt-get download "${packages[@]}")
     du -sh "$debs"
     ;;
-  test | all)
+  test | all | build)
     out=${2:-/tmp/gpu-out}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     [[ -d $prefix/usr ]] || unpack
+    setenv
     configure 2>&1 | tee "$out/configure.log" | tail -n 20
+    if [[ $1 == build ]]; then
+      cmake --build "$build" -j "$(nproc)" --target "${@:3}"
+      exit
+    fi
     if [[ $1 == test ]]; then
       targets=(collectives_nccl_test cuda_ipc_test cuda_ipc_peer_helper
-        cuda_ipc_pipe_test cuda_ipc_pipe_helper collectives_test transport_test)
+        cuda_ipc_pipe_test cuda_ipc_pipe_helper transport_test rpc_cuda_test
+        rpc_process_test rpc_worker_helper ddp_cuda_test rpc_cuda_bench)
       set -o pipefail
-      cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" \
+      cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" -- -k 0 \
         2>&1 | tee "$out/build.log" | grep -E 'error|FAILED' | head -n 60 || true
       rc=0
-      (cd "$build" && ctest --output-on-failure -j 4 -R 'Nccl|CudaIpc|ProcessGroup|PerDeviceChannels' \
+      (cd "$build" && ctest --output-on-failure -j 4 \
+        -R 'Nccl|CudaIpc|PerDeviceChannels|RpcCuda|CudaTensorsBetweenProcesses|DdpCuda' \
         --timeout 300) 2>&1 | tee "$out/ctest.log" | tail -n 60 || rc=$?
+      # The GPU tensor echo through RPC (docs/benchmarks.md).
+      timeout 180 "$build/bench/rpc_cuda_bench" 2>&1 |
+        tee "$out/rpc_cuda_bench.txt" || rc=$?
       exit $rc
     fi
     cmake --build "$build" -j "$(nproc)" -- -k 0 2>&1 | tee "$out/build-all.log" |
@@ -99,7 +125,7 @@ case "${1:-}" in
     sed -n '/tests passed/,$p' "$out/ctest-all.log"
     ;;
   *)
-    echo "usage: $0 fetch | test [OUTDIR] | all [OUTDIR]" >&2
+    echo "usage: $0 fetch | test [OUTDIR] | all [OUTDIR] | build OUTDIR TARGET..." >&2
     exit 2
     ;;
 esac
