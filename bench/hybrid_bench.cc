@@ -44,6 +44,7 @@
 #include "../examples/dlrm.h"
 #include "../examples/row_shards.h"
 #include "bench_util.h"
+#include <trellis/core/text.h>
 
 namespace {
 
@@ -184,9 +185,8 @@ Split hybrid(const std::string& elasticRun, const std::string& job, int servers,
     out += buf;
   }
   const int status = ::pclose(p);
-  std::error_code ec;
-  std::filesystem::remove_all(
-      "/tmp/trellis-hybrid-bench-" + std::to_string(::getpid()), ec);
+  trellis::removeTree("/tmp/trellis-hybrid-bench-" +
+                      std::to_string(::getpid()));
   Split s;
   const char* line = std::strstr(out.c_str(), "trainer0: per step: ");
   double perTrainer = 0;

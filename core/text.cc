@@ -1,5 +1,9 @@
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <trellis/core/text.h>
@@ -52,6 +56,41 @@ bool writeAll(int fd, std::string_view bytes) {
     off += static_cast<size_t>(n);
   }
   return true;
+}
+
+namespace {
+// nftw's callback takes no context: the walk of this thread records its
+// first failure here.
+thread_local std::string* tFirstFailure = nullptr;
+
+int removeEntry(const char* path, const struct stat* /*st*/, int /*type*/,
+                FTW* /*ftw*/) {
+  // Depth first: a directory comes after everything in it.
+  if (std::remove(path) != 0 && errno != ENOENT && tFirstFailure->empty()) {
+    *tFirstFailure = std::string(path) + ": " + std::strerror(errno);
+  }
+  return 0;  // go on: remove what can be removed
+}
+}  // namespace
+
+bool removeTree(const std::string& path, std::string* why) {
+  std::string failure;
+  tFirstFailure = &failure;
+  const int rc = ::nftw(path.c_str(), removeEntry, 16, FTW_DEPTH | FTW_PHYS);
+  const int walkErrno = errno;
+  tFirstFailure = nullptr;
+  if (rc != 0 && walkErrno != ENOENT && failure.empty()) {
+    failure = path + ": " + std::strerror(walkErrno);
+  }
+  struct stat st {};
+  const bool gone = ::lstat(path.c_str(), &st) != 0 && errno == ENOENT;
+  if (!gone && failure.empty()) {
+    failure = path + ": still there";
+  }
+  if (why != nullptr) {
+    *why = gone ? "" : failure;
+  }
+  return gone;
 }
 
 }  // namespace trellis

@@ -29,4 +29,15 @@ std::string toHex(std::span<const uint8_t> bytes);
 // written.
 bool writeAll(int fd, std::string_view bytes);
 
+// Removes `path` and, for a directory, everything under it, without
+// following symbolic links (a link is removed, not what it names). True
+// when nothing is left there (a path that did not exist included); else
+// false, with `why` (when given) naming the first entry that stayed and
+// the reason. Use it instead of std::filesystem::remove_all in anything
+// that links libtorch: PyTorch's wheels export a remove_all of their own
+// from libtorch.so, which the dynamic linker may bind the whole process
+// to, and which crashed (a call through a null pointer; torch 2.11,
+// docs/collectives_nccl.md, "Running the GPU tests").
+bool removeTree(const std::string& path, std::string* why = nullptr);
+
 }  // namespace trellis

@@ -844,8 +844,7 @@ int main(int argc, char** argv) {
       // no more (a given --checkpoint-dir is the user's to keep); after a
       // failure elastic-run may restart the group from them.
       if (allZero && f.checkpointDir.empty()) {
-        std::error_code ec;
-        fs::remove_all(dir, ec);
+        trellis::removeTree(dir);
       }
     }
   } catch (const std::exception& e) {

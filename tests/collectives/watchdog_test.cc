@@ -14,6 +14,7 @@
 #include <trellis/collectives/flight_report.h>
 #include <trellis/collectives/progress.h>
 #include <trellis/collectives/watchdog.h>
+#include <trellis/core/text.h>
 #include <trellis/store/hash_store.h>
 
 namespace trellis::collectives::detail {
@@ -107,7 +108,7 @@ TEST(FlightRecorder, DumpIsJsonWithEveryFieldAndWallClockTimes) {
   r.finished(b, Error::timeout("bad \xff bytes"));
   const auto dir = std::filesystem::temp_directory_path() /
                    ("trellis-fr-" + std::to_string(getpid()));
-  std::filesystem::remove_all(dir);
+  trellis::removeTree(dir);
   GroupInfo g{"default", "default#1", "cpu", 1, 4, 2000ms};
   std::string path;
   ASSERT_TRUE(
@@ -139,7 +140,7 @@ TEST(FlightRecorder, DumpIsJsonWithEveryFieldAndWallClockTimes) {
   EXPECT_FALSE(err.ok());
   EXPECT_NE(err.message().find("/proc/no/such/dir"), std::string::npos)
       << err.what();
-  std::filesystem::remove_all(dir);
+  trellis::removeTree(dir);
 }
 
 // ---------------------------------------------------------------------------
@@ -478,7 +479,7 @@ struct Harness {
     g.recorder = recorder;
     return g;
   }
-  ~Harness() { std::filesystem::remove_all(dir); }
+  ~Harness() { trellis::removeTree(dir); }
 };
 
 WatchdogConfig fastConfig() {

@@ -1,7 +1,9 @@
 #include <array>
 #include <cerrno>
 #include <fcntl.h>
+#include <fstream>
 #include <string>
+#include <sys/stat.h>
 #include <thread>
 #include <unistd.h>
 
@@ -53,6 +55,44 @@ TEST(ToHex, TwoLowercaseDigitsPerByte) {
   const std::array<uint8_t, 4> bytes{0x00, 0x0f, 0xa0, 0xff};
   EXPECT_EQ(toHex(bytes), "000fa0ff");
   EXPECT_EQ(toHex({}), "");
+}
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::lstat(p.c_str(), &st) == 0;
+}
+
+// A tree with files, an empty directory and a link out of it goes; what
+// the link names stays. A missing path is already gone.
+TEST(RemoveTree, RemovesEverythingUnderAPathButNotWhatALinkNames) {
+  char base[] = "/tmp/trellis-remove-tree-XXXXXX";
+  ASSERT_NE(::mkdtemp(base), nullptr);
+  const std::string root = std::string(base) + "/root";
+  const std::string outside = std::string(base) + "/outside";
+  ASSERT_EQ(::mkdir(root.c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir(outside.c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((root + "/a").c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((root + "/a/b").c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((root + "/empty").c_str(), 0700), 0);
+  std::ofstream(root + "/a/b/file") << "x";
+  std::ofstream(root + "/top") << "y";
+  std::ofstream(outside + "/kept") << "z";
+  ASSERT_EQ(::symlink(outside.c_str(), (root + "/a/link").c_str()), 0);
+  std::string why = "unset";
+  EXPECT_TRUE(removeTree(root, &why));
+  EXPECT_EQ(why, "");
+  EXPECT_FALSE(exists(root));
+  EXPECT_TRUE(exists(outside + "/kept"));
+  EXPECT_TRUE(removeTree(root, &why)) << "a missing path is gone already";
+  EXPECT_TRUE(removeTree(base));
+  EXPECT_FALSE(exists(base));
+}
+
+// What cannot be removed (a file of /proc, even for root) is named.
+TEST(RemoveTree, NamesWhatStayed) {
+  std::string why;
+  EXPECT_FALSE(removeTree("/proc/self/status", &why));
+  EXPECT_NE(why.find("/proc/self/status"), std::string::npos) << why;
 }
 
 TEST(WriteAll, WritesEverythingAndReportsAClosedPipe) {

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <trellis/core/error.h>
+#include <trellis/core/text.h>
 #include <trellis/elastic/checkpoint.h>
 
 namespace trellis::elastic {
@@ -22,7 +23,7 @@ struct TempDir {
   fs::path path = fs::temp_directory_path() /
                   ("trellis-ckpt-" + std::to_string(::getpid()) + "-" +
                    std::to_string(reinterpret_cast<uintptr_t>(this)));
-  ~TempDir() { fs::remove_all(path); }
+  ~TempDir() { trellis::removeTree(path); }
 };
 
 torch::nn::Sequential model() {

@@ -35,6 +35,7 @@
 #include "elastic_test_util.h"
 #include "etcd_server.h"
 #include <trellis/core/auth.h>
+#include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/store/tcp_store.h>
 
@@ -69,8 +70,7 @@ class Job {
   }
   ~Job() {
     agents_.clear();  // SIGKILLs and reaps the agents still there
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
+    trellis::removeTree(dir_);
   }
 
   // Starts agent `i` (its stderr in <dir>/agent<i>.err); `netns`, when

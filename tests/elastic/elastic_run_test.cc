@@ -20,6 +20,7 @@
 
 #include "../transport/peer_process.h"
 #include "elastic_test_util.h"
+#include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 
 using namespace std::chrono_literals;
@@ -72,8 +73,7 @@ class AgentRun {
         ::kill(pid, SIGKILL);
       }
     }
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
+    trellis::removeTree(dir_);
   }
 
   // elastic-run <flags> --log-dir <dir>/logs <worker> <workerArgs>

@@ -10,6 +10,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <trellis/core/text.h>
 #include <trellis/elastic/errors.h>
 
 namespace trellis::elastic {
@@ -23,11 +24,11 @@ class ErrorFiles : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("trellis_elastic_errors_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
+    trellis::removeTree(dir_);
     fs::create_directories(dir_);
   }
   void TearDown() override {
-    fs::remove_all(dir_);
+    trellis::removeTree(dir_);
     ::unsetenv(kErrorFileEnvVar);
   }
   std::string path(const std::string& name) const { return dir_ / name; }

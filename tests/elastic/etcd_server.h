@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../transport/peer_process.h"
+#include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/elastic/etcd_store.h>
 
@@ -42,8 +43,7 @@ class EtcdServer {
   }
   ~EtcdServer() {
     kill();
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
+    trellis::removeTree(dir_);
   }
   EtcdServer(const EtcdServer&) = delete;
   EtcdServer& operator=(const EtcdServer&) = delete;

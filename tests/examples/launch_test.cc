@@ -18,6 +18,7 @@
 
 #include "../rpc/worker_job.h"
 #include "../transport/peer_process.h"
+#include <trellis/core/text.h>
 
 using namespace std::chrono_literals;
 using trellis::rpc::testing::Clock;
@@ -36,10 +37,13 @@ class Launch {
              ("trellis_launch_" + std::to_string(::getpid()) + "_" +
               std::to_string(counter()++))) {
     std::filesystem::create_directories(dir_);
-    std::vector<std::string> args = {"--nproc", std::to_string(nproc),
+    std::vector<std::string> args = {"--nproc",
+                                     std::to_string(nproc),
                                      "--master-port",
                                      std::to_string(port_.port()),
-                                     "--timeout-s", "120", "--"};
+                                     "--timeout-s",
+                                     "120",
+                                     "--"};
     for (auto& a : command) {
       args.push_back(a.rfind("{dir}/", 0) == 0 ? path(a.substr(6)) : a);
     }
@@ -53,8 +57,7 @@ class Launch {
       child_->wait(15000);
     }
     child_.reset();
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
+    trellis::removeTree(dir_);
   }
 
   Child& launcher() { return *child_; }
@@ -172,8 +175,7 @@ TEST(Launch, RankThatLeavesEarlyLetsTheOthersFailNamingIt) {
   for (int r = 0; r < 2; ++r) {
     const std::string line = job.lineWith("shutdown ", 60000);
     ASSERT_FALSE(line.empty()) << job.seen << job.stderrText();
-    EXPECT_NE(line.find("shutdown ConnectionError"), std::string::npos)
-        << line;
+    EXPECT_NE(line.find("shutdown ConnectionError"), std::string::npos) << line;
     EXPECT_NE(line.find("worker 'w2' (rank 2) has not entered shutdown and "
                         "is gone"),
               std::string::npos)

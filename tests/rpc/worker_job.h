@@ -23,6 +23,7 @@
 
 #include "../transport/peer_process.h"
 #include <trellis/core/auth.h>
+#include <trellis/core/text.h>
 
 namespace trellis::rpc::testing {
 
@@ -154,8 +155,7 @@ class Job {
   }
   ~Job() {
     children_.clear();  // SIGKILLs and reaps any still running
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
+    trellis::removeTree(dir_);
   }
 
   Child& operator[](int r) { return *children_[r]; }
