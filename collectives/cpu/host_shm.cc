@@ -647,7 +647,7 @@ class HostShm::Impl {
         if (arrived()) {
           return Error();
         }
-        mesh.abort(e);
+        mesh.abort(withOthersGone(i, counter, g, mesh, e));
         return mesh.error();
       }
       if (deadline.expired() && !arrived()) {
@@ -665,6 +665,41 @@ class HostShm::Impl {
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
     }
+  }
+
+  // A dead peer on a host rarely dies alone (a host's ranks go together; a
+  // job is ended rank by rank), and the transport sees each one's pipe
+  // close on its own: before failing on peer `i`, wait a moment for the
+  // others of this host that have not reached generation `g` either, and
+  // name each that turns out to be gone, not only the one waited for.
+  Error withOthersGone(int i, std::atomic<uint64_t> Control::*counter,
+                       uint64_t g, Mesh& mesh, const Error& first) {
+    std::vector<int> suspects;  // indices on this host, not arrived
+    for (int j = 0; j < size(); ++j) {
+      if (j != index_ && j != i &&
+          (control(j)->*counter).load(std::memory_order_acquire) < g) {
+        suspects.push_back(j);
+      }
+    }
+    std::string also;
+    const auto until = Clock::now() + std::chrono::milliseconds(100);
+    while (!suspects.empty()) {
+      for (auto it = suspects.begin(); it != suspects.end();) {
+        const int rank = ranks_[static_cast<size_t>(*it)];
+        if (Error e = mesh.linkError(rank); !e.ok()) {
+          also += "; rank " + std::to_string(rank) +
+                  " of this host is gone too: " + e.message();
+          it = suspects.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (suspects.empty() || Clock::now() >= until) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return also.empty() ? first : Error(first.code(), first.message() + also);
   }
 
   std::vector<int> ranks_;

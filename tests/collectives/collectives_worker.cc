@@ -8,6 +8,7 @@
 //  stop    rank 2 issues the step-3 allreduce and SIGSTOPs itself.
 //  kill    rank 2 says "ready" after step 2 and waits for the test's
 //          SIGKILL.
+//  kill-two  (4 ranks) ranks 2 and 3 do as rank 2 of `kill`.
 //  never   rank 2 never calls the step-3 allreduce (it sleeps).
 //  desync  rank 1 calls broadcast at step 3 where the others allreduce.
 //  recover (mode=fail) rank 2 sleeps through step 3; every rank then
@@ -182,7 +183,8 @@ int main(int argc, char** argv) {
         }
       }
       say("step " + std::to_string(step));
-      if (step == 2 && rank == 2 && scenario == "kill") {
+      if (step == 2 && ((rank == 2 && scenario == "kill") ||
+                        (rank >= 2 && scenario == "kill-two"))) {
         say("ready");
         std::this_thread::sleep_for(60s);  // the test SIGKILLs it before
         return 3;

@@ -139,6 +139,33 @@ TEST(CollectivesProcess, AKilledRankFailsTheOthersWithinTwoSecondsNamingIt) {
   }
 }
 
+// Two of four ranks of one host (the shared-memory segment) killed
+// together: the survivors, waiting in the segment, name both, not only the
+// first they waited for.
+TEST(CollectivesProcess, TwoKilledRanksOfOneHostAreBothNamed) {
+  Job job(kWorker, "kill-two", 4, {"timeout_ms=60000"});
+  for (int r : {2, 3}) {
+    awaitStep(job, {r}, 2);
+    ASSERT_EQ(lineStartingWith(job[r], "ready", 30000), "ready");
+  }
+  ASSERT_EQ(::kill(job[2].pid, SIGKILL), 0);
+  ASSERT_EQ(::kill(job[3].pid, SIGKILL), 0);
+  const auto killed = Clock::now();
+  for (int r : {0, 1}) {
+    const std::string line = lineStartingWith(job[r], "error: ", 5000);
+    EXPECT_LT(Clock::now() - killed, kSlow * 2s)
+        << "rank " << r << ": " << line;
+    EXPECT_NE(line.find("rank 2"), std::string::npos) << line;
+    EXPECT_NE(line.find("rank 3"), std::string::npos) << line;
+    EXPECT_NE(line.find("UNAVAILABLE"), std::string::npos) << line;
+  }
+  for (int r : {0, 1}) {
+    const int status = job[r].wait(10000);
+    EXPECT_TRUE(endedFailing(status))
+        << "rank " << r << ": " << statusText(status);
+  }
+}
+
 TEST(CollectivesProcess, ARankThatNeverCallsIsNamedAndEveryRankExits) {
   Job job(kWorker, "never", 3, {"timeout_ms=1500"});
   ASSERT_EQ(lineStartingWith(job[2], "skipping", 30000), "skipping")
