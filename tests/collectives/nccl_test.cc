@@ -22,6 +22,7 @@
 #define TRELLIS_TEST_STREAMS 1
 #endif
 
+#include "../gpu/gpu_test.h"
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
 #include <trellis/store/hash_store.h>
@@ -30,29 +31,6 @@ namespace trellis::collectives {
 namespace {
 
 using namespace std::chrono_literals;
-
-// Why these tests cannot run here; empty where they can.
-std::string noGpu() {
-  int n = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
-    return std::string("no GPU visible (cudaGetDeviceCount: ") +
-           cudaGetErrorName(e) + ")";
-  }
-  if (n == 0) {
-    return "no GPU visible";
-  }
-  if (!torch::cuda::is_available()) {
-    return "this libtorch has no CUDA, so there are no CUDA tensors";
-  }
-  return "";
-}
-
-#define REQUIRE_GPU()                              \
-  do {                                             \
-    if (std::string why = noGpu(); !why.empty()) { \
-      GTEST_SKIP() << why;                         \
-    }                                              \
-  } while (0)
 
 const torch::Device kCuda0(torch::kCUDA, 0);
 
@@ -90,43 +68,7 @@ const torch::ScalarType kDtypes[] = {
     torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16, torch::kChar,
     torch::kByte,  torch::kInt,    torch::kLong, torch::kBool};
 
-// Holds the legacy default stream (torch's default current stream) in a
-// host function until the gate is opened or destroyed, or `limit` passed,
-// so an op issued after it cannot start. The limit frees the stream should
-// ncclCommAbort wait for the device. The host function owns its state, so
-// the gate never waits for the stream.
-class StreamGate {
- public:
-  explicit StreamGate(std::chrono::seconds limit)
-      : state_(std::make_shared<State>()) {
-    state_->limit = limit;
-    auto* held = new std::shared_ptr<State>(state_);
-    EXPECT_EQ(cudaLaunchHostFunc(nullptr, &StreamGate::hold, held),
-              cudaSuccess);
-  }
-  ~StreamGate() { open(); }
-  void open() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->open = true;
-    state_->cv.notify_all();
-  }
-
- private:
-  struct State {
-    std::chrono::seconds limit{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    bool open = false;
-  };
-  static void hold(void* p) {
-    std::unique_ptr<std::shared_ptr<State>> held(
-        static_cast<std::shared_ptr<State>*>(p));
-    State& s = **held;
-    std::unique_lock<std::mutex> lock(s.mu);
-    s.cv.wait_for(lock, s.limit, [&s] { return s.open; });
-  }
-  std::shared_ptr<State> state_;
-};
+using trellis::testing::StreamGate;
 
 TEST(NcclTest, AllreduceEveryDtypeAndOp) {
   REQUIRE_GPU();

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "../gpu/gpu_test.h"
 #include "models.h"
 #include <trellis/collectives/process_group.h>
 #include <trellis/core/error.h>
@@ -27,28 +28,6 @@ using namespace std::chrono_literals;
 using collectives::ProcessGroup;
 using collectives::ProcessGroupOptions;
 using testing::Mlp;
-
-std::string noGpu() {
-  int n = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
-    return std::string("no GPU visible (cudaGetDeviceCount: ") +
-           cudaGetErrorName(e) + ")";
-  }
-  if (n == 0) {
-    return "no GPU visible";
-  }
-  if (!torch::cuda::is_available()) {
-    return "this libtorch has no CUDA, so there are no CUDA tensors";
-  }
-  return "";
-}
-
-#define REQUIRE_GPU()                              \
-  do {                                             \
-    if (std::string why = noGpu(); !why.empty()) { \
-      GTEST_SKIP() << why;                         \
-    }                                              \
-  } while (0)
 
 const torch::Device kCuda0(torch::kCUDA, 0);
 

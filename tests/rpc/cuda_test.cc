@@ -9,10 +9,8 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <chrono>
-#include <condition_variable>
 #include <cuda_runtime_api.h>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -26,6 +24,7 @@
 #define TRELLIS_TEST_STREAMS 1
 #endif
 
+#include "../gpu/gpu_test.h"
 #include "agent_group.h"
 #include <trellis/core/error.h>
 #include <trellis/rpc/rpc.h>
@@ -55,29 +54,6 @@ TRELLIS_REMOTE_FUNCTION(addOnDevice);
 TRELLIS_REMOTE_FUNCTION(makeOnDevice);
 
 namespace {
-
-// Why these tests cannot run here; empty where they can.
-std::string noGpu() {
-  int n = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
-    return std::string("no GPU visible (cudaGetDeviceCount: ") +
-           cudaGetErrorName(e) + ")";
-  }
-  if (n == 0) {
-    return "no GPU visible";
-  }
-  if (!at::hasCUDA()) {
-    return "this libtorch has no CUDA, so there are no CUDA tensors";
-  }
-  return "";
-}
-
-#define REQUIRE_GPU()                              \
-  do {                                             \
-    if (std::string why = noGpu(); !why.empty()) { \
-      GTEST_SKIP() << why;                         \
-    }                                              \
-  } while (0)
 
 const at::TensorOptions kCuda0 = at::TensorOptions().device(at::kCUDA, 0);
 
@@ -177,42 +153,7 @@ TEST(RpcCuda, WithoutACudaChannelTheCallFailsNamingTheDevice) {
 }
 
 #ifdef TRELLIS_TEST_STREAMS
-// Holds a stream in a host function until opened or `limit` passed, so
-// work queued on it after the gate cannot start. The host function owns
-// its state: the gate never waits for the stream.
-class StreamGate {
- public:
-  StreamGate(cudaStream_t stream, std::chrono::seconds limit)
-      : state_(std::make_shared<State>()) {
-    state_->limit = limit;
-    auto* held = new std::shared_ptr<State>(state_);
-    EXPECT_EQ(cudaLaunchHostFunc(stream, &StreamGate::hold, held), cudaSuccess);
-  }
-  ~StreamGate() { open(); }
-  StreamGate(const StreamGate&) = delete;
-  StreamGate& operator=(const StreamGate&) = delete;
-  void open() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->open = true;
-    state_->cv.notify_all();
-  }
-
- private:
-  struct State {
-    std::chrono::seconds limit{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    bool open = false;
-  };
-  static void hold(void* p) {
-    std::unique_ptr<std::shared_ptr<State>> held(
-        static_cast<std::shared_ptr<State>*>(p));
-    State& s = **held;
-    std::unique_lock<std::mutex> lock(s.mu);
-    s.cv.wait_for(lock, s.limit, [&s] { return s.open; });
-  }
-  std::shared_ptr<State> state_;
-};
+using trellis::testing::StreamGate;
 
 // A template, so that only the accessor this libtorch has is compiled
 // (native_handle(), later stream_handle()).
@@ -243,7 +184,7 @@ TEST(RpcCuda, ATensorWrittenOnASideStreamIsSentAfterTheWrite) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   trellis::Future<at::Tensor> call;
   {
-    StreamGate gate(rawStream(side), 20s);
+    StreamGate gate(20s, rawStream(side));
     const c10::Stream before = impl->exchangeStream(side);
     t.fill_(7);  // on `side`, behind the gate
     const auto issued = std::chrono::steady_clock::now();
