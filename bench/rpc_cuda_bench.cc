@@ -4,7 +4,9 @@
 // synchronize (an echo moves the bytes there and back), and the RPC no-op
 // round trip (what any call costs), and the same echo through the transport
 // alone (Context and Pipe, the cuda_ipc channel; driven from the loop's
-// callbacks), which is what the RPC layer adds to. `--json` prints one JSON
+// callbacks), which is what the RPC layer adds to, and that echo between two
+// contexts of the caller's process. TRELLIS_CUDA_IPC_TRACE=1 logs where a
+// cuda_ipc read's time goes (docs/transport.md). `--json` prints one JSON
 // object per line (DESIGN.md, "Benchmarks"). Exits 0 with a note, measuring
 // nothing, where no GPU is visible or libtorch has no CUDA.
 //
@@ -24,6 +26,7 @@
 #include <functional>
 #include <string>
 #include <sys/prctl.h>
+#include <thread>
 #include <vector>
 
 #include "bench_util.h"
@@ -133,18 +136,9 @@ std::shared_ptr<tp::Context> makeContext(const char* name) {
 
 const tp::Device kDevice0 = tp::Device::cuda(0);
 
-// Callee: echoes each message's one CUDA tensor back from a device buffer
-// it keeps, until an empty descriptor "stop".
-void transportCallee(store::Store& st) {
-  auto ctx = makeContext("bench-callee");
-  auto listener = ctx->listen({"uv://127.0.0.1:0"});
-  st.set("transport/addr", listener->address("uv"));
-  Promise<std::shared_ptr<tp::Pipe>> accepted;
-  listener->accept(
-      [accepted](const Error& e, std::shared_ptr<tp::Pipe> pipe) mutable {
-        e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
-      });
-  auto pipe = accepted.getFuture().wait(kWait);
+// Echoes each message's one CUDA tensor on `pipe` back from a device
+// buffer it keeps, until a descriptor "stop".
+void serveEcho(const std::shared_ptr<tp::Pipe>& pipe) {
   at::Tensor buffer;
   Promise<void> done;
   std::function<void()> next = [&] {
@@ -176,6 +170,24 @@ void transportCallee(store::Store& st) {
   };
   next();
   done.getFuture().wait(std::chrono::seconds(600));
+}
+
+std::shared_ptr<tp::Pipe> acceptOne(tp::Listener& listener) {
+  Promise<std::shared_ptr<tp::Pipe>> accepted;
+  listener.accept(
+      [accepted](const Error& e, std::shared_ptr<tp::Pipe> pipe) mutable {
+        e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
+      });
+  return accepted.getFuture().wait(kWait);
+}
+
+// The callee process's echo server.
+void transportCallee(store::Store& st) {
+  auto ctx = makeContext("bench-callee");
+  auto listener = ctx->listen({"uv://127.0.0.1:0"});
+  st.set("transport/addr", listener->address("uv"));
+  auto pipe = acceptOne(*listener);
+  serveEcho(pipe);
   pipe->close();
   ctx->close();
   ctx->join();
@@ -221,42 +233,69 @@ std::vector<double> transportEcho(tp::Pipe& pipe, const at::Tensor& src,
   return us;
 }
 
-void transportCaller(store::Store& st) {
-  auto ctx = makeContext("bench-caller");
-  st.wait({"transport/addr"}, std::chrono::milliseconds(120'000));
-  auto pipe = ctx->connect(st.getString("transport/addr"));
+// The echo rows of `pipe` (`prefix` + size), then "stop" to its server.
+void measureTransport(tp::Pipe& pipe, const std::string& prefix) {
   const auto on = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0);
   for (size_t size : kSizes) {
     const auto n = static_cast<int64_t>(size);
     const at::Tensor src = at::ones({n}, on);
     at::Tensor dst = at::empty({n}, on);
-    transportEcho(*pipe, src, dst, 2);
+    transportEcho(pipe, src, dst, 2);
     std::vector<double> best;
     for (int b = 0; b < 3; ++b) {
-      auto us = transportEcho(*pipe, src, dst, repsFor(size) / 3);
+      auto us = transportEcho(pipe, src, dst, repsFor(size) / 3);
       if (best.empty() || bench::mean(us) < bench::mean(best)) {
         best = std::move(us);
       }
     }
     const std::string name = sizeName(size);
     if (size == kKiB) {
-      report.add("transport_cuda_echo_1KiB_rtt_median",
-                 bench::percentile(best, 0.5), "us");
+      report.add(prefix + "1KiB_rtt_median", bench::percentile(best, 0.5),
+                 "us");
     }
-    report.add("transport_cuda_echo_" + name,
+    report.add(prefix + name,
                static_cast<double>(size) / bench::mean(best) / 1e3, "GB/s",
                "cuda_copy_there_and_back_" + name);
   }
   tp::Message stop;
   stop.descriptor = "stop";
   Promise<void> sent;
-  pipe->write(std::move(stop), [sent](const Error& e) mutable {
+  pipe.write(std::move(stop), [sent](const Error& e) mutable {
     e.ok() ? sent.setValue() : sent.setError(e);
   });
   sent.getFuture().wait(kWait);
+}
+
+// Between the two processes, and between two contexts of this process
+// (one CUDA context: cuda_ipc then opens no handle and the GPU switches no
+// context between the writer's work and the reader's, which tells how much
+// of a cross-process echo is the driver's).
+void transportCaller(store::Store& st) {
+  {
+    auto ctx = makeContext("bench-caller");
+    st.wait({"transport/addr"}, std::chrono::milliseconds(120'000));
+    auto pipe = ctx->connect(st.getString("transport/addr"));
+    measureTransport(*pipe, "transport_cuda_echo_");
+    pipe->close();
+    ctx->close();
+    ctx->join();
+  }
+  auto serverCtx = makeContext("bench-echo");
+  auto listener = serverCtx->listen({"uv://127.0.0.1:0"});
+  auto ctx = makeContext("bench-caller");
+  auto pipe = ctx->connect(listener->address("uv"));
+  std::thread server([&] {
+    auto p = acceptOne(*listener);
+    serveEcho(p);
+    p->close();
+  });
+  measureTransport(*pipe, "transport_cuda_in_process_echo_");
+  server.join();
   pipe->close();
-  ctx->close();
-  ctx->join();
+  for (auto* c : {&ctx, &serverCtx}) {
+    (*c)->close();
+    (*c)->join();
+  }
 }
 
 // ---- RPC

@@ -103,17 +103,22 @@ case "${1:-}" in
     if [[ $1 == test ]]; then
       targets=(collectives_nccl_test cuda_ipc_test cuda_ipc_peer_helper
         cuda_ipc_pipe_test cuda_ipc_pipe_helper transport_test rpc_cuda_test
-        rpc_process_test rpc_worker_helper ddp_cuda_test rpc_cuda_bench)
+        rpc_process_test rpc_worker_helper ddp_cuda_test rpc_cuda_bench
+        elastic_checkpoint_test ddp_test ddp_worker)
       set -o pipefail
       cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" -- -k 0 \
         2>&1 | tee "$out/build.log" | grep -E 'error|FAILED' | head -n 60 || true
       rc=0
       (cd "$build" && ctest --output-on-failure -j 4 \
-        -R 'Nccl|CudaIpc|PerDeviceChannels|RpcCuda|CudaTensorsBetweenProcesses|DdpCuda' \
+        -R 'Nccl|CudaIpc|PerDeviceChannels|RpcCuda|CudaTensorsBetweenProcesses|DdpCuda|Checkpoints|DdpProcess' \
         --timeout 300) 2>&1 | tee "$out/ctest.log" | tail -n 60 || rc=$?
       # The GPU tensor echo through RPC (docs/benchmarks.md).
       timeout 180 "$build/bench/rpc_cuda_bench" 2>&1 |
         tee "$out/rpc_cuda_bench.txt" || rc=$?
+      # Again, shorter, with cuda_ipc's stage trace (docs/transport.md).
+      TRELLIS_CUDA_IPC_TRACE=1 TRELLIS_LOG_LEVEL=info timeout 120 \
+        "$build/bench/rpc_cuda_bench" --echo-mib 64 --iters 300 2>&1 |
+        grep -E 'cuda_ipc trace|_echo_' >"$out/cuda_ipc_trace.txt" || true
       exit $rc
     fi
     cmake --build "$build" -j "$(nproc)" -- -k 0 2>&1 | tee "$out/build-all.log" |

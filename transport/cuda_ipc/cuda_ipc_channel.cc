@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
@@ -219,6 +220,7 @@ H fromBytes(const Handle& b) {
 }
 
 struct Job {
+  Clock::time_point enqueued;
   Record record;
   void* dst = nullptr;
   size_t length = 0;
@@ -226,6 +228,45 @@ struct Job {
   std::string who;
   Channel::OutOfBandCallback done;
 };
+
+// TRELLIS_CUDA_IPC_TRACE=1: where a read's time goes, in stages, logged
+// (info) every 1,000 reads and when the channel ends; read once per
+// process. Off by default: it costs a clock read per stage.
+bool traceEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TRELLIS_CUDA_IPC_TRACE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+struct StageTimes {
+  uint64_t reads = 0;
+  uint64_t describes = 0;
+  double describeUs = 0;  // the writer's record: range, handle, event
+  double queueUs = 0;     // enqueued on the pipe's thread to taken here
+  double openUs = 0;      // memory and event handles (cached after once)
+  double issueUs = 0;     // the stream's wait on the event, the copy's issue
+  double waitUs = 0;      // polling until the copy is done
+  double doneUs = 0;      // the callback (hands back to the pipe's loop)
+
+  void log() const {
+    if (reads == 0 && describes == 0) {
+      return;
+    }
+    const double n = reads == 0 ? 1 : static_cast<double>(reads);
+    const double d = describes == 0 ? 1 : static_cast<double>(describes);
+    TRELLIS_LOG_INFO(
+        "cuda_ipc trace: {} reads, mean us: queue {:.1f} open {:.1f} issue "
+        "{:.1f} wait {:.1f} done {:.1f}; {} records, mean us: describe {:.1f}",
+        reads, queueUs / n, openUs / n, issueUs / n, waitUs / n, doneUs / n,
+        describes, describeUs / d);
+  }
+};
+
+double microsBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
 
 // Everything the channel owns, shared with its copy thread so that the
 // channel may be dropped on any thread, that one included.
@@ -282,9 +323,17 @@ class State final : public std::enable_shared_from_this<State> {
   std::map<int, cudaStream_t> streams_;
   uint64_t uses_ = 0;
   bool stuck_ = false;
+  StageTimes copyTimes_;  // copy thread only (and the destructor)
+  Mutex traceMu_;         // describe() runs on any pipe's loop
+  StageTimes describeTimes_ TRELLIS_GUARDED_BY(traceMu_);
 };
 
 State::~State() {
+  if (traceEnabled()) {
+    copyTimes_.log();
+    MutexLock l(traceMu_);
+    describeTimes_.log();
+  }
   // The copy thread has ended (or this is its last act); CUDA may already
   // be torn down at process exit, so results are ignored.
   for (auto& [key, m] : memory_) {
@@ -310,6 +359,7 @@ State::~State() {
 }
 
 Error State::describe(const Message::Tensor& t, std::string* out) {
+  const auto started = traceEnabled() ? Clock::now() : Clock::time_point();
   const Probe& p = probe();
   if (!p.error.ok()) {
     return p.error;
@@ -408,6 +458,14 @@ Error State::describe(const Message::Tensor& t, std::string* out) {
     r.eventHandle = slot.handle;
   }
   *out = encodeRecord(r);
+  if (traceEnabled()) {
+    MutexLock l(traceMu_);
+    ++describeTimes_.describes;
+    describeTimes_.describeUs += microsBetween(started, Clock::now());
+    if (describeTimes_.describes % 1000 == 0) {
+      describeTimes_.log();
+    }
+  }
   return Error();
 }
 
@@ -418,6 +476,7 @@ void State::enqueue(Job job) {
     if (stopping_) {
       refused = std::move(job.done);
     } else {
+      job.enqueued = Clock::now();
       jobs_.push_back(std::move(job));
       if (!thread_.joinable()) {
         // Holds the state, so it outlives a channel dropped by a callback
@@ -473,9 +532,19 @@ void State::run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
+    const auto taken = Clock::now();
     const Error e = copy(job);
     auto done = std::move(job.done);
+    const auto copied = Clock::now();
     done(e);
+    if (traceEnabled() && e.ok()) {
+      // copy() added its own stages; the queue and the hand-back here.
+      copyTimes_.queueUs += microsBetween(job.enqueued, taken);
+      copyTimes_.doneUs += microsBetween(copied, Clock::now());
+      if (++copyTimes_.reads % 1000 == 0) {
+        copyTimes_.log();
+      }
+    }
   }
 }
 
@@ -610,6 +679,8 @@ Error State::waitFor(cudaStream_t stream, const Job& job) {
 }
 
 Error State::copy(Job& job) {
+  const bool trace = traceEnabled();
+  const auto started = trace ? Clock::now() : Clock::time_point();
   if (stuck_) {
     return Error(Code::kFailedPrecondition,
                  "cuda_ipc: an earlier copy timed out; this channel reads "
@@ -649,6 +720,7 @@ Error State::copy(Job& job) {
     }
     s = streams_.emplace(job.device, stream).first;
   }
+  const auto opened = trace ? Clock::now() : Clock::time_point();
   cudaError_t e = cudaStreamWaitEvent(s->second, event, 0);
   if (e != cudaSuccess) {
     return cudaError(e, "cuda_ipc: cudaStreamWaitEvent");
@@ -661,7 +733,14 @@ Error State::copy(Job& job) {
                             std::to_string(r.length) + " bytes from " +
                             job.who);
   }
+  const auto issued = trace ? Clock::now() : Clock::time_point();
   err = waitFor(s->second, job);
+  if (trace && err.ok()) {
+    const auto waited = Clock::now();
+    copyTimes_.openUs += microsBetween(started, opened);
+    copyTimes_.issueUs += microsBetween(opened, issued);
+    copyTimes_.waitUs += microsBetween(issued, waited);
+  }
   struct MemoryLru {
     uint64_t lastUse(const Opened& o) const { return o.lastUse; }
     void operator()(const MemoryKey& key, const Opened& o) const {
