@@ -476,7 +476,9 @@ void State::enqueue(Job job) {
     if (stopping_) {
       refused = std::move(job.done);
     } else {
-      job.enqueued = Clock::now();
+      if (traceEnabled()) {
+        job.enqueued = Clock::now();
+      }
       jobs_.push_back(std::move(job));
       if (!thread_.joinable()) {
         // Holds the state, so it outlives a channel dropped by a callback
@@ -532,12 +534,13 @@ void State::run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    const auto taken = Clock::now();
+    const bool trace = traceEnabled();
+    const auto taken = trace ? Clock::now() : Clock::time_point();
     const Error e = copy(job);
     auto done = std::move(job.done);
-    const auto copied = Clock::now();
+    const auto copied = trace ? Clock::now() : Clock::time_point();
     done(e);
-    if (traceEnabled() && e.ok()) {
+    if (trace && e.ok()) {
       // copy() added its own stages; the queue and the hand-back here.
       copyTimes_.queueUs += microsBetween(job.enqueued, taken);
       copyTimes_.doneUs += microsBetween(copied, Clock::now());
