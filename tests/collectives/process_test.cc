@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <string>
 #include <sys/wait.h>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -119,24 +120,36 @@ TEST(CollectivesProcess, AStoppedRankIsNamedWithinTheTimeoutAndAllDump) {
   EXPECT_NE(text.find("likely culprit: rank 2"), std::string::npos) << text;
 }
 
-TEST(CollectivesProcess, AKilledRankFailsTheOthersWithinTwoSecondsNamingIt) {
-  Job job(kWorker, "kill", 3, {"timeout_ms=60000"});
-  awaitStep(job, {2}, 2);
-  ASSERT_EQ(lineStartingWith(job[2], "ready", 30000), "ready");
-  ASSERT_EQ(::kill(job[2].pid, SIGKILL), 0);
-  const auto killed = Clock::now();
-  for (int r : {0, 1}) {
+// SIGKILLs `killed` (each has said "ready"); then every rank of
+// `survivors` must print an UNAVAILABLE error naming each killed rank within
+// 2 s, and end failing.
+void killAndExpectNamed(Job& job, const std::vector<int>& killed,
+                        const std::vector<int>& survivors) {
+  for (int r : killed) {
+    ASSERT_EQ(::kill(job[r].pid, SIGKILL), 0);
+  }
+  const auto at = Clock::now();
+  for (int r : survivors) {
     const std::string line = lineStartingWith(job[r], "error: ", 5000);
-    EXPECT_LT(Clock::now() - killed, kSlow * 2s)
-        << "rank " << r << ": " << line;
-    EXPECT_NE(line.find("rank 2"), std::string::npos) << line;
+    EXPECT_LT(Clock::now() - at, kSlow * 2s) << "rank " << r << ": " << line;
+    for (int k : killed) {
+      EXPECT_NE(line.find("rank " + std::to_string(k)), std::string::npos)
+          << line;
+    }
     EXPECT_NE(line.find("UNAVAILABLE"), std::string::npos) << line;
   }
-  for (int r : {0, 1}) {
+  for (int r : survivors) {
     const int status = job[r].wait(10000);
     EXPECT_TRUE(endedFailing(status))
         << "rank " << r << ": " << statusText(status);
   }
+}
+
+TEST(CollectivesProcess, AKilledRankFailsTheOthersWithinTwoSecondsNamingIt) {
+  Job job(kWorker, "kill", 3, {"timeout_ms=60000"});
+  awaitStep(job, {2}, 2);
+  ASSERT_EQ(lineStartingWith(job[2], "ready", 30000), "ready");
+  killAndExpectNamed(job, {2}, {0, 1});
 }
 
 // Two of four ranks of one host (the shared-memory segment) killed
@@ -148,22 +161,7 @@ TEST(CollectivesProcess, TwoKilledRanksOfOneHostAreBothNamed) {
     awaitStep(job, {r}, 2);
     ASSERT_EQ(lineStartingWith(job[r], "ready", 30000), "ready");
   }
-  ASSERT_EQ(::kill(job[2].pid, SIGKILL), 0);
-  ASSERT_EQ(::kill(job[3].pid, SIGKILL), 0);
-  const auto killed = Clock::now();
-  for (int r : {0, 1}) {
-    const std::string line = lineStartingWith(job[r], "error: ", 5000);
-    EXPECT_LT(Clock::now() - killed, kSlow * 2s)
-        << "rank " << r << ": " << line;
-    EXPECT_NE(line.find("rank 2"), std::string::npos) << line;
-    EXPECT_NE(line.find("rank 3"), std::string::npos) << line;
-    EXPECT_NE(line.find("UNAVAILABLE"), std::string::npos) << line;
-  }
-  for (int r : {0, 1}) {
-    const int status = job[r].wait(10000);
-    EXPECT_TRUE(endedFailing(status))
-        << "rank " << r << ": " << statusText(status);
-  }
+  killAndExpectNamed(job, {2, 3}, {0, 1});
 }
 
 TEST(CollectivesProcess, ARankThatNeverCallsIsNamedAndEveryRankExits) {
