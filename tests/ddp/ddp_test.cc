@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include "../rpc/worker_job.h"
+#include "compare.h"
 #include "models.h"
 #include "ranks.h"
 #include <trellis/collectives/process_group.h>
@@ -32,41 +33,15 @@ namespace {
 using namespace std::chrono_literals;
 using collectives::ProcessGroup;
 using testing::Cnn;
+using testing::gradsOf;
+using testing::maxDiff;
 using testing::Mlp;
 using testing::Reordered;
 using testing::runRanks;
+using testing::valuesOf;
 
 constexpr double kTol = 1e-6;
 constexpr int64_t kBatch = 12;  // divisible by 2 and 3 ranks
-
-double maxDiff(const std::vector<torch::Tensor>& a,
-               const std::vector<torch::Tensor>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    if (!a[i].defined() || !b[i].defined()) {
-      return a[i].defined() == b[i].defined() ? m : INFINITY;
-    }
-    m = std::max(m, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return m;
-}
-
-std::vector<torch::Tensor> gradsOf(const torch::nn::Module& m) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : m.parameters()) {
-    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
-  }
-  return out;
-}
-
-std::vector<torch::Tensor> valuesOf(const torch::nn::Module& m) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : m.parameters()) {
-    out.push_back(p.detach().clone());
-  }
-  return out;
-}
 
 torch::Tensor shard(const torch::Tensor& t, int rank, int n) {
   const int64_t rows = t.size(0) / n;
