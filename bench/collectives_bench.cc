@@ -495,12 +495,7 @@ void uvBaseline() {
   auto client = Context::create(o);
   auto listener = server->listen({"uv://127.0.0.1:0"});
   auto c = client->connect(listener->addresses().begin()->second);
-  Promise<std::shared_ptr<Pipe>> accepted;
-  listener->accept(
-      [accepted](const Error& e, std::shared_ptr<Pipe> pipe) mutable {
-        e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
-      });
-  auto s = accepted.getFuture().wait(std::chrono::seconds(30));
+  auto s = bench::acceptOne(*listener, std::chrono::seconds(30));
   const size_t size = 64 * kMiB;
   auto src = bench::prefaulted(size);
   auto dst = bench::prefaulted(size);
@@ -687,12 +682,11 @@ int runMain() {
     addPhase({"gloo_" + r, n, defaults});
     addPhase({"trellis_" + r, n, defaults});
   }
-  addPhase(
-      {"trellis_ring_uv_2r",
-       2,
-       {{"TRELLIS_COLLECTIVES_ALGO", "ring"},
-        {"TRELLIS_TRANSPORTS", "uv"},
-        {"TRELLIS_CHANNELS", "basic"}}});
+  addPhase({"trellis_ring_uv_2r",
+            2,
+            {{"TRELLIS_COLLECTIVES_ALGO", "ring"},
+             {"TRELLIS_TRANSPORTS", "uv"},
+             {"TRELLIS_CHANNELS", "basic"}}});
   // Which of Gloo's two allreduces is faster changes from run to run on
   // this VM: the targets are held to the better one of this run.
   for (int n : {2, 4}) {

@@ -12,6 +12,7 @@
 
 #include <trellis/core/error.h>
 #include <trellis/core/future.h>
+#include <trellis/transport/listener.h>
 #include <trellis/transport/message.h>
 #include <trellis/transport/pipe.h>
 
@@ -61,6 +62,18 @@ inline double oneWayThroughput(const std::shared_ptr<transport::Pipe>& reader,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   return static_cast<double>(count * size) / secs / 1e9;
+}
+
+// The next pipe `listener` accepts, waiting at most `limit`; throws the
+// acceptance's error.
+inline std::shared_ptr<transport::Pipe> acceptOne(
+    transport::Listener& listener, std::chrono::milliseconds limit) {
+  Promise<std::shared_ptr<transport::Pipe>> accepted;
+  listener.accept([accepted](const Error& e,
+                             std::shared_ptr<transport::Pipe> pipe) mutable {
+    e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
+  });
+  return accepted.getFuture().wait(limit);
 }
 
 // The same, every message into the `size` bytes at `dst`.

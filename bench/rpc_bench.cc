@@ -43,6 +43,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "bench_util.h"
+#include "pipe_bench_util.h"
 #include "rpc_bench_echo.grpc.pb.h"
 #include <trellis/core/future.h>
 #include <trellis/rpc/rpc.h>
@@ -392,12 +393,8 @@ void transportCallee(const Phase& p, store::Store& st) {
   auto ctx = makeContext(p, "bench-callee");
   auto listener = ctx->listen({"uv://127.0.0.1:0"});
   st.set("transport/addr", listener->address("uv"));
-  Promise<std::shared_ptr<tp::Pipe>> accepted;
-  listener->accept(
-      [accepted](const Error& e, std::shared_ptr<tp::Pipe> pipe) mutable {
-        e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
-      });
-  auto pipe = accepted.getFuture().wait(kWait);
+  auto pipe = bench::acceptOne(
+      *listener, std::chrono::duration_cast<std::chrono::milliseconds>(kWait));
   EchoServer server(pipe);
   server.run().wait(std::chrono::seconds(600));
   pipe->close();

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "pipe_bench_util.h"
 #include <trellis/core/future.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/store/prefix_store.h>
@@ -58,6 +59,7 @@ constexpr size_t kMiB = 1024 * kKiB;
 const std::vector<size_t> kSizes = {kKiB,      64 * kKiB, kMiB,
                                     16 * kMiB, 64 * kMiB, 256 * kMiB};
 constexpr auto kWait = std::chrono::seconds(120);
+constexpr auto kWaitMs = std::chrono::milliseconds(kWait);
 
 struct Flags {
   bool json = false;
@@ -83,16 +85,24 @@ int repsFor(size_t size) {
       std::clamp<size_t>(flags.echoBytes / size, 30, size_t(flags.iters)));
 }
 
-// `reps` timings of `one` in three blocks; the block of the lowest mean.
-std::vector<double> bestBlock(int reps, const std::function<void()>& one) {
+// `n` timings (us) of `one`, one after another.
+std::vector<double> timeCalls(int n, const std::function<void()>& one) {
+  std::vector<double> us;
+  for (int i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    one();
+    us.push_back(micros(Clock::now() - t0));
+  }
+  return us;
+}
+
+// `reps` timings in three blocks of `block(reps / 3)`; the block of the
+// lowest mean.
+std::vector<double> bestBlock(
+    int reps, const std::function<std::vector<double>(int)>& block) {
   std::vector<double> best;
   for (int b = 0; b < 3; ++b) {
-    std::vector<double> us;
-    for (int i = 0; i < reps / 3; ++i) {
-      const auto t0 = Clock::now();
-      one();
-      us.push_back(micros(Clock::now() - t0));
-    }
+    auto us = block(reps / 3);
     if (best.empty() || bench::mean(us) < bench::mean(best)) {
       best = std::move(us);
     }
@@ -172,21 +182,12 @@ void serveEcho(const std::shared_ptr<tp::Pipe>& pipe) {
   done.getFuture().wait(std::chrono::seconds(600));
 }
 
-std::shared_ptr<tp::Pipe> acceptOne(tp::Listener& listener) {
-  Promise<std::shared_ptr<tp::Pipe>> accepted;
-  listener.accept(
-      [accepted](const Error& e, std::shared_ptr<tp::Pipe> pipe) mutable {
-        e.ok() ? accepted.setValue(pipe) : accepted.setError(e);
-      });
-  return accepted.getFuture().wait(kWait);
-}
-
 // The callee process's echo server.
 void transportCallee(store::Store& st) {
   auto ctx = makeContext("bench-callee");
   auto listener = ctx->listen({"uv://127.0.0.1:0"});
   st.set("transport/addr", listener->address("uv"));
-  auto pipe = acceptOne(*listener);
+  auto pipe = bench::acceptOne(*listener, kWaitMs);
   serveEcho(pipe);
   pipe->close();
   ctx->close();
@@ -241,13 +242,8 @@ void measureTransport(tp::Pipe& pipe, const std::string& prefix) {
     const at::Tensor src = at::ones({n}, on);
     at::Tensor dst = at::empty({n}, on);
     transportEcho(pipe, src, dst, 2);
-    std::vector<double> best;
-    for (int b = 0; b < 3; ++b) {
-      auto us = transportEcho(pipe, src, dst, repsFor(size) / 3);
-      if (best.empty() || bench::mean(us) < bench::mean(best)) {
-        best = std::move(us);
-      }
-    }
+    const auto best = bestBlock(
+        repsFor(size), [&](int n) { return transportEcho(pipe, src, dst, n); });
     const std::string name = sizeName(size);
     if (size == kKiB) {
       report.add(prefix + "1KiB_rtt_median", bench::percentile(best, 0.5),
@@ -285,7 +281,7 @@ void transportCaller(store::Store& st) {
   auto ctx = makeContext("bench-caller");
   auto pipe = ctx->connect(listener->address("uv"));
   std::thread server([&] {
-    auto p = acceptOne(*listener);
+    auto p = bench::acceptOne(*listener, kWaitMs);
     serveEcho(p);
     p->close();
   });
@@ -303,8 +299,9 @@ void transportCaller(store::Store& st) {
 
 void measure() {
   const auto on = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0);
-  std::vector<double> us =
-      bestBlock(flags.iters, [] { rpc::rpcSync<noop>("callee"); });
+  std::vector<double> us = bestBlock(flags.iters, [](int n) {
+    return timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
+  });
   report.add("rpc_cuda_noop_rtt_median", bench::percentile(us, 0.5), "us");
   for (size_t size : kSizes) {
     const auto n = static_cast<int64_t>(size);
@@ -319,14 +316,14 @@ void measure() {
       check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     };
     copies();
-    us = bestBlock(reps, copies);
+    us = bestBlock(reps, [&](int k) { return timeCalls(k, copies); });
     const std::string name = sizeName(size);
     report.add("cuda_copy_there_and_back_" + name,
                static_cast<double>(size) / bench::mean(us) / 1e3, "GB/s");
     auto echo = [&] { rpc::rpcSync<echoTensor>("callee", src); };
     echo();
     echo();
-    us = bestBlock(reps, echo);
+    us = bestBlock(reps, [&](int k) { return timeCalls(k, echo); });
     if (size == kKiB) {
       report.add("rpc_cuda_echo_1KiB_rtt_median", bench::percentile(us, 0.5),
                  "us", "transport_cuda_echo_1KiB_rtt_median");
