@@ -26,7 +26,11 @@
 // one-thread memcpy of 64 MiB; and the uv transport's own one-way 64 MiB
 // throughput (two contexts restricted to uv in this process, as
 // transport_bench measures it), against which the allreduce forced onto
-// the ring over uv is quoted ("forced cross-host ring").
+// the ring over uv is quoted ("forced cross-host ring"); and what the ring
+// can reach at most on this machine, the uv transport both ways at once:
+// between two contexts of this process (uv_both_ways_64MiB) and between
+// the ring phase's own two processes (uv_both_ways_2proc_64MiB), each
+// timed from the first write to the last read of either direction.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -245,12 +249,84 @@ float triangle(int n) { return static_cast<float>(n * (n + 1) / 2); }
 
 // ---- Trellis ---------------------------------------------------------------
 
+// The uv transport both ways at once between this phase's two processes:
+// each rank writes `count` 64 MiB messages to the other while it reads as
+// many, over one pipe of its own contexts (uv only, as the forced ring).
+// Per direction, rank 0's figure: what loopback carries between two
+// processes that both send and receive, the most a two-rank ring can move.
+std::string twoProcessBothWays(store::Store& st) {
+  using namespace trellis::transport;
+  ContextOptions o;
+  o.tokenFromEnvironment = false;
+  o.transports = {"uv"};
+  o.name = "rank" + std::to_string(flags.rank);
+  auto ctx = Context::create(o);
+  std::shared_ptr<Listener> listener;
+  std::shared_ptr<Pipe> pipe;
+  if (flags.rank == 0) {
+    listener = ctx->listen({"uv://127.0.0.1:0"});
+    st.set("both_ways/address",
+           std::string_view(listener->addresses().begin()->second));
+    pipe = bench::acceptOne(*listener, std::chrono::seconds(30));
+  } else {
+    st.wait({"both_ways/address"});
+    pipe = ctx->connect(st.getString("both_ways/address"));
+  }
+  const size_t size = 64 * kMiB;
+  auto src = bench::prefaulted(size);
+  auto dst = bench::prefaulted(size);
+  int round = 0;
+  auto barrier = [&] {
+    const std::string key = "both_ways/barrier/" + std::to_string(round++);
+    st.add(key, 1);
+    const auto until = Clock::now() + std::chrono::seconds(30);
+    while (st.add(key, 0) < 2 && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  };
+  // Timed from the first rank's first write to the last rank's last read
+  // (steady_clock is one clock for every process of the host), so that
+  // neither rank's figure gains from the other starting early.
+  auto run = [&](size_t count) {
+    barrier();  // both ranks start together
+    const auto t0 = Clock::now();
+    bench::oneWayThroughput(pipe, dst.data(), size, count, false, [&](size_t) {
+      Message m;
+      m.payloads.push_back({src.data(), size});
+      pipe->write(std::move(m), [](const Error&) {});
+    });
+    const auto t1 = Clock::now();
+    const std::string r = std::to_string(round) + "/";
+    st.set("both_ways/t0/" + r + std::to_string(flags.rank),
+           std::to_string(t0.time_since_epoch().count()));
+    st.set("both_ways/t1/" + r + std::to_string(flags.rank),
+           std::to_string(t1.time_since_epoch().count()));
+    // Once both have read everything, every write of either has ended.
+    barrier();
+    long long first = INT64_MAX;
+    long long last = INT64_MIN;
+    for (int k = 0; k < 2; ++k) {
+      first = std::min(first, std::stoll(st.getString("both_ways/t0/" + r +
+                                                      std::to_string(k))));
+      last = std::max(last, std::stoll(st.getString("both_ways/t1/" + r +
+                                                    std::to_string(k))));
+    }
+    const double secs =
+        std::chrono::duration<double>(Clock::duration(last - first)).count();
+    return static_cast<double>(count * size) / secs / 1e9;
+  };
+  run(2);  // warm-up
+  const double rate = run(flags.quick ? 4 : 8);
+  pipe->close();
+  return "uv_both_ways_2proc_64MiB " + std::to_string(rate) + " GB/s\n";
+}
+
 std::string runTrellis(std::shared_ptr<store::Store> st, bool ringOnly) {
   at::set_num_threads(1);
   collectives::ProcessGroupOptions o;
   o.name = "bench";
-  auto pg = collectives::ProcessGroup::create("cpu", std::move(st), flags.rank,
-                                              flags.world, o);
+  auto pg =
+      collectives::ProcessGroup::create("cpu", st, flags.rank, flags.world, o);
   const int n = flags.world;
   const int rank = flags.rank;
   Library lib;
@@ -308,6 +384,9 @@ std::string runTrellis(std::shared_ptr<store::Store> st, bool ringOnly) {
   };
   std::string result = measure(lib, ringOnly, "");
   pg->barrier().wait();
+  if (ringOnly) {
+    result += twoProcessBothWays(*st);
+  }
   return result;
 }
 
@@ -512,21 +591,24 @@ void uvBaseline() {
   // Both ways at once, per direction: what a two-rank ring over uv can
   // reach at most, since each rank sends and receives at the same time and
   // loopback TCP spends a core's time on either side of every byte.
+  // Timed from the first write to the last read of either direction: each
+  // direction timed alone would gain from the other finishing early.
   auto src2 = bench::prefaulted(size);
   auto dst2 = bench::prefaulted(size);
   const size_t count = flags.quick ? 4 : 16;
-  double back = 0;
+  const auto t0 = Clock::now();
   std::thread reverse([&] {
-    back = bench::oneWayThroughput(
-        c, dst2.data(), size, count, false, [&](size_t) {
-          Message m;
-          m.payloads.push_back({src2.data(), size});
-          s->write(std::move(m), [](const Error&) {});
-        });
+    bench::oneWayThroughput(c, dst2.data(), size, count, false, [&](size_t) {
+      Message m;
+      m.payloads.push_back({src2.data(), size});
+      s->write(std::move(m), [](const Error&) {});
+    });
   });
-  const double forth = run(count);
+  run(count);
   reverse.join();
-  report.add("uv_both_ways_64MiB", (forth + back) / 2, "GB/s");
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  report.add("uv_both_ways_64MiB",
+             static_cast<double>(count * size) / secs / 1e9, "GB/s");
 }
 
 struct Phase {
@@ -715,6 +797,9 @@ int runMain() {
     report.add("trellis_ring_uv_allreduce_64MiB_busbw_2r_vs_both_ways",
                report.valueOf("trellis_ring_uv_allreduce_64MiB_busbw_2r"),
                "GB/s", "uv_both_ways_64MiB");
+    report.add("trellis_ring_uv_allreduce_64MiB_busbw_2r_vs_2proc",
+               report.valueOf("trellis_ring_uv_allreduce_64MiB_busbw_2r"),
+               "GB/s", "uv_both_ways_2proc_64MiB");
   }
   report.print(flags.json);
   const double big = ratio("trellis_allreduce_64MiB_busbw_2r",
