@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <poll.h>
 #include <string>
 
 #include <trellis/core/error.h>
@@ -35,6 +36,15 @@ class ReadSink {
   virtual void onRead(size_t n) = 0;
   virtual void onReadError(const Error& error) = 0;
 };
+
+// Whether the peer of the connected socket `fd` closed or shut down its
+// writing half (POLLRDHUP, set at once on a loopback TCP or UNIX socket),
+// whatever data is still queued ahead of that end. Never blocks.
+inline bool socketPeerHasClosed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return fd >= 0 && ::poll(&p, 1, 0) > 0 &&
+         (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
 
 class Connection {
  public:
@@ -69,6 +79,13 @@ class Connection {
   virtual void close() = 0;
 
   virtual std::string peerAddress() const = 0;
+
+  // Loop thread. Whether the peer's end has closed (or stopped writing), as
+  // the kernel knows it now: before the loop has read up to the end of the
+  // stream. The pipe asks once an out-of-band copy ends, to learn whether
+  // the writer let go of its buffer (docs/transport.md, "cma"). False when
+  // the connection cannot tell.
+  virtual bool peerHasClosed() const { return false; }
 
   // True when a read costs no system call (shm: bytes are copied out of a
   // ring). The reading pipe then takes a frame's header, layout and

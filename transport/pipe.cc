@@ -381,6 +381,15 @@ void PipeImpl::teardownFromLoop(const Error& error) {
   std::vector<uint8_t>().swap(stage_);
   stageBegin_ = stageEnd_ = 0;
   auto& loop = ctx_->loop();
+  if (conn_ != nullptr && outOfBandPending_ > 0) {
+    // The connection stays open for this pipe's own copies and may still
+    // write these messages' bytes (or lend their tensors to the peer):
+    // their callbacks wait until it has closed (onOutOfBandDone).
+    for (auto& cb : writes) {
+      heldWriteCbs_.push_back(std::move(cb));
+    }
+    writes.clear();
+  }
   for (auto& cb : writes) {
     loop.deliver([cb = std::move(cb), error] { cb(error); });
   }

@@ -160,6 +160,14 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
   void releaseHeldRead();
   // The peer's end of the connection is gone (EOF, or writes refused).
   bool peerLeft() const { return readEnd_ || !writeError_.ok(); }
+  // The peer closed its end: the end of the stream was read, or the
+  // kernel already knows of it (Connection::peerHasClosed). Its writes
+  // failed when it closed, so it lends no buffer any more.
+  bool writerClosed() const;
+  // The UNAVAILABLE a read fails with when writerClosed(): before its copy
+  // started, or while it ran (`copied`); names the peer's pid, its address
+  // and whether its process has ended.
+  Error writerGone(bool copied) const;
   void finishRead(const Error& error);
   void sendCompletion(const Error& error);
   // The peer closed (EOF): fails every write now and later with `error`
@@ -255,6 +263,9 @@ class PipeImpl final : public std::enable_shared_from_this<PipeImpl>,
   LoopTimer* upgradeTimer_ = nullptr;        // acceptor: bind bound
   PendingCallbacks<Descriptor> descriptorCbs_;
   Pipe::ReadCallback readCb_;
+  // Write callbacks of a failed pipe whose connection stays open for its
+  // own copies (teardownFromLoop): they fire once it has closed.
+  std::vector<Pipe::WriteCallback> heldWriteCbs_;
   size_t pendingOps_ = 0;
 };
 

@@ -3,10 +3,12 @@
 // fetched by their channels, completion frames sent back.
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include <trellis/core/check.h>
 #include <trellis/core/logging.h>
 #include <trellis/transport/pipe_impl.h>
+#include <trellis/transport/process_gone.h>
 
 namespace trellis::transport {
 
@@ -340,8 +342,38 @@ Channel* PipeImpl::channelFor(const Device& device) const {
   return device.type == DeviceType::kCuda ? cudaChannel_.get() : channel_.get();
 }
 
+bool PipeImpl::writerClosed() const {
+  return readEnd_ || (conn_ != nullptr && conn_->peerHasClosed());
+}
+
+Error PipeImpl::writerGone(bool copied) const {
+  const std::string who =
+      "pid " + std::to_string(peerPid_) + " (peer " + peerAddress() + ")";
+  const std::string what =
+      copied ? " while the tensor was copied; its write failed then, so the "
+               "bytes may be its reused buffer's"
+             : " before the tensor was read; its write failed then, so its "
+               "buffer is its own again and nothing was copied";
+  if (processGone(peerPid_)) {
+    return Error(
+        Code::kUnavailable,
+        id_ + ": read: the peer process is gone: " + who + " ended" + what);
+  }
+  return Error(Code::kUnavailable, id_ + ": read: the peer is gone: " + who +
+                                       " closed its pipe" + what);
+}
+
 void PipeImpl::startOutOfBand() {
   const std::string who = "peer " + peerAddress();
+  if (writerClosed()) {
+    // Its write failed when it closed: the buffer is its own again, and
+    // may hold anything by now. Nothing is copied, and no completion is
+    // sent (nobody reads it).
+    outOfBand_.clear();
+    finishRead(writerGone(/*copied=*/false));
+    process();
+    return;
+  }
   // Records are checked before any copy starts: a lying one fails this read
   // only, and the stream stays in step.
   for (const auto& r : outOfBand_) {
@@ -394,13 +426,27 @@ void PipeImpl::onOutOfBandDone(size_t tensor, const Error& error) {
     if (conn_ != nullptr) {
       conn_->close();
     }
-    // failFromLoop kept the read's callback for this moment.
+    // failFromLoop kept the read's callback and the writes' for this
+    // moment: the connection no longer touches their buffers.
     auto cb = std::move(readCb_);
     readCb_ = nullptr;
+    auto& loop = ctx_->loop();
+    const Error err = life_.error();
     if (cb) {
-      ctx_->loop().deliver(
-          [cb = std::move(cb), err = life_.error()] { cb(err); });
+      loop.deliver([cb = std::move(cb), err] { cb(err); });
     }
+    for (auto& w : std::exchange(heldWriteCbs_, {})) {
+      loop.deliver([w = std::move(w), err] { w(err); });
+    }
+    return;
+  }
+  if (e.ok() && writerClosed()) {
+    // The writer closed while the copy ran, and its write failed then: it
+    // may have reused its buffer under the copy. (A writer's close reaches
+    // this connection before its write callbacks run, so a copy that ends
+    // with no sign of it read a buffer still lent.)
+    finishRead(writerGone(/*copied=*/true));
+    process();
     return;
   }
   if (e.code() == Code::kDataLoss && !peerLeft()) {

@@ -125,6 +125,13 @@ void ShmConnection::close() {
   state_ = State::kClosed;
   sink_ = nullptr;
   reading_ = false;
+  // The peer sees the end now, not once the handles have closed: a pipe
+  // fires its write callbacks (letting the caller reuse a buffer a cma
+  // copy may still read) right after this, and the reader tells a copy
+  // that overlapped that from the socket's end (Connection::peerHasClosed).
+  if (sock_ >= 0) {
+    ::shutdown(sock_, SHUT_RDWR);
+  }
   cancelTimers();
   failWrites(Error::connection("shm connection to " + peer_ + " closed"));
   if (setupCb_ && connector_) {

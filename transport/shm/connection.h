@@ -57,6 +57,9 @@ class ShmConnection final : public Connection,
   bool writesNow() const override { return true; }
   void close() override;
   std::string peerAddress() const override { return peer_; }
+  bool peerHasClosed() const override {
+    return state_ == State::kOpen && socketPeerHasClosed(sock_);
+  }
   bool readsAreCheap() const override { return true; }
 
  private:

@@ -209,6 +209,13 @@ class UvConnection final : public Connection,
 
   std::string peerAddress() const override { return peer_; }
 
+  bool peerHasClosed() const override {
+    uv_os_fd_t fd;
+    return !life_.failed() &&
+           uv_fileno(reinterpret_cast<const uv_handle_t*>(&tcp_), &fd) == 0 &&
+           socketPeerHasClosed(fd);
+  }
+
  private:
   struct WriteReq {
     uv_write_t req;
