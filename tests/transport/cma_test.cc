@@ -327,6 +327,23 @@ TEST(CmaPipe, LargeTensorsWaitForTheReaderSmallOnesDoNot) {
   EXPECT_EQ(pp.clientPipe->channelName(), "cma");
 }
 
+// A message of one tensor, `src`, which cma moves (descriptor "big").
+Message bigMessage(std::vector<uint8_t>& src) {
+  Message m;
+  m.descriptor = "big";
+  m.tensors.push_back({src.data(), src.size(), {}});
+  return m;
+}
+
+// The next descriptor `pipe` reads; fails the test after kWait.
+Descriptor nextDescriptor(Pipe& pipe) {
+  Promise<Descriptor> dp;
+  pipe.readDescriptor([dp](const Error& e, Descriptor d) mutable {
+    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
+  });
+  return dp.getFuture().wait(kWait);
+}
+
 // The reader closes its pipe while its cma copy of a large tensor runs. The
 // writer learns of the close through the connection and may then reuse its
 // buffer, so the reader must keep the connection until its copy is done:
@@ -342,19 +359,13 @@ TEST(CmaPipe, AReaderThatClosesMidCopyKeepsTheWritersBufferBorrowedUntilDone) {
   fillPattern(src.data(), n, 7);
   const std::vector<uint8_t> original = src;
   std::vector<uint8_t> dst(n, 0);
-  Message m;
-  m.descriptor = "big";
-  m.tensors.push_back({src.data(), n, {}});
+  Message m = bigMessage(src);
   Promise<void> written;
   pp.clientPipe->write(std::move(m), [&src, written](const Error&) mutable {
     std::memset(src.data(), 0xEE, src.size());  // the writer reuses it
     written.setValue();
   });
-  Promise<Descriptor> dp;
-  pp.serverPipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
-    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
-  });
-  ASSERT_EQ(dp.getFuture().wait(kWait).tensors.size(), 1u);
+  ASSERT_EQ(nextDescriptor(*pp.serverPipe).tensors.size(), 1u);
   Allocation a;
   a.tensors.push_back({dst.data(), n});
   Promise<void> rp;
@@ -388,15 +399,9 @@ TEST(CmaPipe,
   std::vector<uint8_t> src(n);
   fillPattern(src.data(), n, 3);
   std::vector<uint8_t> dst(n, 0);
-  Message m;
-  m.descriptor = "big";
-  m.tensors.push_back({src.data(), n, {}});
+  Message m = bigMessage(src);
   auto w = writeAsync(*pp.clientPipe, std::move(m));
-  Promise<Descriptor> dp;
-  pp.serverPipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
-    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
-  });
-  ASSERT_EQ(dp.getFuture().wait(kWait).tensors.size(), 1u);
+  ASSERT_EQ(nextDescriptor(*pp.serverPipe).tensors.size(), 1u);
   // The server's own message, stuck in its connection: the client reads
   // nothing.
   std::vector<uint8_t> reply(size_t{32} << 20, 0x5A);
@@ -454,19 +459,13 @@ void writerClosesMidCopy(const Backend& backend) {
     fillPattern(src.data(), n, 11 + round);
     const std::vector<uint8_t> original = src;
     std::vector<uint8_t> dst(n, 0);
-    Message m;
-    m.descriptor = "big";
-    m.tensors.push_back({src.data(), n, {}});
+    Message m = bigMessage(src);
     Promise<Error> written;
     pp.clientPipe->write(std::move(m), [&src, written](const Error& e) mutable {
       std::memset(src.data(), 0xEE, src.size());
       written.setValue(e);
     });
-    Promise<Descriptor> dp;
-    pp.serverPipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
-      e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
-    });
-    ASSERT_EQ(dp.getFuture().wait(kWait).tensors.size(), 1u);
+    ASSERT_EQ(nextDescriptor(*pp.serverPipe).tensors.size(), 1u);
     ASSERT_EQ(pp.serverPipe->channelName(), "cma");
     Allocation a;
     a.tensors.push_back({dst.data(), n});
@@ -512,15 +511,9 @@ TEST(CmaPipe, AReadStartedAfterTheWriterClosedFailsWithoutCopying) {
   const size_t n = size_t{1} << 20;
   std::vector<uint8_t> src(n);
   fillPattern(src.data(), n, 5);
-  Message m;
-  m.descriptor = "big";
-  m.tensors.push_back({src.data(), n, {}});
+  Message m = bigMessage(src);
   auto w = writeAsync(*pp.clientPipe, std::move(m));
-  Promise<Descriptor> dp;
-  pp.serverPipe->readDescriptor([dp](const Error& e, Descriptor d) mutable {
-    e.ok() ? dp.setValue(std::move(d)) : dp.setError(e);
-  });
-  ASSERT_EQ(dp.getFuture().wait(kWait).tensors.size(), 1u);
+  ASSERT_EQ(nextDescriptor(*pp.serverPipe).tensors.size(), 1u);
   pp.clientPipe->close();
   ASSERT_TRUE(w.waitFor(kWait));
   EXPECT_TRUE(w.hasError());
