@@ -30,6 +30,13 @@
 //                                        this process): a live writer whose
 //                                        record names memory it no longer
 //                                        has.
+//   cma_peer_helper reuse ADDRESS BYTES  after "go" (the reader's copy
+//                                        runs), close the pipe and overwrite
+//                                        the tensor with 0xEE in the write's
+//                                        callback, as a caller reusing the
+//                                        buffer its write gave back; print
+//                                        "reused" and wait (the test kills
+//                                        this process).
 // Exit status 0 = as expected; anything else is printed on stderr.
 
 #include <chrono>
@@ -151,6 +158,35 @@ int releaseMode(const std::string& mode, const std::string& address,
   return waitToBeKilled();
 }
 
+int reuseMode(const std::string& address, size_t bytes) {
+  Connected c = connectAndGreet(address);
+  auto& pipe = c.pipe;
+  std::vector<uint8_t> big(bytes);
+  fillPattern(big.data(), big.size(), 7);
+  Message m;
+  m.descriptor = "big";
+  m.tensors.push_back({big.data(), big.size(), Device{}});
+  Promise<void> written;
+  pipe->write(std::move(m), [&big, written](const Error&) mutable {
+    std::memset(big.data(), 0xEE, big.size());
+    written.setValue();
+  });
+  say("sent");
+  auto go = readAsync(pipe);
+  if (!go.waitFor(std::chrono::seconds(30)) || !go.error().ok() ||
+      go.value().descriptor != "go") {
+    std::fprintf(stderr, "helper: no \"go\" from the reader\n");
+    return 1;
+  }
+  pipe->close();
+  if (!written.getFuture().waitFor(std::chrono::seconds(30))) {
+    std::fprintf(stderr, "helper: write callback did not fire on close\n");
+    return 1;
+  }
+  say("reused");
+  return waitToBeKilled();
+}
+
 int sendMode(const std::string& address, size_t bytes, bool hold) {
   Connected c = connectAndGreet(address);
   auto& pipe = c.pipe;
@@ -193,11 +229,15 @@ int main(int argc, char** argv) {
                       std::strcmp(argv[1], "free") == 0)) {
       return releaseMode(argv[1], argv[2], std::strtoull(argv[3], nullptr, 10));
     }
+    if (argc == 4 && std::strcmp(argv[1], "reuse") == 0) {
+      return reuseMode(argv[2], std::strtoull(argv[3], nullptr, 10));
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "helper: %s\n", e.what());
     return 1;
   }
-  std::fprintf(stderr, "usage: %s send|hold|close|leave|free ADDRESS BYTES\n",
+  std::fprintf(stderr,
+               "usage: %s send|hold|close|leave|free|reuse ADDRESS BYTES\n",
                argv[0]);
   return 2;
 }

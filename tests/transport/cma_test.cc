@@ -815,8 +815,9 @@ TEST(CmaTwoProcesses, SiblingReadsALargeTensorStraightFromTheWriter) {
 
 // The writer closed its pipe before the reader copied: its write failed
 // (CANCELLED), the buffer was its own again and it let go of it, though the
-// process lives on. The reader's copy finds the memory gone: the peer left,
-// it did not lie (issue: collectives saw DATA_LOSS here).
+// process lives on. The reader copies nothing from a writer that closed,
+// and says the peer left, not that it lied (collectives once saw DATA_LOSS
+// here).
 TEST(CmaTwoProcesses, WriterThatClosedAndFreedItsTensorFailsTheReadAsGone) {
   auto server = Context::create(defaults("server"));
   auto l = server->listen({"shm://"});
@@ -829,6 +830,41 @@ TEST(CmaTwoProcesses, WriterThatClosedAndFreedItsTensorFailsTheReadAsGone) {
   auto next = readAll(r->pipe);
   EXPECT_EQ(next.error.code(), Code::kUnavailable) << next.error.what();
   expectAnotherWriterIsServed(*l);
+}
+
+// Another process closes its pipe while this one copies its 64 MiB tensor,
+// and overwrites the tensor in its write's callback. The read fails as the
+// peer's departure, or is delivered with every byte the writer's original:
+// never with bytes of the reused buffer.
+TEST(CmaTwoProcesses,
+     AWriterThatClosesMidCopyAndReusesItsBufferIsNotDelivered) {
+  auto server = Context::create(defaults("server"));
+  auto l = server->listen({"shm://"});
+  auto child =
+      spawnHelper({"reuse", l->address("shm"), std::to_string(kReleasedBytes)});
+  auto pipe = acceptOne(*l);
+  EXPECT_EQ(readAsync(pipe).wait(kWait).descriptor, "hello");
+  EXPECT_EQ(child->readLine(30000), "ready shm cma");
+  EXPECT_EQ(child->readLine(30000), "sent");
+  ASSERT_EQ(nextDescriptor(*pipe).tensors.size(), 1u);
+  auto body = std::make_shared<std::vector<uint8_t>>(kReleasedBytes, 0);
+  Promise<Error> rp;
+  pipe->read(Allocation{{}, {{body->data(), body->size()}}},
+             [rp, body](const Error& e) mutable { rp.setValue(e); });
+  Message go;
+  go.descriptor = "go";
+  writeAsync(*pipe, go).wait(kWait);
+  EXPECT_EQ(child->readLine(30000), "reused");
+  auto rf = rp.getFuture();
+  ASSERT_TRUE(rf.waitFor(kWait));
+  const Error e = rf.value();
+  if (e.ok()) {
+    EXPECT_TRUE(checkPattern(body->data(), body->size(), 7))
+        << "a read delivered as OK holds bytes of the reused buffer";
+  } else {
+    EXPECT_EQ(e.code(), Code::kUnavailable) << e.what();
+    expectNamesTheDepartedPeer(e, child->pid, pipe->peerAddress());
+  }
 }
 
 // The writer let go of the tensor with its pipe still open, as a process
