@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <poll.h>
@@ -158,6 +159,16 @@ TEST(CmaChannel, ViableHereAndCopiesFromAProcess) {
   EXPECT_NE(e.message().find("peer x"), std::string::npos) << e.what();
 }
 
+// The state letter of /proc/<pid>/stat ('R', 'S', 'Z', ...), 0 if unread.
+char procState(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(f, line);
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2]
+                                                               : '\0';
+}
+
 // A process that ended took its memory with it: a copy from it fails as
 // the peer's departure (UNAVAILABLE naming it), zombie or reaped, not as a
 // lying record. (A live process without the memory: DATA_LOSS, above.)
@@ -205,12 +216,17 @@ TEST(CmaChannel, CopyFromAProcessThatIsGoneIsUnavailable) {
   };
   copyEach("alive");
   ASSERT_EQ(::kill(child.pid, SIGKILL), 0);
-  // Not reaped yet: a zombie, which still answers kill(pid, 0).
+  // Not reaped yet: a zombie, which still answers kill(pid, 0). Waited for
+  // by its state: processGone() is true from the start of its exit, while
+  // its memory may still be there for a moment (a copy then succeeds,
+  // harmlessly: nothing runs in that process any more).
   const auto until =
       std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!processGone(pid) && std::chrono::steady_clock::now() < until) {
+  while (procState(child.pid) != 'Z' &&
+         std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  ASSERT_EQ(procState(child.pid), 'Z');
   ASSERT_TRUE(processGone(pid));
   EXPECT_EQ(::kill(child.pid, 0), 0);
   copyEach("zombie");
