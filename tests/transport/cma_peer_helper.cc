@@ -104,6 +104,25 @@ Connected connectAndGreet(const std::string& address) {
   return {std::move(ctx), std::move(pipe)};
 }
 
+// One CPU tensor of `bytes` bytes at `data` (descriptor "big").
+Message bigMessage(void* data, size_t bytes) {
+  Message m;
+  m.descriptor = "big";
+  m.tensors.push_back({data, bytes, Device{}});
+  return m;
+}
+
+// Waits for the reader's "go" (it then holds the tensor's record).
+bool awaitGo(const std::shared_ptr<Pipe>& pipe) {
+  auto go = readAsync(pipe);
+  if (!go.waitFor(std::chrono::seconds(30)) || !go.error().ok() ||
+      go.value().descriptor != "go") {
+    std::fprintf(stderr, "helper: no \"go\" from the reader\n");
+    return false;
+  }
+  return true;
+}
+
 // The writer lets go of its tensor after posting its write (modes close,
 // leave, free). The tensor has a mapping of its own, so that letting go of
 // it (munmap) makes the record name memory this process no longer has.
@@ -118,16 +137,9 @@ int releaseMode(const std::string& mode, const std::string& address,
     return 1;
   }
   fillPattern(static_cast<uint8_t*>(mem), bytes, 7);
-  Message m;
-  m.descriptor = "big";
-  m.tensors.push_back({mem, bytes, Device{}});
-  auto w = writeAsync(*pipe, m);
+  auto w = writeAsync(*pipe, bigMessage(mem, bytes));
   say("sent");
-  // The reader has the record once it says "go".
-  auto go = readAsync(pipe);
-  if (!go.waitFor(std::chrono::seconds(30)) || !go.error().ok() ||
-      go.value().descriptor != "go") {
-    std::fprintf(stderr, "helper: no \"go\" from the reader\n");
+  if (!awaitGo(pipe)) {
     return 1;
   }
   if (mode == "close") {
@@ -163,19 +175,14 @@ int reuseMode(const std::string& address, size_t bytes) {
   auto& pipe = c.pipe;
   std::vector<uint8_t> big(bytes);
   fillPattern(big.data(), big.size(), 7);
-  Message m;
-  m.descriptor = "big";
-  m.tensors.push_back({big.data(), big.size(), Device{}});
   Promise<void> written;
-  pipe->write(std::move(m), [&big, written](const Error&) mutable {
-    std::memset(big.data(), 0xEE, big.size());
-    written.setValue();
-  });
+  pipe->write(bigMessage(big.data(), big.size()),
+              [&big, written](const Error&) mutable {
+                std::memset(big.data(), 0xEE, big.size());
+                written.setValue();
+              });
   say("sent");
-  auto go = readAsync(pipe);
-  if (!go.waitFor(std::chrono::seconds(30)) || !go.error().ok() ||
-      go.value().descriptor != "go") {
-    std::fprintf(stderr, "helper: no \"go\" from the reader\n");
+  if (!awaitGo(pipe)) {
     return 1;
   }
   pipe->close();
@@ -192,10 +199,7 @@ int sendMode(const std::string& address, size_t bytes, bool hold) {
   auto& pipe = c.pipe;
   std::vector<uint8_t> big(bytes);
   fillPattern(big.data(), big.size(), 7);
-  Message m;
-  m.descriptor = "big";
-  m.tensors.push_back({big.data(), big.size(), Device{}});
-  auto w = writeAsync(*pipe, m);
+  auto w = writeAsync(*pipe, bigMessage(big.data(), big.size()));
   if (hold) {
     std::printf("sent\n");
     std::fflush(stdout);
