@@ -254,7 +254,10 @@ float triangle(int n) { return static_cast<float>(n * (n + 1) / 2); }
 // many, over one pipe of its own contexts (uv only, as the forced ring).
 // Per direction, rank 0's figure: what loopback carries between two
 // processes that both send and receive, the most a two-rank ring can move.
-std::string twoProcessBothWays(store::Store& st) {
+// `pg` (the phase's group) starts the ranks together and gathers their
+// clocks.
+std::string twoProcessBothWays(store::Store& st,
+                               collectives::ProcessGroup& pg) {
   using namespace trellis::transport;
   ContextOptions o;
   o.tokenFromEnvironment = false;
@@ -275,20 +278,11 @@ std::string twoProcessBothWays(store::Store& st) {
   const size_t size = 64 * kMiB;
   auto src = bench::prefaulted(size);
   auto dst = bench::prefaulted(size);
-  int round = 0;
-  auto barrier = [&] {
-    const std::string key = "both_ways/barrier/" + std::to_string(round++);
-    st.add(key, 1);
-    const auto until = Clock::now() + std::chrono::seconds(30);
-    while (st.add(key, 0) < 2 && Clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  };
   // Timed from the first rank's first write to the last rank's last read
   // (steady_clock is one clock for every process of the host), so that
   // neither rank's figure gains from the other starting early.
   auto run = [&](size_t count) {
-    barrier();  // both ranks start together
+    pg.barrier().wait();  // both ranks start together
     const auto t0 = Clock::now();
     bench::oneWayThroughput(pipe, dst.data(), size, count, false, [&](size_t) {
       Message m;
@@ -296,21 +290,17 @@ std::string twoProcessBothWays(store::Store& st) {
       pipe->write(std::move(m), [](const Error&) {});
     });
     const auto t1 = Clock::now();
-    const std::string r = std::to_string(round) + "/";
-    st.set("both_ways/t0/" + r + std::to_string(flags.rank),
-           std::to_string(t0.time_since_epoch().count()));
-    st.set("both_ways/t1/" + r + std::to_string(flags.rank),
-           std::to_string(t1.time_since_epoch().count()));
-    // Once both have read everything, every write of either has ended.
-    barrier();
-    long long first = INT64_MAX;
-    long long last = INT64_MIN;
-    for (int k = 0; k < 2; ++k) {
-      first = std::min(first, std::stoll(st.getString("both_ways/t0/" + r +
-                                                      std::to_string(k))));
-      last = std::max(last, std::stoll(st.getString("both_ways/t1/" + r +
-                                                    std::to_string(k))));
-    }
+    // Once every rank has given its clocks, every rank has read everything,
+    // so every write of either has ended.
+    const auto mine =
+        at::tensor({static_cast<int64_t>(t0.time_since_epoch().count()),
+                    static_cast<int64_t>(t1.time_since_epoch().count())},
+                   at::kLong);
+    auto all = at::empty({2 * flags.world}, at::kLong);
+    pg.allgatherIntoTensor(all, mine).wait();
+    const auto clocks = all.view({flags.world, 2});
+    const int64_t first = clocks.select(1, 0).min().item<int64_t>();
+    const int64_t last = clocks.select(1, 1).max().item<int64_t>();
     const double secs =
         std::chrono::duration<double>(Clock::duration(last - first)).count();
     return static_cast<double>(count * size) / secs / 1e9;
@@ -385,7 +375,7 @@ std::string runTrellis(std::shared_ptr<store::Store> st, bool ringOnly) {
   std::string result = measure(lib, ringOnly, "");
   pg->barrier().wait();
   if (ringOnly) {
-    result += twoProcessBothWays(*st);
+    result += twoProcessBothWays(*st, *pg);
   }
   return result;
 }
