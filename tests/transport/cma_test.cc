@@ -424,14 +424,15 @@ TEST(CmaPipe,
   Message back;
   back.descriptor = "reply";
   back.payloads.push_back({reply.data(), reply.size()});
+  // The order in which the two callbacks came: 1 and 2.
   std::atomic<int> order{0};
   std::atomic<int> readAt{0};
   std::atomic<int> writeAt{0};
   Promise<void> both;
-  std::atomic<int> left{2};
-  auto oneDone = [&order, &left, both](std::atomic<int>& at) mutable {
-    at = ++order;
-    if (--left == 0) {
+  auto oneDone = [&order, both](std::atomic<int>& at) mutable {
+    const int k = ++order;
+    at = k;
+    if (k == 2) {
       both.setValue();
     }
   };
