@@ -618,9 +618,9 @@ void rpcCaller(const Phase& p, store::Store& st) {
   addLatency(pre + "_noop_inline_rtt", us, base);
 
   // Next to the no-op it is quoted against, before the calls in flight
-  // below: after that burst small calls run 2-4x slower here for seconds
-  // (docs/benchmarks.md, RPC), and measured there this ratio read 3-8x
-  // where side by side it is about 2x.
+  // below, so that both see the same pools and the same machine state
+  // (after that burst small calls ran 2-4x slower for seconds until the
+  // pools woke their most recently idle thread; docs/benchmarks.md, RPC).
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
   const auto remoteByThread = bench::switchesByThread();
   us = bestBlock(flags.iters, Best::kMedian, [](int n) {

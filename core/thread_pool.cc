@@ -27,28 +27,52 @@ ThreadPool::ThreadPool(size_t numThreads, std::string name)
   }
   MutexLock lock(mu_);
   threads_.reserve(numThreads);
-  threads_.emplace_back([this] { workerLoop(0); });
-  started_ = 1;
+  workers_.reserve(numThreads);
+  if (!startLocked()) {
+    throw std::system_error(
+        std::make_error_code(std::errc::resource_unavailable_try_again),
+        "ThreadPool '" + name_ + "': cannot start a thread");
+  }
 }
 
-void ThreadPool::growLocked() {
-  if (started_ >= maxThreads_ || queue_.size() <= idle_) {
-    return;
-  }
+bool ThreadPool::startLocked() {
   const size_t index = started_;
+  workers_.push_back(std::make_unique<Worker>());
   try {
     threads_.emplace_back([this, index] { workerLoop(index); });
-    ++started_;
   } catch (const std::system_error& e) {
-    // The queued task runs on a thread the pool has, later.
+    workers_.pop_back();
     TRELLIS_LOG_WARN("thread pool '{}': could not start thread {} of {}: {}",
                      name_, index + 1, maxThreads_, e.what());
+    return false;
+  }
+  ++started_;
+  return true;
+}
+
+void ThreadPool::wakeOrGrowLocked() {
+  if (!idle_.empty()) {
+    const size_t index = idle_.back();
+    idle_.pop_back();
+    workers_[index]->woken = true;
+    ++waking_;
+    workers_[index]->cv.notifyOne();
+    return;
+  }
+  if (started_ < maxThreads_ && queue_.size() > waking_) {
+    // On failure the queued task runs on a thread the pool has, later.
+    startLocked();
   }
 }
 
 size_t ThreadPool::startedThreads() const {
   MutexLock lock(mu_);
   return started_;
+}
+
+size_t ThreadPool::idleThreads() const {
+  MutexLock lock(mu_);
+  return idle_.size();
 }
 
 ThreadPool::~ThreadPool() {
@@ -61,8 +85,7 @@ void ThreadPool::post(Task task) {
     MutexLock lock(mu_);
     if (!stopping_) {
       queue_.push_back(std::move(task));
-      growLocked();
-      cv_.notifyOne();
+      wakeOrGrowLocked();
       return;
     }
   }
@@ -77,8 +100,10 @@ void ThreadPool::shutdown(ShutdownMode mode) {
     if (mode == ShutdownMode::kCancel) {
       cancelled.swap(queue_);
     }
+    for (auto& w : workers_) {
+      w->cv.notifyOne();
+    }
   }
-  cv_.notifyAll();
   if (!cancelled.empty()) {
     const Error error = Error::cancelled("thread pool '" + name_ +
                                          "' was cancelled before the task ran");
@@ -121,10 +146,18 @@ void ThreadPool::workerLoop(size_t index) {
     Task task;
     {
       MutexLock lock(mu_);
+      Worker& me = *workers_[index];
       while (!stopping_ && queue_.empty()) {
-        ++idle_;
-        cv_.wait(mu_);
-        --idle_;
+        me.woken = false;
+        idle_.push_back(index);
+        while (!me.woken && !stopping_) {
+          me.cv.wait(mu_);
+        }
+        if (me.woken) {
+          --waking_;  // wakeOrGrowLocked() took it off idle_
+        } else {
+          std::erase(idle_, index);  // woken by shutdown()
+        }
       }
       if (queue_.empty()) {
         return;  // stopping and drained

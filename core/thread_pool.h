@@ -8,6 +8,14 @@
 // process does not keep N sleeping threads (docs/threads.md). Threads stay
 // once started.
 //
+// A posted task wakes the worker that went idle last (each worker sleeps on
+// a condition variable of its own). One condition variable shared by all
+// would wake the one that has waited longest, so sequential calls would
+// rotate through every thread the pool ever started, each woken cold and
+// often on the other core: after a burst had grown the RPC worker pool to
+// four threads, small calls ran 1.5-2x slower for as long as the process
+// lived (docs/benchmarks.md, RPC).
+//
 // Contract
 //  - post(task): `task(Error)` runs exactly once: on a worker with an OK
 //    error, or with CANCELLED when the pool is cancelled before the task ran.
@@ -26,6 +34,7 @@
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,22 +84,35 @@ class ThreadPool {
   // The most threads it starts / how many it has started.
   size_t numThreads() const { return maxThreads_; }
   size_t startedThreads() const TRELLIS_EXCLUDES(mu_);
+  // Workers waiting for a task, none of them woken for one yet.
+  size_t idleThreads() const TRELLIS_EXCLUDES(mu_);
   size_t queued() const TRELLIS_EXCLUDES(mu_);
   const std::string& name() const { return name_; }
 
  private:
+  struct Worker {
+    CondVar cv;
+    bool woken = false;  // guarded by mu_: a post chose this worker
+  };
+
   void workerLoop(size_t index) TRELLIS_EXCLUDES(mu_);
-  // Starts one more worker when the queued tasks outnumber the idle ones.
-  void growLocked() TRELLIS_REQUIRES(mu_);
+  // Wakes the most recently idle worker, or starts one more when none is
+  // idle and the queued tasks outnumber the workers already woken for them.
+  void wakeOrGrowLocked() TRELLIS_REQUIRES(mu_);
+  // Starts worker number started_; false if the thread could not start.
+  bool startLocked() TRELLIS_REQUIRES(mu_);
 
   const std::string name_;
   const size_t maxThreads_;
   mutable Mutex mu_;
-  CondVar cv_;
   std::deque<Task> queue_ TRELLIS_GUARDED_BY(mu_);
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
-  // Workers waiting for a task.
-  size_t idle_ TRELLIS_GUARDED_BY(mu_) = 0;
+  // One per started thread, by index; never shrinks while the pool lives.
+  std::vector<std::unique_ptr<Worker>> workers_ TRELLIS_GUARDED_BY(mu_);
+  // Indices of the workers waiting for a task, the most recently idle last.
+  std::vector<size_t> idle_ TRELLIS_GUARDED_BY(mu_);
+  // Workers woken by a post that have not yet taken the lock again.
+  size_t waking_ TRELLIS_GUARDED_BY(mu_) = 0;
   // Grows under mu_ until stopping_; join() takes them out.
   std::vector<std::thread> threads_ TRELLIS_GUARDED_BY(mu_);
   size_t started_ TRELLIS_GUARDED_BY(mu_) = 0;
