@@ -1,3 +1,4 @@
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
 #include <exception>
@@ -300,6 +301,14 @@ void encodeTensor(Encoder& e, const at::Tensor& t) {
   }
   w.putVarint(0);  // the span starts at the first element
   w.putVarint(index);
+}
+
+at::Tensor emptyBytes(size_t length) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), length,
+                       c10::GetCPUAllocator(), /*resizable=*/true);
+  const auto n = static_cast<int64_t>(length);
+  return onStorage(storage, c10::Device(c10::DeviceType::CPU),
+                   at::ScalarType::Byte, {n}, {1}, 0);
 }
 
 at::Tensor decodeTensor(Decoder& d) {

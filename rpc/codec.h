@@ -410,6 +410,12 @@ struct Codec<std::string> {
 void encodeTensor(Encoder& e, const at::Tensor& t);
 at::Tensor decodeTensor(Decoder& d);
 
+// A new 1-D uint8 CPU tensor of `length` uninitialised bytes from ATen's CPU
+// allocator (the memory at::empty would give), made without the dispatcher:
+// at::empty cost 0.5-1.7 µs per received tensor on the transport loop, this
+// 0.3-1.0 (docs/benchmarks.md, RPC). For receive buffers.
+at::Tensor emptyBytes(size_t length);
+
 template <>
 struct Codec<at::Tensor> {
   static constexpr size_t kMinBytes = 1;

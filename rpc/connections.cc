@@ -22,10 +22,10 @@ namespace {
 // A receive buffer for a CPU tensor of `length` bytes: from the pool from
 // 1 MiB on (core/buffer_pool.h says why), else from libtorch.
 at::Tensor receiveBuffer(BufferPool& pool, size_t length) {
-  const auto options = at::TensorOptions().dtype(at::kByte);
   if (length < BufferPool::kMinPooledBytes) {
-    return at::empty({static_cast<int64_t>(length)}, options);
+    return emptyBytes(length);
   }
+  const auto options = at::TensorOptions().dtype(at::kByte);
   auto buffer = pool.take(length);
   void* data = buffer.get();
   // The tensor's deleter holds the buffer: it goes back to the pool when

@@ -837,6 +837,51 @@ TEST(CodecTest, SignatureFingerprints) {
   EXPECT_EQ(fnv1a64("a"), 0xaf63dc4c8601ec8cULL);
 }
 
+// The receive buffers of small tensors (made without the dispatcher) behave
+// as at::empty's: fresh memory each time, usable by ATen ops, in place and
+// resized, and decoded into the tensor a message described.
+TEST(CodecTest, EmptyBytesIsAPlainFreshByteTensor) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{1000}, size_t{65536}}) {
+    at::Tensor a = emptyBytes(n);
+    at::Tensor b = emptyBytes(n);
+    ASSERT_TRUE(a.defined());
+    EXPECT_EQ(a.dim(), 1);
+    EXPECT_EQ(a.numel(), static_cast<int64_t>(n));
+    EXPECT_EQ(a.scalar_type(), at::kByte);
+    EXPECT_TRUE(a.device().is_cpu());
+    EXPECT_TRUE(a.is_contiguous());
+    EXPECT_FALSE(a.requires_grad());
+    if (n == 0) {
+      continue;
+    }
+    EXPECT_NE(a.data_ptr(), b.data_ptr());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data_ptr()) % 64, 0u);
+    a.fill_(7);
+    b.fill_(9);
+    EXPECT_EQ(a.sum().item<int64_t>(), 7 * static_cast<int64_t>(n));
+    EXPECT_EQ(b.sum().item<int64_t>(), 9 * static_cast<int64_t>(n));
+  }
+  at::Tensor grown = emptyBytes(16);
+  grown.resize_({4096});
+  grown.fill_(1);
+  EXPECT_EQ(grown.sum().item<int64_t>(), 4096);
+
+  // What the transport delivers into it decodes as the sent tensor.
+  const at::Tensor sent = at::arange(250, at::kFloat).reshape({10, 25});
+  Encoder e;
+  encodeValue(e, sent);
+  std::vector<at::Tensor> rx;
+  for (const auto& span : e.tensors()) {
+    at::Tensor buf = emptyBytes(static_cast<size_t>(span.numel()));
+    std::memcpy(buf.data_ptr(), span.data_ptr(), span.numel());
+    rx.push_back(buf);
+  }
+  Decoder d(e.wire().bytes(), std::move(rx));
+  const at::Tensor got = decodeValue<at::Tensor>(d);
+  ASSERT_TRUE(d.finish().ok()) << d.error().what();
+  EXPECT_TRUE(got.equal(sent));
+}
+
 TEST(CodecTest, SerializableTrait) {
   static_assert(kIsSerializable<int64_t>);
   static_assert(kIsSerializable<const std::string&>);
