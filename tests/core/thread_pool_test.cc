@@ -145,6 +145,31 @@ TEST(ThreadPoolTest, ManyProducers) {
 // busy or claimed by a queued task, up to the limit; and then N tasks that each
 // wait for all the others still run at once (a task never waits for a thread
 // while fewer than N exist).
+// Posts `n` tasks that each wait (10 s at most) until all `n` have
+// started; true if they all did, i.e. the pool ran them at once.
+bool runAtOnce(ThreadPool& pool, size_t n) {
+  std::atomic<size_t> arrived{0};
+  std::vector<Future<bool>> all;
+  for (size_t i = 0; i < n; ++i) {
+    all.push_back(pool.submit([&arrived, n] {
+      arrived.fetch_add(1);
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (arrived.load() < n) {
+        if (std::chrono::steady_clock::now() > until) {
+          return false;
+        }
+        std::this_thread::sleep_for(1ms);
+      }
+      return true;
+    }));
+  }
+  bool ok = true;
+  for (auto& f : all) {
+    ok = f.wait(20s) && ok;
+  }
+  return ok;
+}
+
 TEST(ThreadPoolTest, StartsThreadsOnlyWhenEveryOneIsBusy) {
   constexpr size_t kThreads = 4;
   ThreadPool pool(kThreads, "t");
@@ -157,24 +182,7 @@ TEST(ThreadPoolTest, StartsThreadsOnlyWhenEveryOneIsBusy) {
   }
   EXPECT_LE(pool.startedThreads(), kThreads);
 
-  std::atomic<size_t> arrived{0};
-  std::vector<Future<bool>> all;
-  for (size_t i = 0; i < kThreads; ++i) {
-    all.push_back(pool.submit([&arrived] {
-      arrived.fetch_add(1);
-      const auto until = std::chrono::steady_clock::now() + 10s;
-      while (arrived.load() < kThreads) {
-        if (std::chrono::steady_clock::now() > until) {
-          return false;
-        }
-        std::this_thread::sleep_for(1ms);
-      }
-      return true;
-    }));
-  }
-  for (auto& f : all) {
-    EXPECT_TRUE(f.wait(20s)) << "the tasks did not all run at once";
-  }
+  EXPECT_TRUE(runAtOnce(pool, kThreads)) << "the tasks did not all run at once";
   EXPECT_EQ(pool.startedThreads(), kThreads);
   for (int i = 0; i < 50; ++i) {
     pool.post([](const Error&) {});
@@ -190,25 +198,7 @@ TEST(ThreadPoolTest, StartsThreadsOnlyWhenEveryOneIsBusy) {
 TEST(ThreadPoolTest, ATaskWakesTheWorkerThatWentIdleLast) {
   constexpr size_t kThreads = 4;
   ThreadPool pool(kThreads, "t");
-  // Grow it to all four: four tasks that wait for each other.
-  std::atomic<size_t> arrived{0};
-  std::vector<Future<bool>> all;
-  for (size_t i = 0; i < kThreads; ++i) {
-    all.push_back(pool.submit([&arrived] {
-      arrived.fetch_add(1);
-      const auto until = std::chrono::steady_clock::now() + 10s;
-      while (arrived.load() < kThreads) {
-        if (std::chrono::steady_clock::now() > until) {
-          return false;
-        }
-        std::this_thread::sleep_for(1ms);
-      }
-      return true;
-    }));
-  }
-  for (auto& f : all) {
-    ASSERT_TRUE(f.wait(20s));
-  }
+  ASSERT_TRUE(runAtOnce(pool, kThreads));  // grows it to all four
   ASSERT_EQ(pool.startedThreads(), kThreads);
 
   auto allIdle = [&pool] {
