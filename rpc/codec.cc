@@ -304,9 +304,10 @@ void encodeTensor(Encoder& e, const at::Tensor& t) {
 }
 
 at::Tensor emptyBytes(size_t length) {
-  c10::Storage storage(c10::Storage::use_byte_size_t(), length,
-                       c10::GetCPUAllocator(), /*resizable=*/true);
+  // The size parameter is a SymInt (1.13 and 2.x), made from an int64_t.
   const auto n = static_cast<int64_t>(length);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), n,
+                       c10::GetCPUAllocator(), /*resizable=*/true);
   return onStorage(storage, c10::Device(c10::DeviceType::CPU),
                    at::ScalarType::Byte, {n}, {1}, 0);
 }
