@@ -36,7 +36,7 @@ ThreadPool::ThreadPool(size_t numThreads, std::string name)
 }
 
 bool ThreadPool::startLocked() {
-  const size_t index = started_;
+  const size_t index = workers_.size();
   workers_.push_back(std::make_unique<Worker>());
   try {
     threads_.emplace_back([this, index] { workerLoop(index); });
@@ -46,7 +46,6 @@ bool ThreadPool::startLocked() {
                      name_, index + 1, maxThreads_, e.what());
     return false;
   }
-  ++started_;
   return true;
 }
 
@@ -59,7 +58,7 @@ void ThreadPool::wakeOrGrowLocked() {
     workers_[index]->cv.notifyOne();
     return;
   }
-  if (started_ < maxThreads_ && queue_.size() > waking_) {
+  if (workers_.size() < maxThreads_ && queue_.size() > waking_) {
     // On failure the queued task runs on a thread the pool has, later.
     startLocked();
   }
@@ -67,7 +66,7 @@ void ThreadPool::wakeOrGrowLocked() {
 
 size_t ThreadPool::startedThreads() const {
   MutexLock lock(mu_);
-  return started_;
+  return workers_.size();
 }
 
 size_t ThreadPool::idleThreads() const {

@@ -99,7 +99,7 @@ class ThreadPool {
   // Wakes the most recently idle worker, or starts one more when none is
   // idle and the queued tasks outnumber the workers already woken for them.
   void wakeOrGrowLocked() TRELLIS_REQUIRES(mu_);
-  // Starts worker number started_; false if the thread could not start.
+  // Starts one more worker; false if its thread could not start.
   bool startLocked() TRELLIS_REQUIRES(mu_);
 
   const std::string name_;
@@ -107,7 +107,8 @@ class ThreadPool {
   mutable Mutex mu_;
   std::deque<Task> queue_ TRELLIS_GUARDED_BY(mu_);
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
-  // One per started thread, by index; never shrinks while the pool lives.
+  // One per started thread, by index (its size is the threads started);
+  // never shrinks while the pool lives.
   std::vector<std::unique_ptr<Worker>> workers_ TRELLIS_GUARDED_BY(mu_);
   // Indices of the workers waiting for a task, the most recently idle last.
   std::vector<size_t> idle_ TRELLIS_GUARDED_BY(mu_);
@@ -115,7 +116,6 @@ class ThreadPool {
   size_t waking_ TRELLIS_GUARDED_BY(mu_) = 0;
   // Grows under mu_ until stopping_; join() takes them out.
   std::vector<std::thread> threads_ TRELLIS_GUARDED_BY(mu_);
-  size_t started_ TRELLIS_GUARDED_BY(mu_) = 0;
   // Serialises concurrent join() calls, so that a second one returns only
   // once the workers have exited.
   Mutex joinMu_;

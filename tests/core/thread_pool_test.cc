@@ -141,10 +141,6 @@ TEST(ThreadPoolTest, ManyProducers) {
   EXPECT_EQ(sum.load(), 4000);
 }
 
-// Threads start on demand: one at first, another only when every thread is
-// busy or claimed by a queued task, up to the limit; and then N tasks that each
-// wait for all the others still run at once (a task never waits for a thread
-// while fewer than N exist).
 // Posts `n` tasks that each wait (10 s at most) until all `n` have
 // started; true if they all did, i.e. the pool ran them at once.
 bool runAtOnce(ThreadPool& pool, size_t n) {
@@ -170,6 +166,10 @@ bool runAtOnce(ThreadPool& pool, size_t n) {
   return ok;
 }
 
+// Threads start on demand: one at first, another only when every thread is
+// busy or claimed by a queued task, up to the limit; and then N tasks that each
+// wait for all the others still run at once (a task never waits for a thread
+// while fewer than N exist).
 TEST(ThreadPoolTest, StartsThreadsOnlyWhenEveryOneIsBusy) {
   constexpr size_t kThreads = 4;
   ThreadPool pool(kThreads, "t");
