@@ -1,4 +1,4 @@
-#include <c10/core/CPUAllocator.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
 #include <exception>
@@ -304,12 +304,14 @@ void encodeTensor(Encoder& e, const at::Tensor& t) {
 }
 
 at::Tensor emptyBytes(size_t length) {
-  // The size parameter is a SymInt (1.13 and 2.x), made from an int64_t.
-  const auto n = static_cast<int64_t>(length);
-  c10::Storage storage(c10::Storage::use_byte_size_t(), n,
-                       c10::GetCPUAllocator(), /*resizable=*/true);
-  return onStorage(storage, c10::Device(c10::DeviceType::CPU),
-                   at::ScalarType::Byte, {n}, {1}, 0);
+  // at::detail::empty_cpu is what at::empty calls for a CPU tensor once the
+  // dispatcher has picked the kernel; calling it directly skips the
+  // dispatcher and keeps the tensor's storage made, and so freed, inside
+  // libtorch (tests/tsan_suppressions.cc: a storage made here and freed
+  // after its last, libtorch-side reference dropped would look racy to
+  // TSan). Its size parameter takes int64_t in 1.13 and 2.x.
+  const int64_t n = static_cast<int64_t>(length);
+  return at::detail::empty_cpu({n}, at::ScalarType::Byte);
 }
 
 at::Tensor decodeTensor(Decoder& d) {
