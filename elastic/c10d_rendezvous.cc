@@ -86,6 +86,11 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
             "is_host=true but the rendezvous endpoint " + endpointText +
             " cannot be bound: " + e.error().message()));
       }
+      // Said, because what follows is a silent wait of up to join_timeout
+      // for a store there: when the port is held by something that is not
+      // this job's store, this line is the only clue.
+      log("cannot bind the c10d rendezvous endpoint here (" +
+          e.error().message() + "); joining the store at " + endpointText);
     }
   }
   connectRoundStore(
