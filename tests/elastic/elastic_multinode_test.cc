@@ -171,10 +171,7 @@ std::vector<std::string> c10d(const std::string& endpoint,
       "--monitor-interval", "0.05"};
 }
 
-std::string loopback() {
-  return "127.0.0.1:" +
-         std::to_string(trellis::elastic::pickFreePort("127.0.0.1"));
-}
+std::string loopback() { return "127.0.0.1:" + std::to_string(pickTestPort()); }
 
 // Every rank 0..nodes*nproc-1 of `restart` wrote an environment that
 // agrees with the others'.
@@ -386,7 +383,7 @@ TEST(ElasticMultiNode, ANodeWithAnotherNprocIsRefusedByName) {
 
 TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
   Job job;
-  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  const uint16_t port = pickTestPort();
   const std::string ep = "127.0.0.1:" + std::to_string(port);
   job.start(0, c10d(ep, "2", 1, "join_timeout=20"), {});
   ASSERT_EQ(job.host(1), 0) << job.allErr();
@@ -499,7 +496,7 @@ std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc) {
 // restarts both nodes.
 TEST(ElasticMultiNode, StaticTwoNodesFormOneWorldAndRestartTogether) {
   Job job;
-  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  const uint16_t port = pickTestPort();
   // Node rank 1 first: it waits for node rank 0's store.
   for (int node : {1, 0}) {
     job.start(node, staticNode(port, node, 2),
@@ -543,7 +540,7 @@ TEST(ElasticMultiNode, StaticTwoNodesFormOneWorldAndRestartTogether) {
 // status 2); the job of the other two goes on.
 TEST(ElasticMultiNode, StaticNodeRankTakenTwiceIsRefused) {
   Job job;
-  const uint16_t port = trellis::elastic::pickFreePort("127.0.0.1");
+  const uint16_t port = pickTestPort();
   job.start(0, staticNode(port, 0, 1), {"--sleep-ms", "1500"});
   job.start(1, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
   job.start(2, staticNode(port, 1, 1), {"--sleep-ms", "1500"});

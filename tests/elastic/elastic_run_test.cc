@@ -178,8 +178,7 @@ TEST(ElasticRun, StaticSingleNodeUsesMasterPort) {
 // TCPStore cannot talk to ours): its rank 0 serves on another port, and
 // the agent says why.
 TEST(ElasticRun, C10dSharesTheAgentStoreExceptWithPythonWorkers) {
-  const std::string port =
-      std::to_string(trellis::elastic::pickFreePort("127.0.0.1"));
+  const std::string port = std::to_string(pickTestPort());
   const std::vector<std::string> flags = {
       "--nnodes",       "1",    "--nproc-per-node", "1",
       "--rdzv-backend", "c10d", "--rdzv-endpoint",  "127.0.0.1:" + port,
