@@ -31,6 +31,7 @@
 #include <gtest/gtest.h>
 
 #include "../netns_hosts.h"
+#include "../port_reservation.h"
 #include "../transport/peer_process.h"
 #include "elastic_test_util.h"
 #include "etcd_server.h"
@@ -136,6 +137,17 @@ class Job {
     }
     return true;
   }
+  // A loopback port for this job's agents, reserved until the job ends
+  // (tests/port_reservation.h: not one the kernel may hand to a test
+  // running beside this one before the agents bind it), and the
+  // rendezvous endpoint on it.
+  uint16_t reservePort() {
+    ports_.push_back(std::make_unique<trellis::testing::PortReservation>());
+    return static_cast<uint16_t>(ports_.back()->port());
+  }
+  std::string loopback() {
+    return "127.0.0.1:" + std::to_string(reservePort());
+  }
   // Which agent hosts the store (said on its stderr), waiting for it.
   int host(int n, std::chrono::milliseconds bound = 10s) const {
     const auto end = Clock::now() + bound;
@@ -158,6 +170,7 @@ class Job {
   std::filesystem::path dir_;
   std::string secret_;
   std::string token_;
+  std::vector<std::unique_ptr<trellis::testing::PortReservation>> ports_;
   std::vector<std::unique_ptr<Child>> agents_;
 };
 
@@ -170,8 +183,6 @@ std::vector<std::string> c10d(const std::string& endpoint,
       "--rdzv-id",          "mnjob", "--rdzv-conf",      conf,
       "--monitor-interval", "0.05"};
 }
-
-std::string loopback() { return "127.0.0.1:" + std::to_string(pickTestPort()); }
 
 // Every rank 0..nodes*nproc-1 of `restart` wrote an environment that
 // agrees with the others'.
@@ -252,7 +263,7 @@ void latecomerScenario(Job& job, const StartAgent& start) {
 
 TEST(ElasticMultiNode, ThreeNodesAgreeOnEveryRank) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   // MAX joined closes the round at once: the long last call never runs.
   const std::string conf =
       "join_timeout=20,last_call_timeout=30,keep_alive_interval=1";
@@ -268,7 +279,7 @@ TEST(ElasticMultiNode, ThreeNodesAgreeOnEveryRank) {
 
 TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   auto flags = c10d(ep, "2", 2);
   flags.insert(flags.end(), {"--max-restarts", "1"});
   // --store: the workers meet before rank 3 fails, so every node has
@@ -295,7 +306,7 @@ TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
 
 TEST(ElasticMultiNode, TheBudgetSpentOnOneNodeFailsEveryNode) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   for (int i = 0; i < 2; ++i) {
     job.start(i, c10d(ep, "2", 1), {"--fail-rank", "1", "--sleep-ms", "3000"});
   }
@@ -308,7 +319,7 @@ TEST(ElasticMultiNode, TheBudgetSpentOnOneNodeFailsEveryNode) {
 
 TEST(ElasticMultiNode, AKilledAgentIsDroppedAndTheOthersGoOn) {
   Job job;
-  auto flags = c10d(loopback(), "2:3", 1,
+  auto flags = c10d(job.loopback(), "2:3", 1,
                     "join_timeout=20,last_call_timeout=1,read_timeout=10,"
                     "keep_alive_interval=1,keep_alive_max_attempt=2");
   flags.insert(flags.end(), {"--max-restarts", "1"});
@@ -327,7 +338,7 @@ TEST(ElasticMultiNode, AKilledAgentIsDroppedAndTheOthersGoOn) {
 // next round takes all three again.
 TEST(ElasticMultiNode, AnAgentThatRestartsRejoinsTheJob) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   auto flags = c10d(ep, "2:3", 1);
   flags.insert(flags.end(), {"--max-restarts", "1"});
   const std::vector<std::string> worker = {"--sleep-first-ms", "30000"};
@@ -351,14 +362,14 @@ TEST(ElasticMultiNode, AnAgentThatRestartsRejoinsTheJob) {
 
 TEST(ElasticMultiNode, ALatecomerIsTakenByTheNextRound) {
   Job job;
-  const auto flags = c10d(loopback(), "2:3", 1);
+  const auto flags = c10d(job.loopback(), "2:3", 1);
   latecomerScenario(
       job, [&](int i, const auto& worker) { job.start(i, flags, worker); });
 }
 
 TEST(ElasticMultiNode, AnUnreachableEndpointIsNamedWithinTheJoinTimeout) {
   Job job;
-  const std::string ep = loopback();  // nobody listens there
+  const std::string ep = job.loopback();  // nobody listens there
   const auto start = Clock::now();
   job.start(0, c10d(ep, "2", 1, "join_timeout=1,is_host=false"), {});
   EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
@@ -371,7 +382,7 @@ TEST(ElasticMultiNode, AnUnreachableEndpointIsNamedWithinTheJoinTimeout) {
 
 TEST(ElasticMultiNode, ANodeWithAnotherNprocIsRefusedByName) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   job.start(0, c10d(ep, "2", 2, "join_timeout=10"), {});
   ASSERT_EQ(job.host(1), 0) << job.allErr();
   job.start(1, c10d(ep, "2", 3, "join_timeout=10"), {});
@@ -383,7 +394,7 @@ TEST(ElasticMultiNode, ANodeWithAnotherNprocIsRefusedByName) {
 
 TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
   Job job;
-  const uint16_t port = pickTestPort();
+  const uint16_t port = job.reservePort();
   const std::string ep = "127.0.0.1:" + std::to_string(port);
   job.start(0, c10d(ep, "2", 1, "join_timeout=20"), {});
   ASSERT_EQ(job.host(1), 0) << job.allErr();
@@ -409,7 +420,7 @@ TEST(ElasticMultiNode, GarbageInTheRoundRecordIsNamed) {
 // crash restarts the group and the store, hosted by an agent, survives it.
 TEST(ElasticMultiNode, WorkersUseTheAgentStoreWhichSurvivesARestart) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   auto flags = c10d(ep, "2", 2);
   flags.insert(flags.end(), {"--max-restarts", "1"});
   for (int i = 0; i < 2; ++i) {
@@ -451,7 +462,7 @@ TEST(ElasticMultiNode, WorkersUseTheAgentStoreWhichSurvivesARestart) {
 // etcd, and the workers meet there.
 TEST(ElasticMultiNode, TorchsOptOutMakesRankZeroServeTheWorkersStore) {
   Job job;
-  const std::string ep = loopback();
+  const std::string ep = job.loopback();
   for (int i = 0; i < 2; ++i) {
     job.start(i, c10d(ep, "2", 2), {"--store"}, "",
               {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"});
@@ -496,7 +507,7 @@ std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc) {
 // restarts both nodes.
 TEST(ElasticMultiNode, StaticTwoNodesFormOneWorldAndRestartTogether) {
   Job job;
-  const uint16_t port = pickTestPort();
+  const uint16_t port = job.reservePort();
   // Node rank 1 first: it waits for node rank 0's store.
   for (int node : {1, 0}) {
     job.start(node, staticNode(port, node, 2),
@@ -540,7 +551,7 @@ TEST(ElasticMultiNode, StaticTwoNodesFormOneWorldAndRestartTogether) {
 // status 2); the job of the other two goes on.
 TEST(ElasticMultiNode, StaticNodeRankTakenTwiceIsRefused) {
   Job job;
-  const uint16_t port = pickTestPort();
+  const uint16_t port = job.reservePort();
   job.start(0, staticNode(port, 0, 1), {"--sleep-ms", "1500"});
   job.start(1, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
   job.start(2, staticNode(port, 1, 1), {"--sleep-ms", "1500"});
@@ -619,7 +630,7 @@ TEST_F(ElasticMultiNodeEtcd, AKilledAgentIsDroppedAndTheOthersGoOn) {
 
 TEST_F(ElasticMultiNodeEtcd, AnUnreachableEtcdIsNamedWithinTheJoinTimeout) {
   Job job;
-  const std::string ep = loopback();  // nobody listens there
+  const std::string ep = job.loopback();  // nobody listens there
   const auto start = Clock::now();
   job.start(0, etcd(ep, "2", 1, "join_timeout=1"), {});
   EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);

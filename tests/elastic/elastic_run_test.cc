@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../port_reservation.h"
 #include "../transport/peer_process.h"
 #include "elastic_test_util.h"
 #include <trellis/core/text.h>
@@ -178,7 +179,8 @@ TEST(ElasticRun, StaticSingleNodeUsesMasterPort) {
 // TCPStore cannot talk to ours): its rank 0 serves on another port, and
 // the agent says why.
 TEST(ElasticRun, C10dSharesTheAgentStoreExceptWithPythonWorkers) {
-  const std::string port = std::to_string(pickTestPort());
+  const trellis::testing::PortReservation reserved;
+  const std::string port = std::to_string(reserved.port());
   const std::vector<std::string> flags = {
       "--nnodes",       "1",    "--nproc-per-node", "1",
       "--rdzv-backend", "c10d", "--rdzv-endpoint",  "127.0.0.1:" + port,
