@@ -275,6 +275,22 @@ TEST(ElasticMultiNode, ThreeNodesAgreeOnEveryRank) {
   }
   expectConsistentRanks(job, 3, 2, 0);
   EXPECT_EQ(job.env(0, 0).at("MASTER_ADDR"), "127.0.0.1");
+  // One agent hosts; the two that could not bind the endpoint say so and
+  // why before they join its store.
+  int joined = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (job.err(i).find("cannot bind the c10d rendezvous endpoint here (") !=
+        std::string::npos) {
+      ++joined;
+      EXPECT_NE(job.err(i).find("Address already in use); joining the store "
+                                "at " +
+                                ep),
+                std::string::npos)
+          << job.err(i);
+    }
+  }
+  EXPECT_EQ(joined, 2) << job.allErr();
+  EXPECT_GE(job.host(3), 0) << job.allErr();
 }
 
 TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
