@@ -71,7 +71,8 @@ class FutureState {
 
   bool complete(std::optional<Stored<T>>&& value, Error&& error)
       TRELLIS_EXCLUDES(mu_) {
-    std::vector<Callback> callbacks;
+    Callback first;
+    std::vector<Callback> more;
     {
       MutexLock lock(mu_);
       if (done_) {
@@ -79,11 +80,15 @@ class FutureState {
       }
       value_ = std::move(value);
       error_ = std::move(error);
-      callbacks.swap(callbacks_);
+      first.swap(first_);
+      more.swap(more_);
       done_.store(true, std::memory_order_release);
     }
     cv_.notifyAll();
-    for (auto& cb : callbacks) {
+    if (first) {
+      first();
+    }
+    for (auto& cb : more) {
       cb();
     }
     return true;
@@ -93,11 +98,26 @@ class FutureState {
     {
       MutexLock lock(mu_);
       if (!done_) {
-        callbacks_.push_back(std::move(cb));
+        // Most futures get one callback: it needs no vector.
+        if (!first_ && more_.empty()) {
+          first_ = std::move(cb);
+        } else {
+          more_.push_back(std::move(cb));
+        }
         return;
       }
     }
     cb();
+  }
+
+  // Promise copies alive (Promise keeps the count): the last one to go
+  // breaks a promise that was never kept.
+  void addPromise() { promises_.fetch_add(1, std::memory_order_relaxed); }
+  void dropPromise() {
+    if (promises_.fetch_sub(1, std::memory_order_acq_rel) == 1 && !done()) {
+      complete(std::nullopt,
+               Error::cancelled("promise destroyed before completion"));
+    }
   }
 
   bool done() const { return done_.load(std::memory_order_acquire); }
@@ -131,23 +151,12 @@ class FutureState {
   // done() is true they are immutable and read without the lock, so they
   // are not GUARDED_BY (the analysis has no notion of publication).
   std::atomic<bool> done_{false};
+  std::atomic<size_t> promises_{0};
   std::optional<Stored<T>> value_;
   Error error_;
-  std::vector<Callback> callbacks_ TRELLIS_GUARDED_BY(mu_);
-};
-
-// Breaks the promise when the last Promise copy goes away.
-template <typename T>
-struct PromiseOwner {
-  explicit PromiseOwner(std::shared_ptr<FutureState<T>> s)
-      : state(std::move(s)) {}
-  ~PromiseOwner() {
-    state->complete(std::nullopt,
-                    Error::cancelled("promise destroyed before completion"));
-  }
-  PromiseOwner(const PromiseOwner&) = delete;
-  PromiseOwner& operator=(const PromiseOwner&) = delete;
-  std::shared_ptr<FutureState<T>> state;
+  // In the order they were added: first_, then more_.
+  Callback first_ TRELLIS_GUARDED_BY(mu_);
+  std::vector<Callback> more_ TRELLIS_GUARDED_BY(mu_);
 };
 
 }  // namespace detail
@@ -212,10 +221,13 @@ class [[nodiscard]] Future {
     return result();
   }
 
-  // Runs `cb(*this)` once complete (see the contract above).
-  void addDoneCallback(std::function<void(const Future<T>&)> cb) const {
-    Future self = *this;
-    state_->addCallback([self, cb = std::move(cb)]() {
+  // Runs `cb(*this)` once complete (see the contract above). `cb` is any
+  // callable taking `const Future<T>&`; it is stored as it is, not wrapped
+  // in a std::function of its own.
+  template <typename F>
+  requires(std::is_invocable_v<F&, const Future<T>&>) void addDoneCallback(
+      F&& cb) const {
+    state_->addCallback([self = *this, cb = std::forward<F>(cb)]() mutable {
       try {
         cb(self);
       } catch (...) {
@@ -259,33 +271,63 @@ class [[nodiscard]] Future {
 template <typename T>
 class Promise {
  public:
-  Promise()
-      : owner_(std::make_shared<detail::PromiseOwner<T>>(
-            std::make_shared<detail::FutureState<T>>())) {}
+  Promise() : state_(std::make_shared<detail::FutureState<T>>()) {
+    state_->addPromise();
+  }
+  Promise(const Promise& other) : state_(other.state_) {
+    if (state_ != nullptr) {
+      state_->addPromise();
+    }
+  }
+  Promise(Promise&& other) noexcept : state_(std::move(other.state_)) {}
+  Promise& operator=(const Promise& other) {
+    if (this != &other) {
+      Promise copy(other);
+      std::swap(state_, copy.state_);
+    }
+    return *this;
+  }
+  Promise& operator=(Promise&& other) noexcept {
+    if (this != &other) {
+      release();
+      state_ = std::move(other.state_);
+    }
+    return *this;
+  }
+  ~Promise() { release(); }
 
-  Future<T> getFuture() const { return Future<T>(owner_->state); }
-  bool completed() const { return owner_->state->done(); }
+  Future<T> getFuture() const { return Future<T>(state_); }
+  bool completed() const { return state_->done(); }
 
   // Each returns false (and changes nothing) if already completed.
   template <typename U = T>
   requires(!std::is_void_v<U>) bool setValue(U value) {
-    return owner_->state->complete(
-        std::optional<detail::Stored<T>>(std::move(value)), Error());
+    return state_->complete(std::optional<detail::Stored<T>>(std::move(value)),
+                            Error());
   }
   template <typename U = T>
   requires std::is_void_v<U>
-  bool setValue() { return owner_->state->complete(detail::Unit{}, Error()); }
+  bool setValue() { return state_->complete(detail::Unit{}, Error()); }
   // An OK `error` is a caller bug; it is turned into INTERNAL so that the
   // future still fails rather than completing without a value.
   bool setError(Error error) {
     if (error.ok()) {
       error = Error::internal("Promise::setError called with an OK error");
     }
-    return owner_->state->complete(std::nullopt, std::move(error));
+    return state_->complete(std::nullopt, std::move(error));
   }
 
  private:
-  std::shared_ptr<detail::PromiseOwner<T>> owner_;
+  // The last copy of a promise breaks it (the contract above). One
+  // allocation per promise: the copies are counted in the state.
+  void release() {
+    if (state_ != nullptr) {
+      state_->dropPromise();
+      state_.reset();
+    }
+  }
+
+  std::shared_ptr<detail::FutureState<T>> state_;
 };
 
 // Helpers to make completed futures.

@@ -5,18 +5,21 @@
 namespace trellis::wire {
 
 void WireWriter::putFixed32(uint32_t v) {
+  firstRoom();
   for (int i = 0; i < 4; ++i) {
     buf_.push_back(static_cast<uint8_t>(v >> (8 * i)));
   }
 }
 
 void WireWriter::putFixed64(uint64_t v) {
+  firstRoom();
   for (int i = 0; i < 8; ++i) {
     buf_.push_back(static_cast<uint8_t>(v >> (8 * i)));
   }
 }
 
 void WireWriter::putVarint(uint64_t v) {
+  firstRoom();
   while (v >= 0x80) {
     buf_.push_back(static_cast<uint8_t>(v | 0x80));
     v >>= 7;
@@ -29,6 +32,7 @@ void WireWriter::putSignedVarint(int64_t v) {
 }
 
 void WireWriter::putRaw(std::span<const uint8_t> bytes) {
+  firstRoom(bytes.size());
   buf_.insert(buf_.end(), bytes.begin(), bytes.end());
 }
 

@@ -34,7 +34,10 @@ class WireWriter {
   WireWriter() = default;
   void reserve(size_t n) { buf_.reserve(n); }
 
-  void putU8(uint8_t v) { buf_.push_back(v); }
+  void putU8(uint8_t v) {
+    firstRoom();
+    buf_.push_back(v);
+  }
   void putFixed32(uint32_t v);
   void putFixed64(uint64_t v);
   void putVarint(uint64_t v);
@@ -56,6 +59,15 @@ class WireWriter {
   void clear() { buf_.clear(); }
 
  private:
+  // The first write takes room for a small message at once, rather than
+  // growing the buffer 1, 2, 4, 8... bytes a varint at a time.
+  void firstRoom(size_t bytes = 0) {
+    if (buf_.capacity() == 0) {
+      buf_.reserve(bytes > kFirstBytes ? bytes : kFirstBytes);
+    }
+  }
+  static constexpr size_t kFirstBytes = 64;
+
   std::vector<uint8_t> buf_;
 };
 

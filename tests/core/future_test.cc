@@ -108,6 +108,76 @@ TEST(FutureTest, CopyOfPromiseKeepsItAlive) {
   EXPECT_EQ(f.value(), 5);
 }
 
+// Promise copies are counted in the future's state (one allocation per
+// promise): moves hand the count on, assignment gives up the old promise,
+// and only the last copy of a promise that was never kept breaks it.
+TEST(FutureTest, PromiseMovesAndAssignmentsCountCopiesExactly) {
+  Promise<int> a;
+  auto fa = a.getFuture();
+  Promise<int> moved = std::move(a);  // `a` no longer owns a copy
+  Promise<int> b;
+  auto fb = b.getFuture();
+  const Promise<int>& same = moved;
+  moved = same;  // self-assignment keeps it
+  EXPECT_FALSE(fa.completed());
+  Promise<int> other = b;
+  b = std::move(moved);  // b's old promise lives on in `other`
+  EXPECT_FALSE(fb.completed());
+  other = b;  // the last copy of fb's promise goes: broken
+  ASSERT_TRUE(fb.completed());
+  EXPECT_EQ(fb.error().code(), Code::kCancelled);
+  EXPECT_FALSE(fa.completed());
+  EXPECT_TRUE(other.setValue(3));
+  EXPECT_EQ(fa.value(), 3);
+  // A kept promise is not broken when its copies go.
+  {
+    Promise<int> kept = other;
+    b = Promise<int>();
+  }
+  other = Promise<int>();
+  EXPECT_EQ(fa.value(), 3);
+}
+
+TEST(FutureTest, LastOfManyCopiesDroppedOnManyThreadsBreaksItOnce) {
+  for (int round = 0; round < 50; ++round) {
+    std::vector<Promise<int>> copies(8);
+    auto f = copies[0].getFuture();
+    for (auto& c : copies) {
+      c = copies[0];
+    }
+    std::atomic<int> calls{0};
+    f.addDoneCallback([&](const Future<int>&) { ++calls; });
+    EXPECT_FALSE(f.completed());
+    std::vector<std::thread> threads;
+    for (auto& c : copies) {
+      threads.emplace_back(
+          [c = std::move(c)]() mutable { Promise<int> gone = std::move(c); });
+    }
+    for (auto& t : threads) {
+      t.join();
+    }
+    ASSERT_TRUE(f.completed());
+    EXPECT_EQ(f.error().code(), Code::kCancelled);
+    EXPECT_EQ(calls.load(), 1);
+  }
+}
+
+TEST(FutureTest, CallbacksRunInTheOrderTheyWereAdded) {
+  Promise<int> p;
+  auto f = p.getFuture();
+  std::vector<int> order;
+  for (int i = 0; i < 5; ++i) {
+    f.addDoneCallback([&order, i](const Future<int>&) { order.push_back(i); });
+  }
+  auto g = f.then([&order](int v) {
+    order.push_back(5);
+    return v;
+  });
+  p.setValue(1);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(g.value(), 1);
+}
+
 TEST(FutureTest, CallbackAfterCompletionRunsInline) {
   auto f = makeReadyFuture(9);
   int seen = 0;
