@@ -375,16 +375,22 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
     env.set_one_way(true);
     Promise<Reply> written;
     auto future = written.getFuture();
+    // The error's context is made only on an error: one-way calls are the
+    // RRef protocol's deletes and accepts, sent in their thousands.
     d.connections->send(
         ps, env, std::move(args), std::move(context),
-        [written, what = "one-way call of '" + std::string(spec.function) +
-                         "' to " + detail::describeWorker(d.group.workers[to])](
-            const Error& e) mutable {
+        [written, weak = weak_from_this(), to,
+         function = std::string(spec.function)](const Error& e) mutable {
           if (e.ok()) {
             written.setValue(Reply{});
-          } else {
-            written.setError(e.withContext(what));
+            return;
           }
+          const auto agent = weak.lock();
+          written.setError(e.withContext(
+              "one-way call of '" + function + "' to " +
+              (agent != nullptr
+                   ? detail::describeWorker(agent->impl_->group.workers[to])
+                   : "rank " + std::to_string(to))));
         });
     return future;
   }

@@ -9,6 +9,7 @@
 #include <deque>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <typeinfo>
@@ -86,7 +87,9 @@ struct OwnerEntry {
   Future<AnyValue> value = promise.getFuture();
   bool created = false;  // the remote() request (or a local owner) arrived
   std::set<Key> forks;
-  std::string origin;  // for leak reports
+  // For leak reports: the worker whose remote() made it, or this one's
+  // makeRRef() (origin == -1 once created).
+  int32_t origin = -1;
 };
 
 class RRefContext;
@@ -177,7 +180,7 @@ class RRefContext : public AgentExtension,
       MutexLock lock(mu_);
       OwnerEntry& e = owners_[keyOf(rref)];
       e.created = true;
-      e.origin = "created by remote() from " + agent_->workerInfo(caller).name;
+      e.origin = caller;
       addForkLocked(e, keyOf(fork));
     }
     std::weak_ptr<RRefContext> weak = shared_from_this();
@@ -187,7 +190,7 @@ class RRefContext : public AgentExtension,
       if (self == nullptr) {
         return;
       }
-      Promise<AnyValue> p;
+      std::optional<Promise<AnyValue>> p;  // no promise of its own
       {
         MutexLock lock(self->mu_);
         auto it = self->owners_.find(k);
@@ -197,9 +200,9 @@ class RRefContext : public AgentExtension,
         p = it->second.promise;
       }
       if (f.hasError()) {
-        p.setError(f.error());
+        p->setError(f.error());
       } else {
-        p.setValue(f.value());
+        p->setValue(f.value());
       }
     });
     maybeFree(keyOf(rref));
@@ -223,16 +226,15 @@ class RRefContext : public AgentExtension,
   }
 
   void createLocal(const RRefId& rref, AnyValue value) {
-    Promise<AnyValue> p;
+    std::optional<Promise<AnyValue>> p;
     {
       MutexLock lock(mu_);
       OwnerEntry& e = owners_[keyOf(rref)];
       e.created = true;
-      e.origin = "created by makeRRef() on " + agent_->self().name;
       addForkLocked(e, keyOf(rref));
       p = e.promise;
     }
-    p.setValue(std::move(value));
+    p->setValue(std::move(value));
   }
 
   void addFork(const RRefId& rref, const RRefId& fork) {
@@ -311,9 +313,19 @@ class RRefContext : public AgentExtension,
     return spec;
   }
 
+  // Computed once per name: every message of the protocol carries one.
   static uint64_t protocolSignature(std::string_view fn) {
-    return signatureFingerprint<std::monostate, uint32_t, uint64_t, uint32_t,
-                                uint64_t>(fn);
+    auto of = [](std::string_view name) {
+      return signatureFingerprint<std::monostate, uint32_t, uint64_t, uint32_t,
+                                  uint64_t>(name);
+    };
+    static const uint64_t kFork = of(kForkFn);
+    static const uint64_t kDelete = of(kDeleteFn);
+    static const uint64_t kAccept = of(kAcceptFn);
+    return fn == kForkFn     ? kFork
+           : fn == kDeleteFn ? kDelete
+           : fn == kAcceptFn ? kAccept
+                             : of(fn);
   }
 
   void dropFork(const RRefId& id, const RRefId& fork, int32_t owner) {
@@ -364,9 +376,13 @@ class RRefContext : public AgentExtension,
     std::vector<std::string> out;
     MutexLock lock(mu_);
     for (const auto& [k, e] : owners_) {
-      out.push_back("RRef " + str(RRefId{k.first, k.second}) + " with " +
-                    std::to_string(e.forks.size()) + " fork(s), " +
-                    (e.origin.empty() ? "never created" : e.origin));
+      out.push_back(
+          "RRef " + str(RRefId{k.first, k.second}) + " with " +
+          std::to_string(e.forks.size()) + " fork(s), " +
+          (!e.created ? std::string("never created")
+           : e.origin >= 0
+               ? "created by remote() from " + agent_->workerInfo(e.origin).name
+               : "created by makeRRef() on " + agent_->self().name));
     }
     return out;
   }
@@ -405,7 +421,7 @@ class RRefContext : public AgentExtension,
   }
 
   void maybeFree(const Key& k) {
-    OwnerEntry dead;  // the value dies outside the lock
+    std::optional<OwnerEntry> dead;  // the value dies outside the lock
     {
       MutexLock lock(mu_);
       auto it = owners_.find(k);
@@ -413,13 +429,13 @@ class RRefContext : public AgentExtension,
           !it->second.forks.empty()) {
         return;
       }
-      dead = std::move(it->second);
+      dead.emplace(std::move(it->second));
       owners_.erase(it);
     }
     TRELLIS_LOG_DEBUG("RRef {}: last reference gone, value freed",
                       str(RRefId{k.first, k.second}));
-    if (agent_->onLoopThread() && dead.value.hasValue() &&
-        !freesQuickly(dead.value.value())) {
+    if (agent_->onLoopThread() && dead->value.hasValue() &&
+        !freesQuickly(dead->value.value())) {
       // A delete runs on the loop, where nothing may block: the value
       // dies on a worker (at once, here, when the pool is closed).
       agent_->runOnWorkerThread([dead = std::move(dead)](const Error&) {});
@@ -502,8 +518,10 @@ Future<AnyValue> handleFetch(Decoder& d, void*) {
 }
 
 uint64_t fetchSignature() {
-  return signatureFingerprint<std::monostate, uint32_t, uint64_t, std::string>(
-      kFetchFn);
+  static const uint64_t kSignature =
+      signatureFingerprint<std::monostate, uint32_t, uint64_t, std::string>(
+          kFetchFn);
+  return kSignature;
 }
 
 bool registerProtocol() {
