@@ -84,6 +84,10 @@ struct Agent::Impl {
   void onMessage(const std::shared_ptr<PipeState>& ps,
                  std::shared_ptr<pb::Envelope> env, Reply body,
                  Clock::time_point arrived);
+  // Completes `call` with the reply `env` + `body`: here on the loop when
+  // the call asked for it, else on a completion thread.
+  void completeCall(detail::CallTable::Call&& call,
+                    std::shared_ptr<pb::Envelope> env, Reply body);
   void onPipeFailed(const std::shared_ptr<PipeState>& ps, const Error& error);
   // True on a thread this agent owns and joins when it closes: its worker
   // and completion pools, its timer thread, its transport loop.
@@ -464,6 +468,19 @@ void Agent::Impl::onMessage(const std::shared_ptr<PipeState>& ps,
     dispatcher->dispatch(std::move(r));
     return;
   }
+  if (const uint64_t other = env->also_answers(); other != 0) {
+    // The callee answered that request of ours with this reply (a
+    // remote()'s confirmation, rref/): an OK, empty reply, first, as it
+    // would have come. Taken only if it went out on this pipe.
+    if (auto call = calls->take(other, ps.get())) {
+      Reply empty;
+      empty.from = body.from;
+      completeCall(std::move(*call), std::make_shared<pb::Envelope>(),
+                   std::move(empty));
+    } else {
+      calls->countLateReply();
+    }
+  }
   auto call = calls->take(env->request_id(), ps.get());
   if (!call) {
     calls->countLateReply();
@@ -472,15 +489,21 @@ void Agent::Impl::onMessage(const std::shared_ptr<PipeState>& ps,
                       detail::describeWorker(group.workers[body.from]));
     return;
   }
-  if (call->completeOnLoop) {
+  completeCall(std::move(*call), std::move(env), std::move(body));
+}
+
+void Agent::Impl::completeCall(detail::CallTable::Call&& call,
+                               std::shared_ptr<pb::Envelope> env, Reply body) {
+  if (call.completeOnLoop) {
     // A blocked rpcSync waits on this future with no callbacks: setting it
     // here wakes the caller directly, one thread hop fewer.
-    calls->complete(std::move(*call), *env, std::move(body), me.name);
+    calls->complete(std::move(call), *env, std::move(body), me.name);
     return;
   }
-  completions->post([this, env, body = std::make_shared<Reply>(std::move(body)),
+  completions->post([this, env = std::move(env),
+                     body = std::make_shared<Reply>(std::move(body)),
                      call = std::make_shared<detail::CallTable::Call>(
-                         std::move(*call))](const Error&) {
+                         std::move(call))](const Error&) {
     CurrentAgentScope scope(self);
     calls->complete(std::move(*call), *env, std::move(*body), me.name);
   });

@@ -309,6 +309,8 @@ void Dispatcher::run(Request& request, const FunctionEntry* entry,
   ExtensionRequest x;
   x.entry = entry;
   x.caller = caller;
+  x.requestId = env.request_id();
+  x.plainReply = !env.profile() && autogradContext == 0 && !env.one_way();
   x.payload = env.extension_payload();
   x.run = std::move(invoke);
   Future<AnyValue> result;
@@ -336,6 +338,16 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
                 profileStartUs, autogradContext, nested = std::move(nested),
                 gate, stepSafe,
                 function = std::move(function)](const Future<AnyValue>& f) {
+    if (f.hasValue() && f.value().noReply) {
+      // Another request's reply answered this one (AnyValue::noReply): an
+      // extension only asks so of a request with a plain reply.
+      if (gate != nullptr) {
+        gate->requestDone(autogradContext);
+      }
+      running_.fetch_sub(1);
+      done_(replies);
+      return;
+    }
     CurrentAgentScope scope(agent_);
     wire::Envelope env;
     env.set_version(kEnvelopeVersion);
@@ -366,6 +378,8 @@ void Dispatcher::respond(Request& request, const Future<AnyValue>& result,
     Encoder body(context.get());
     Error error = f.error();
     if (error.ok()) {
+      // Even when this reply fails below: the other request succeeded.
+      env.set_also_answers(f.value().alsoAnswers);
       try {
         const AnyValue& v = f.value();
         if (v.value == nullptr) {

@@ -78,6 +78,13 @@ Error parseEnvelope(std::string_view bytes, int32_t worldSize,
       !expectRequest) {
     return Error::protocol("envelope: extension fields in a response");
   }
+  if (out->also_answers() != 0 &&
+      (expectRequest || out->also_answers() == out->request_id())) {
+    return Error::protocol(
+        expectRequest ? "envelope: also_answers set in a request"
+                      : "envelope: also_answers names the response's own "
+                        "request");
+  }
   if (out->one_way() && !expectRequest) {
     return Error::protocol("envelope: one_way set in a response");
   }

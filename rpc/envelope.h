@@ -13,8 +13,10 @@
 
 namespace trellis::rpc {
 
-// 2: rref/'s fields became an extension payload (docs/rpc_wire.md).
-constexpr uint32_t kEnvelopeVersion = 2;
+// 2: rref/'s fields became an extension payload; 3: a response may also
+// answer another request (also_answers), which a version 2 caller would
+// leave pending (docs/rpc_wire.md).
+constexpr uint32_t kEnvelopeVersion = 3;
 constexpr size_t kMaxFunctionNameBytes = 1024;
 constexpr size_t kMaxErrorMessageBytes = 64 << 10;
 constexpr int kMaxProfileEvents = 1024;

@@ -113,6 +113,11 @@ struct IncomingMessage {
 struct ExtensionRequest {
   const FunctionEntry* entry = nullptr;
   int32_t caller = -1;
+  uint64_t requestId = 0;
+  // Whether the reply carries only the result: the request is neither
+  // profiled (whose reply carries events) nor part of a distributed-autograd
+  // context; only then may another reply answer it (AnyValue::noReply).
+  bool plainReply = false;
   std::string_view payload;
   // Decodes the arguments and runs the function on `target` (null for a
   // free function; a method's object otherwise, kept alive by the caller

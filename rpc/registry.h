@@ -54,6 +54,12 @@ struct AnyValue {
   // Encodes *value as T; null when T has no Codec (such values can live in
   // an RRef and be called through method proxies, but not be sent).
   void (*encode)(Encoder& encoder, const void* value) = nullptr;
+  // For extensions (rpc/extension.h), set on a request's result: the
+  // reply also answers the caller's request of this id (Envelope
+  // also_answers; 0: none), or no reply is sent at all, since another
+  // request's reply answered this one. Never set by user functions.
+  uint64_t alsoAnswers = 0;
+  bool noReply = false;
 };
 
 struct FunctionEntry {

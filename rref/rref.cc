@@ -90,6 +90,13 @@ struct OwnerEntry {
   // For leak reports: the worker whose remote() made it, or this one's
   // makeRRef() (origin == -1 once created).
   int32_t origin = -1;
+  // The creator's remote() request whose reply has not gone yet: a fetch
+  // from the creator that finds it pending answers it too (kClaimed), and
+  // its own reply is then not sent (docs/rref.md, "One reply for remote()
+  // and toHere()"). Whichever of the two comes first decides, under mu_.
+  enum class Confirm : uint8_t { kNone, kPending, kClaimed };
+  Confirm confirm = Confirm::kNone;
+  uint64_t confirmRequest = 0;
 };
 
 class RRefContext;
@@ -166,21 +173,38 @@ class RRefContext : public AgentExtension,
       result = request.run(nullptr);
     }
     if (call.storeResult) {
-      storeOwnerValue(call.rref, call.fork, request.caller, result);
+      // A reply that carries nothing but the result may be merged into the
+      // reply to the creator's fetch.
+      const uint64_t mergeable = request.plainReply ? request.requestId : 0;
+      storeOwnerValue(call.rref, call.fork, request.caller, result, mergeable);
       // The reply only confirms (or fails) the creation; no value travels.
-      result = result.then([](const AnyValue&) { return AnyValue{}; });
+      std::weak_ptr<RRefContext> weak = shared_from_this();
+      result =
+          result.then([weak, k = keyOf(call.rref), mergeable](const AnyValue&) {
+            AnyValue confirmation;
+            if (auto self = weak.lock(); self != nullptr && mergeable != 0) {
+              confirmation.noReply = !self->takeConfirmation(k);
+            }
+            return confirmation;
+          });
     }
     return result;
   }
 
   // Callee of remote(): keeps the result (or its error) as owner value.
+  // `request`: the remote()'s request id when its reply may be merged into
+  // a fetch's (0: it may not).
   void storeOwnerValue(const RRefId& rref, const RRefId& fork, int32_t caller,
-                       const Future<AnyValue>& value) {
+                       const Future<AnyValue>& value, uint64_t request) {
     {
       MutexLock lock(mu_);
       OwnerEntry& e = owners_[keyOf(rref)];
       e.created = true;
       e.origin = caller;
+      if (request != 0) {
+        e.confirm = OwnerEntry::Confirm::kPending;
+        e.confirmRequest = request;
+      }
       addForkLocked(e, keyOf(fork));
     }
     std::weak_ptr<RRefContext> weak = shared_from_this();
@@ -223,6 +247,35 @@ class RRefContext : public AgentExtension,
   Future<AnyValue> ownerAny(const RRefId& rref) {
     MutexLock lock(mu_);
     return owners_[keyOf(rref)].value;
+  }
+
+  // The two sides of one reply for a remote() and its creator's fetch, once
+  // the value exists. A fetch from `from` claims the remote()'s pending
+  // reply when `from` created the RRef: the remote()'s request id, which
+  // the fetch's reply then also answers, or 0. The remote()'s reply takes
+  // it back: false when a fetch claimed it (no reply is sent).
+  uint64_t claimConfirmation(const RRefId& rref, int32_t from) {
+    if (from < 0 || static_cast<uint32_t>(from) != rref.worker) {
+      return 0;  // only the creator made the remote()
+    }
+    MutexLock lock(mu_);
+    auto it = owners_.find(keyOf(rref));
+    if (it == owners_.end() ||
+        it->second.confirm != OwnerEntry::Confirm::kPending) {
+      return 0;
+    }
+    it->second.confirm = OwnerEntry::Confirm::kClaimed;
+    return it->second.confirmRequest;
+  }
+  bool takeConfirmation(const Key& k) {
+    MutexLock lock(mu_);
+    auto it = owners_.find(k);
+    if (it == owners_.end()) {
+      return true;
+    }
+    const bool claimed = it->second.confirm == OwnerEntry::Confirm::kClaimed;
+    it->second.confirm = OwnerEntry::Confirm::kNone;
+    return !claimed;
   }
 
   void createLocal(const RRefId& rref, AnyValue value) {
@@ -507,13 +560,21 @@ Future<AnyValue> handleFetch(Decoder& d, void*) {
   if (Error e = decodeFetch(d, agent.worldSize(), &id, &type); !e.ok()) {
     return makeErrorFuture<AnyValue>(e);
   }
-  return contextOf(agent).ownerAny(id).then([type](const AnyValue& v) {
+  const auto* codec = dynamic_cast<RRefCodecContext*>(d.context());
+  const int32_t from = codec != nullptr ? codec->peer : -1;
+  RRefContext& ctx = contextOf(agent);
+  std::weak_ptr<RRefContext> weak = ctx.shared_from_this();
+  return ctx.ownerAny(id).then([type, weak, id, from](const AnyValue& v) {
     if (v.typeId == nullptr || type != v.typeId) {
       throwError(Error::invalidArgument(
           "toHere(): the RRef's value has another type than the "
           "caller's RRef<T>"));
     }
-    return v;
+    AnyValue out = v;
+    if (auto self = weak.lock()) {
+      out.alsoAnswers = self->claimConfirmation(id, from);
+    }
+    return out;
   });
 }
 

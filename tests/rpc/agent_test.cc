@@ -177,6 +177,23 @@ bool finishLater(int64_t v) {
   return p.has_value() && p->setValue(v);
 }
 
+// Returns once this worker has received `n` messages in all (at most 10 s
+// later), and 50 ms more: the transport loop counts a message and then
+// hands it on at once, so a fetch counted here has then reached the owner
+// value's future, before the value.
+int64_t valueOnceReceived(int64_t n) {
+  auto& agent = rpc::Agent::current();
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (agent.stats().messagesReceived < static_cast<uint64_t>(n) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  std::this_thread::sleep_for(50ms);
+  return static_cast<int64_t>(agent.stats().messagesReceived);
+}
+
+int64_t toHereThrough(rpc::RRef<int64_t> r) { return r.toHere(); }
+
 // Sleeps `ms`, then counts itself in gRecorded (one-way calls).
 std::atomic<int64_t> gRecorded{0};
 int64_t recordAfterMs(int64_t ms) {
@@ -211,6 +228,8 @@ TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
 TRELLIS_REMOTE_FUNCTION(replyWhenLetGo);
 TRELLIS_REMOTE_FUNCTION(resultLater);
 TRELLIS_REMOTE_FUNCTION(recordAfterMs);
+TRELLIS_REMOTE_FUNCTION(valueOnceReceived);
+TRELLIS_REMOTE_FUNCTION(toHereThrough);
 TRELLIS_SERIALIZABLE(Delta, by, note);
 TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
 
@@ -523,6 +542,62 @@ TEST(RRefTest, RemoteToHereAndMethods) {
   EXPECT_EQ(c.rpcSync<&Counter::addDelta>(Delta{4, "twice"}), 15);
   auto v = c.remote<&Counter::get>();  // RRef<int64_t> owned by w1
   EXPECT_EQ(v.toHere(), 15);
+}
+
+// A fetch from the remote()'s creator that reaches the owner before the
+// value exists gets one reply for both: the value, and the remote()'s
+// confirmation (docs/rref.md). The creator receives one message a pair,
+// and no reply comes twice.
+TEST(RRefTest, AFetchThatArrivesFirstAlsoAnswersItsRemote) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  std::vector<rpc::RRef<int64_t>> kept;  // no deletes between the counts
+  for (int i = 0; i < 5; ++i) {
+    const auto before = g[0].stats();
+    // The remote() and the fetch: two messages more on the owner.
+    const auto want = static_cast<int64_t>(g[1].stats().messagesReceived + 2);
+    auto r = rpc::remote<valueOnceReceived>("w1", want);
+    EXPECT_GE(r.toHere(), want);
+    r.waitConfirmed(10s);
+    EXPECT_TRUE(r.confirmedByOwner());
+    const auto after = g[0].stats();
+    EXPECT_EQ(after.messagesReceived - before.messagesReceived, 1u) << i;
+    EXPECT_EQ(after.lateReplies, before.lateReplies) << i;
+    kept.push_back(std::move(r));
+  }
+  EXPECT_EQ(g[0].stats().pendingCalls, 0u);
+}
+
+// Once the remote()'s reply has gone, a fetch is answered alone.
+TEST(RRefTest, AFetchAfterTheConfirmationIsAnsweredAlone) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto r = rpc::remote<addInts>("w1", int64_t{2}, int64_t{3});
+  r.waitConfirmed(10s);
+  const auto before = g[0].stats();
+  EXPECT_EQ(r.toHere(), 5);
+  EXPECT_EQ(r.toHere(), 5);
+  const auto after = g[0].stats();
+  EXPECT_EQ(after.messagesReceived - before.messagesReceived, 2u);
+  EXPECT_EQ(after.lateReplies, before.lateReplies);
+}
+
+// Only the creator's fetch may answer its remote(): a fork holder's fetch,
+// which reaches the owner before the value, is answered alone, and the
+// creator still gets its confirmation.
+TEST(RRefTest, AForkHoldersFetchNeverAnswersTheCreatorsRemote) {
+  Group g(3);
+  rpc::CurrentAgentScope scope(&g[0]);
+  // On the owner: the remote(), w2's fork and w2's fetch.
+  const auto want = static_cast<int64_t>(g[1].stats().messagesReceived + 3);
+  const auto lateOn2 = g[2].stats().lateReplies;
+  auto r = rpc::remote<valueOnceReceived>("w1", want);
+  EXPECT_GE(rpc::rpcSync<toHereThrough>("w2", r), want);
+  r.waitConfirmed(10s);
+  EXPECT_TRUE(r.confirmedByOwner());
+  EXPECT_EQ(r.toHere(), rpc::rpcSync<toHereThrough>("w2", r));
+  EXPECT_EQ(g[2].stats().lateReplies, lateOn2);
+  EXPECT_EQ(g[0].stats().lateReplies, 0u);
 }
 
 TEST(RRefTest, FailedRemoteSurfacesAtToHereAndConfirm) {

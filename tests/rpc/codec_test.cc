@@ -470,6 +470,31 @@ TEST(EnvelopeTest, OneWayOnlyInRequestsOutsideContexts) {
       << inContext.what();
 }
 
+TEST(EnvelopeTest, AlsoAnswersOnlyInResponsesAndNeverTheirOwnRequest) {
+  auto parse = [](wire::Envelope::Kind kind, uint64_t id, uint64_t also) {
+    wire::Envelope env;
+    env.set_version(kEnvelopeVersion);
+    env.set_kind(kind);
+    env.set_function("f");
+    env.set_request_id(id);
+    env.set_also_answers(also);
+    wire::Envelope out;
+    return parseEnvelope(env.SerializeAsString(), 4,
+                         kind == wire::Envelope::REQUEST, &out);
+  };
+  EXPECT_TRUE(parse(wire::Envelope::RESPONSE, 8, 7).ok());
+  EXPECT_TRUE(parse(wire::Envelope::RESPONSE, 8, 0).ok());
+  const Error inRequest = parse(wire::Envelope::REQUEST, 8, 7);
+  EXPECT_EQ(inRequest.code(), Code::kDataLoss);
+  EXPECT_NE(inRequest.message().find("also_answers set in a request"),
+            std::string::npos)
+      << inRequest.what();
+  const Error itself = parse(wire::Envelope::RESPONSE, 8, 8);
+  EXPECT_EQ(itself.code(), Code::kDataLoss);
+  EXPECT_NE(itself.message().find("own request"), std::string::npos)
+      << itself.what();
+}
+
 // Text fields are bytes on the wire (envelope.proto): an error message or
 // a name that is not UTF-8 parses, byte for byte.
 TEST(EnvelopeTest, TextThatIsNotUtf8Parses) {
