@@ -392,9 +392,8 @@ Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
           const auto agent = weak.lock();
           written.setError(e.withContext(
               "one-way call of '" + function + "' to " +
-              (agent != nullptr
-                   ? detail::describeWorker(agent->impl_->group.workers[to])
-                   : "rank " + std::to_string(to))));
+              (agent != nullptr ? detail::describeWorker(agent->workerInfo(to))
+                                : "rank " + std::to_string(to))));
         });
     return future;
   }

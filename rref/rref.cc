@@ -182,8 +182,10 @@ class RRefContext : public AgentExtension,
       result =
           result.then([weak, k = keyOf(call.rref), mergeable](const AnyValue&) {
             AnyValue confirmation;
-            if (auto self = weak.lock(); self != nullptr && mergeable != 0) {
-              confirmation.noReply = !self->takeConfirmation(k);
+            if (mergeable != 0) {
+              if (auto self = weak.lock()) {
+                confirmation.noReply = !self->takeConfirmation(k);
+              }
             }
             return confirmation;
           });
