@@ -317,13 +317,19 @@ void Connections::armRead(const std::shared_ptr<PipeState>& ps) {
 
 void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
                                tp::Descriptor desc) {
-  auto env = std::make_shared<wire::Envelope>();
+  // The envelope and the body in one allocation; the envelope handed on
+  // shares it.
+  struct Inbound {
+    wire::Envelope env;
+    Reply body;
+  };
+  auto in = std::make_shared<Inbound>();
+  wire::Envelope* env = &in->env;
   auto bad = [&](const std::string& what) {
     fail(ps, Error::protocol("rpc agent '" + self_.name + "': message from " +
                              ps->pipe->peerAddress() + ": " + what));
   };
-  if (Error e =
-          parseEnvelope(desc.descriptor, worldSize_, !ps->outgoing, env.get());
+  if (Error e = parseEnvelope(desc.descriptor, worldSize_, !ps->outgoing, env);
       !e.ok()) {
     return bad(e.message());
   }
@@ -341,7 +347,7 @@ void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
     return bad("payload of " + std::to_string(desc.payloadLengths[0]) +
                " bytes exceeds maxMessageBytes");
   }
-  auto body = std::make_shared<Reply>();
+  Reply* body = &in->body;
   body->from = from;
   tp::Allocation alloc;
   try {
@@ -364,16 +370,18 @@ void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
                errorFromCurrentException().message());
   }
   const auto arrived = Clock::now();
-  ps->pipe->read(std::move(alloc),
-                 Lifeline::guard(
-                     lifeline_, [this, ps, env, body, arrived](const Error& e) {
-                       if (!e.ok()) {
-                         fail(ps, e);
-                         return;
-                       }
-                       received_.fetch_add(1, std::memory_order_relaxed);
-                       onMessage_(ps, env, std::move(*body), arrived);
-                     }));
+  ps->pipe->read(
+      std::move(alloc),
+      Lifeline::guard(lifeline_, [this, ps, in, arrived](const Error& e) {
+        if (!e.ok()) {
+          fail(ps, e);
+          return;
+        }
+        received_.fetch_add(1, std::memory_order_relaxed);
+        Reply body = std::move(in->body);
+        onMessage_(ps, std::shared_ptr<wire::Envelope>(in, &in->env),
+                   std::move(body), arrived);
+      }));
   armRead(ps);
 }
 

@@ -70,15 +70,15 @@ void Dispatcher::dispatch(Request request) {
     runInline(request, entry);
     return;
   }
-  pool_.post([this, entry, r = std::make_shared<Request>(std::move(request))](
-                 const Error& e) {
+  // The request lives in the task itself: one allocation.
+  pool_.post([this, entry, r = std::move(request)](const Error& e) mutable {
     if (!e.ok()) {  // pool shut down (closed at once)
       running_.fetch_sub(1);
-      done_(!r->env->one_way());
+      done_(!r.env->one_way());
       return;
     }
     CurrentAgentScope scope(agent_);
-    handle(*r, entry);
+    handle(r, entry);
   });
 }
 

@@ -115,24 +115,6 @@ void Loop::defer(Task task) {
   fallbackPool().post([t = std::move(task)](const Error&) { t(); });
 }
 
-void Loop::run(Task task) {
-  if (inLoop() && !stopped_) {
-    ++publicDepth_;
-    task();
-    --publicDepth_;
-    return;
-  }
-  defer(std::move(task));
-}
-
-void Loop::deliver(Task task) {
-  if (publicDepth_ > 0) {
-    defer(std::move(task));
-  } else {
-    task();
-  }
-}
-
 void Loop::onAsync(uv_async_t* h) { static_cast<Loop*>(h->data)->runRemote(); }
 
 void Loop::runRemote() {

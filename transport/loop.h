@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <uv.h>
@@ -50,12 +51,30 @@ class Loop final {
 
   // A public entry point: on the loop thread `task` runs now, inside a
   // "public call" scope (so callbacks it completes are deferred); elsewhere
-  // it is deferred.
-  void run(Task task);
+  // it is deferred. Templates, so that a task run now is never wrapped in
+  // a Task (an allocation for any capture over two pointers; each message
+  // a pipe receives went through four).
+  template <typename F>
+  void run(F&& task) {
+    if (inLoop() && !stopped_) {
+      ++publicDepth_;
+      task();
+      --publicDepth_;
+      return;
+    }
+    defer(Task(std::forward<F>(task)));
+  }
 
   // Invokes a user callback: deferred when inside a public call on this
   // thread, otherwise run now. Loop thread only.
-  void deliver(Task task);
+  template <typename F>
+  void deliver(F&& task) {
+    if (publicDepth_ > 0) {
+      defer(Task(std::forward<F>(task)));
+    } else {
+      task();
+    }
+  }
 
   // Wraps every entry from libuv into Trellis code (read/write/connect/
   // accept/timer callbacks). Callbacks deferred inside it run when the

@@ -584,7 +584,11 @@ void PipeImpl::read(Allocation allocation, Pipe::ReadCallback cb) {
              std::to_string(lay.tensors.size()));
       return;
     }
+    // Built in the last read's vector (empty since its body finished), so
+    // a steady stream of reads allocates none.
     std::vector<Segment> segs;
+    segs.swap(self->segments_);
+    segs.clear();
     segs.reserve(allocation.payloads.size() + allocation.tensors.size());
     auto check = [&](const Allocation::Buffer& b, size_t want,
                      const std::string& what) -> bool {

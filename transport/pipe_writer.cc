@@ -15,10 +15,11 @@ namespace {
 // The buffers of one frame, in wire order: its head, the descriptor, the
 // payloads and the tensors that go inline (all of them when `outOfBand` is
 // null; else those whose record is not present), empty ones left out.
-std::vector<IoBuf> frameBuffers(const Message& m,
-                                const std::vector<uint8_t>& head,
-                                const std::vector<wf::OutOfBand>* outOfBand) {
-  std::vector<IoBuf> iov;
+void frameBuffers(const Message& m, const std::vector<uint8_t>& head,
+                  const std::vector<wf::OutOfBand>* outOfBand,
+                  std::vector<IoBuf>* out) {
+  std::vector<IoBuf>& iov = *out;
+  iov.clear();
   iov.reserve(2 + m.payloads.size() + m.tensors.size());
   iov.push_back(IoBuf{head.data(), head.size()});
   if (!m.descriptor.empty()) {
@@ -35,6 +36,13 @@ std::vector<IoBuf> frameBuffers(const Message& m,
       iov.push_back(IoBuf{t.data, t.length});
     }
   }
+}
+
+std::vector<IoBuf> frameBuffers(const Message& m,
+                                const std::vector<uint8_t>& head,
+                                const std::vector<wf::OutOfBand>* outOfBand) {
+  std::vector<IoBuf> iov;
+  frameBuffers(m, head, outOfBand, &iov);
   return iov;
 }
 
@@ -269,9 +277,13 @@ bool PipeImpl::tryWriteNow(const Message& message) {
   if (!wf::checkOutgoing(message, ctx_->limits()).ok()) {
     return false;  // write() reports it
   }
-  std::vector<uint8_t> head;
+  // This thread's frame head and buffer list, reused: writeNow() copies
+  // the message before it returns and calls nothing back.
+  thread_local std::vector<uint8_t> head;
+  thread_local std::vector<IoBuf> iov;
+  head.clear();
   wf::encodeFrameHead(message, &head);
-  const std::vector<IoBuf> iov = frameBuffers(message, head, nullptr);
+  frameBuffers(message, head, nullptr, &iov);
   return conn->writeNow(iov.data(), iov.size());
 }
 

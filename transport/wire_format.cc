@@ -364,6 +364,15 @@ void encodeFrameHead(const Message& m, std::vector<uint8_t>* out,
   // Built by hand rather than with WireWriter: this runs once per message on
   // the latency path and must not allocate beyond `out`.
   const size_t start = out->size();
+  // At most 10 bytes a varint: one reservation, not a growth per byte.
+  size_t bound = kFrameHeaderBytes + 1 + 3 * 10 + 10 * m.payloads.size() +
+                 22 * m.tensors.size();
+  if (outOfBand != nullptr) {
+    for (const OutOfBand& o : *outOfBand) {
+      bound += 1 + 10 + o.record.size();
+    }
+  }
+  out->reserve(start + bound);
   out->resize(start + kFrameHeaderBytes);
   auto putVarint = [out](uint64_t v) {
     while (v >= 0x80) {
