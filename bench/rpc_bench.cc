@@ -14,10 +14,12 @@
 // Every timed figure, the baselines' included, is the best of kBlocks
 // blocks of its calls (bestBlock): on the 2-core VM the same figure moves
 // 2-4x between blocks a second apart, so one block's median compares the
-// machine's moods more than the two stacks.
+// machine's moods more than the two stacks. remote + toHere, whose target
+// is a ratio to the no-op, alternates blocks of each instead (rpcCaller).
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
@@ -617,18 +619,47 @@ void rpcCaller(const Phase& p, store::Store& st) {
   });
   addLatency(pre + "_noop_inline_rtt", us, base);
 
-  // Next to the no-op it is quoted against, before the calls in flight
-  // below, so that both see the same pools and the same machine state
-  // (after that burst small calls ran 2-4x slower for seconds until the
-  // pools woke their most recently idle thread; docs/benchmarks.md, RPC).
+  // remote + toHere against the no-op, in alternating blocks of each, so
+  // that every ratio compares two blocks a few milliseconds apart: apart
+  // by seconds, as two best-of-three figures are, the ratio swung 0.9-3.5
+  // between runs with the VM's moods. Reported: the block pair whose
+  // ratio is the median of all pairs (its two medians; docs/benchmarks.md,
+  // RPC). Before the calls in flight below, which leave small calls 2-4x
+  // slower for seconds after them.
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
   const auto remoteByThread = bench::switchesByThread();
-  us = bestBlock(flags.iters, Best::kMedian, [](int n) {
-    return timeCalls(n, [] { rpc::remote<answer>("callee").toHere(); });
-  });
-  note(pre + " remote + toHere: caller context switches per call by thread:" +
-       bench::switchesPerCall(remoteByThread, flags.iters));
-  addLatency(pre + "_remote_tohere", us, pre + "_noop_rtt");
+  {
+    struct BlockPair {
+      std::vector<double> noop, remote;
+      double ratio = 0;
+    };
+    constexpr int kPairs = 10;
+    const int n = std::max(flags.iters / kPairs, 10);
+    std::vector<BlockPair> pairs(kPairs);
+    for (auto& p : pairs) {
+      p.noop = timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
+      p.remote = timeCalls(n, [] { rpc::remote<answer>("callee").toHere(); });
+      p.ratio =
+          bench::percentile(p.remote, 0.5) / bench::percentile(p.noop, 0.5);
+    }
+    std::sort(pairs.begin(), pairs.end(),
+              [](const BlockPair& a, const BlockPair& b) {
+                return a.ratio < b.ratio;
+              });
+    const BlockPair& mid = pairs[kPairs / 2];
+    note(pre + " remote + toHere: caller context switches per call (and " +
+         "per no-op beside it) by thread:" +
+         bench::switchesPerCall(remoteByThread, 2 * n * kPairs));
+    note(pre + " remote + toHere / no-op, block pairs: " + [&] {
+      std::string r;
+      for (const auto& p : pairs) {
+        r += (r.empty() ? "" : " ") + std::to_string(p.ratio).substr(0, 4);
+      }
+      return r;
+    }());
+    addLatency(pre + "_noop_beside_remote", mid.noop, "");
+    addLatency(pre + "_remote_tohere", mid.remote, pre + "_noop_beside_remote");
+  }
 
   const at::Tensor one = at::ones({1});
   timeCalls(warmup, [&] { rpc::rpcSync<addTensors>("callee", one, one); });
