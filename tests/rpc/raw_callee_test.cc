@@ -178,6 +178,31 @@ struct RawGroup {
   std::vector<std::unique_ptr<RawCallee>> callees;
 };
 
+// A ping from the agent to `name`, and the request `callee` read for it.
+struct Sent {
+  trellis::Future<void> call;
+  Received request;
+};
+std::optional<Sent> sendPing(RawCallee& callee, const std::string& name) {
+  auto call = rpc::rpcAsync<ping>(name);
+  auto request = callee.next();
+  if (!request.has_value()) {
+    return std::nullopt;
+  }
+  return Sent{std::move(call), std::move(*request)};
+}
+
+// Waits (bounded) for `call` and says whether it succeeded.
+bool succeeds(const trellis::Future<void>& call) {
+  try {
+    call.wait(kWait);
+  } catch (const trellis::Exception& e) {
+    ADD_FAILURE() << e.what();
+    return false;
+  }
+  return true;
+}
+
 // A response whose also_answers names no call of the agent's completes its
 // own call, counts one late reply, and leaves the pipe working.
 TEST(RawCallee, AlsoAnswersNamingNoCallIsALateReplyAndNothingMore) {
@@ -185,22 +210,18 @@ TEST(RawCallee, AlsoAnswersNamingNoCallIsALateReplyAndNothingMore) {
   rpc::CurrentAgentScope scope(g.agent.get());
   RawCallee& w1 = *g.callees[0];
 
-  auto call = rpc::rpcAsync<ping>("w1");
-  const auto req = w1.next();
-  ASSERT_TRUE(req.has_value());
-  EXPECT_EQ(req->function, "raw_callee_test::ping");
-  ASSERT_TRUE(w1.answer(*req, req->requestId + 1000));
-  call.wait(kWait);
-  EXPECT_FALSE(call.hasError());
+  auto a = sendPing(w1, "w1");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->request.function, "raw_callee_test::ping");
+  ASSERT_TRUE(w1.answer(a->request, a->request.requestId + 1000));
+  EXPECT_TRUE(succeeds(a->call));
   EXPECT_EQ(g.agent->stats().lateReplies, 1u);
 
   // The pipe still carries calls.
-  auto again = rpc::rpcAsync<ping>("w1");
-  const auto req2 = w1.next();
-  ASSERT_TRUE(req2.has_value());
-  ASSERT_TRUE(w1.answer(*req2, 0));
-  again.wait(kWait);
-  EXPECT_FALSE(again.hasError());
+  auto b = sendPing(w1, "w1");
+  ASSERT_TRUE(b.has_value());
+  ASSERT_TRUE(w1.answer(b->request, 0));
+  EXPECT_TRUE(succeeds(b->call));
   EXPECT_EQ(g.agent->stats().lateReplies, 1u);
   EXPECT_EQ(g.agent->stats().pendingCalls, 0u);
 }
@@ -213,27 +234,23 @@ TEST(RawCallee, AlsoAnswersNamingAnotherPipesCallLeavesThatCallPending) {
   RawCallee& w1 = *g.callees[0];
   RawCallee& w2 = *g.callees[1];
 
-  auto toW1 = rpc::rpcAsync<ping>("w1");
-  const auto reqW1 = w1.next();
-  ASSERT_TRUE(reqW1.has_value());
-  auto toW2 = rpc::rpcAsync<ping>("w2");
-  const auto reqW2 = w2.next();
-  ASSERT_TRUE(reqW2.has_value());
-  ASSERT_NE(reqW1->requestId, reqW2->requestId);
+  auto toW1 = sendPing(w1, "w1");
+  ASSERT_TRUE(toW1.has_value());
+  auto toW2 = sendPing(w2, "w2");
+  ASSERT_TRUE(toW2.has_value());
+  ASSERT_NE(toW1->request.requestId, toW2->request.requestId);
 
-  ASSERT_TRUE(w2.answer(*reqW2, reqW1->requestId));
-  toW2.wait(kWait);
-  EXPECT_FALSE(toW2.hasError());
+  ASSERT_TRUE(w2.answer(toW2->request, toW1->request.requestId));
+  EXPECT_TRUE(succeeds(toW2->call));
   EXPECT_EQ(g.agent->stats().lateReplies, 1u);
   // w1's call is still pending: give a wrongly taken completion time to
   // show, then check.
   std::this_thread::sleep_for(100ms);
-  EXPECT_FALSE(toW1.completed());
+  EXPECT_FALSE(toW1->call.completed());
   EXPECT_EQ(g.agent->stats().pendingCalls, 1u);
 
-  ASSERT_TRUE(w1.answer(*reqW1, 0));
-  toW1.wait(kWait);
-  EXPECT_FALSE(toW1.hasError());
+  ASSERT_TRUE(w1.answer(toW1->request, 0));
+  EXPECT_TRUE(succeeds(toW1->call));
   EXPECT_EQ(g.agent->stats().lateReplies, 1u);
   EXPECT_EQ(g.agent->stats().pendingCalls, 0u);
 }
@@ -246,22 +263,18 @@ TEST(RawCallee, AlsoAnswersNamingThisPipesPendingCallCompletesIt) {
   rpc::CurrentAgentScope scope(g.agent.get());
   RawCallee& w1 = *g.callees[0];
 
-  auto first = rpc::rpcAsync<ping>("w1");
-  const auto req1 = w1.next();
-  ASSERT_TRUE(req1.has_value());
-  auto second = rpc::rpcAsync<ping>("w1");
-  const auto req2 = w1.next();
-  ASSERT_TRUE(req2.has_value());
+  auto first = sendPing(w1, "w1");
+  ASSERT_TRUE(first.has_value());
+  auto second = sendPing(w1, "w1");
+  ASSERT_TRUE(second.has_value());
 
-  ASSERT_TRUE(w1.answer(*req2, req1->requestId));
-  first.wait(kWait);
-  second.wait(kWait);
-  EXPECT_FALSE(first.hasError());
-  EXPECT_FALSE(second.hasError());
+  ASSERT_TRUE(w1.answer(second->request, first->request.requestId));
+  EXPECT_TRUE(succeeds(first->call));
+  EXPECT_TRUE(succeeds(second->call));
   EXPECT_EQ(g.agent->stats().lateReplies, 0u);
 
   // The reply that would have answered the first comes after all: late.
-  ASSERT_TRUE(w1.answer(*req1, 0));
+  ASSERT_TRUE(w1.answer(first->request, 0));
   const auto until = std::chrono::steady_clock::now() + kWait;
   while (g.agent->stats().lateReplies == 0 &&
          std::chrono::steady_clock::now() < until) {
