@@ -269,7 +269,7 @@ std::unique_ptr<GradReceiver> Agent::gradReceiver(const Reply& reply) {
   return std::move(in.gradReceiver);
 }
 
-std::unique_ptr<CodecContext> Agent::codecContext(int32_t peer) {
+std::shared_ptr<CodecContext> Agent::codecContext(int32_t peer) {
   return impl_->extensions.codecContext(peer);
 }
 
@@ -298,7 +298,7 @@ bool Agent::onLoopThread() const {
 // ---- sending ---------------------------------------------------------------
 
 Future<Reply> Agent::call(int32_t to, const CallSpec& spec, Encoder&& args,
-                          std::unique_ptr<CodecContext> context) {
+                          std::shared_ptr<CodecContext> context) {
   Impl& d = *impl_;
   if (to < 0 || to >= d.worldSize) {
     return makeErrorFuture<Reply>(Error::invalidArgument(
@@ -444,7 +444,7 @@ void Agent::Impl::onMessage(const std::shared_ptr<PipeState>& ps,
       // Nobody waits for the outcome: a failure is only worth a line.
       r.respond = [this, from = r.body.from, function = r.env->function()](
                       const pb::Envelope& reply, Encoder&&,
-                      std::unique_ptr<CodecContext>) {
+                      std::shared_ptr<CodecContext>) {
         if (reply.has_error()) {
           TRELLIS_LOG_DEBUG(
               "rpc agent {}: one-way call of '{}' from {} failed: {}", me.name,
@@ -456,7 +456,7 @@ void Agent::Impl::onMessage(const std::shared_ptr<PipeState>& ps,
       return;
     }
     r.respond = [this, ps](const pb::Envelope& reply, Encoder&& out,
-                           std::unique_ptr<CodecContext> context) {
+                           std::shared_ptr<CodecContext> context) {
       connections->send(ps, reply, std::move(out), std::move(context),
                         [this, ps](const Error& e) {
                           if (!e.ok()) {

@@ -166,10 +166,11 @@ class Agent : public std::enable_shared_from_this<Agent> {
   // and the layers above, call it.
   Future<detail::Reply> call(int32_t to, const detail::CallSpec& spec,
                              Encoder&& args,
-                             std::unique_ptr<CodecContext> context = nullptr);
+                             std::shared_ptr<CodecContext> context = nullptr);
   // Per-peer context for encoding arguments and decoding results (RRef
-  // forks need it); null when no extension supplies one.
-  std::unique_ptr<CodecContext> codecContext(int32_t peer);
+  // forks need it; one per peer, kept by the extension); null when no
+  // extension supplies one.
+  std::shared_ptr<CodecContext> codecContext(int32_t peer);
   // The receiver for a reply's tensors that require grad (null when the
   // reply carries no autograd message). Throws when the reply's context
   // was released here.

@@ -174,7 +174,7 @@ std::shared_ptr<PipeState> Connections::outPipe(int32_t to) {
 
 void Connections::send(const std::shared_ptr<PipeState>& ps,
                        const wire::Envelope& env, Encoder&& body,
-                       std::unique_ptr<CodecContext> context,
+                       std::shared_ptr<CodecContext> context,
                        std::function<void(const Error&)> done) {
   if (lifeline_->isCut()) {
     return;  // its callback would run on the transport's late thread
@@ -182,7 +182,7 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
   struct Held {
     std::vector<uint8_t> bytes;
     std::vector<at::Tensor> tensors;
-    std::unique_ptr<CodecContext> context;
+    std::shared_ptr<CodecContext> context;
   };
   Held held;
   held.bytes = body.wire().release();

@@ -88,7 +88,7 @@ class Connections {
   // has returned by then: then `done` is dropped, and a send() after it
   // writes nothing (a closing agent drops its replies, docs/rpc.md).
   void send(const std::shared_ptr<PipeState>& ps, const wire::Envelope& env,
-            Encoder&& body, std::unique_ptr<CodecContext> context,
+            Encoder&& body, std::shared_ptr<CodecContext> context,
             std::function<void(const Error&)> done);
   // Whether `body` fits one message to worker `to`: its encoding within
   // that worker's maxMessageBytes, its tensors within the transport's

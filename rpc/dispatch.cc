@@ -279,8 +279,7 @@ void Dispatcher::run(Request& request, const FunctionEntry* entry,
   };
   auto context = extensions_.codecContext(caller);
   auto invoke = [entry, body = std::move(request.body), autogradContext,
-                 receiver = std::move(receiver),
-                 context = std::shared_ptr<CodecContext>(std::move(context)),
+                 receiver = std::move(receiver), context = std::move(context),
                  nested](void* target) mutable {
     Decoder dec(body.bytes, std::move(body.tensors), context.get());
     dec.setGradReceiver(receiver.get());

@@ -32,7 +32,7 @@ class Dispatcher {
   // Writes a response to the caller; called exactly once per request, on
   // any thread.
   using Respond = std::function<void(const wire::Envelope& env, Encoder&& body,
-                                     std::unique_ptr<CodecContext> context)>;
+                                     std::shared_ptr<CodecContext> context)>;
 
   struct Request {
     std::shared_ptr<wire::Envelope> env;  // parsed and checked

@@ -91,7 +91,7 @@ AgentExtension* Extensions::findWire(uint32_t wireId) const {
   return nullptr;
 }
 
-std::unique_ptr<CodecContext> Extensions::codecContext(int32_t peer) const {
+std::shared_ptr<CodecContext> Extensions::codecContext(int32_t peer) const {
   for (const auto& e : list_) {
     if (auto c = e.extension->codecContext(peer)) {
       return c;

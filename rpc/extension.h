@@ -16,9 +16,11 @@
 // (null when that layer was not linked into the program).
 //
 // What each hook is for:
-//  - codecContext(peer): the per-message context encoders and decoders of
-//    messages to and from `peer` carry (RRefs need it to make forks). At
-//    most one extension supplies one; the agent takes the first non-null.
+//  - codecContext(peer): the context encoders and decoders of messages to
+//    and from `peer` carry (RRefs need it to make forks), called once per
+//    message: shared, so that an extension may hand out one per peer
+//    instead of allocating one each time. At most one extension supplies
+//    one; the agent takes the first non-null.
 //  - onSend / onReceive: a request or response goes to / came from a peer
 //    inside a distributed-autograd context (the envelope's context and
 //    message ids; docs/dist_autograd.md). The extension that knows the
@@ -133,7 +135,7 @@ class AgentExtension {
   // The Envelope.extension id of requests this extension handles; 0: none.
   virtual uint32_t wireId() const { return kNoExtension; }
 
-  virtual std::unique_ptr<CodecContext> codecContext(int32_t /*peer*/) {
+  virtual std::shared_ptr<CodecContext> codecContext(int32_t /*peer*/) {
     return nullptr;
   }
   virtual void onSend(OutgoingMessage& /*message*/) {}
@@ -189,7 +191,7 @@ class Extensions {
   AgentExtension* find(std::type_index type) const;
   AgentExtension* findWire(uint32_t wireId) const;
 
-  std::unique_ptr<CodecContext> codecContext(int32_t peer) const;
+  std::shared_ptr<CodecContext> codecContext(int32_t peer) const;
   // Offers the message to each extension until one records it; false when
   // none knows distributed autograd. Throws what the extension threw.
   bool recordSend(OutgoingMessage& message) const;

@@ -102,11 +102,12 @@ struct OwnerEntry {
 class RRefContext;
 
 // What an Encoder/Decoder of a message to/from `peer` carries.
+// One per peer, made with the context and handed out as a shared pointer
+// that keeps the context alive (RRefContext::codecContext).
 class RRefCodecContext : public CodecContext {
  public:
-  RRefCodecContext(std::shared_ptr<RRefContext> ctx, int32_t peer)
-      : ctx(std::move(ctx)), peer(peer) {}
-  std::shared_ptr<RRefContext> ctx;
+  RRefCodecContext(RRefContext* ctx, int32_t peer) : ctx(ctx), peer(peer) {}
+  RRefContext* ctx;
   int32_t peer;
 };
 
@@ -116,7 +117,12 @@ class RRefCodecContext : public CodecContext {
 class RRefContext : public AgentExtension,
                     public std::enable_shared_from_this<RRefContext> {
  public:
-  explicit RRefContext(Agent& agent) : agent_(&agent) {}
+  explicit RRefContext(Agent& agent) : agent_(&agent) {
+    codecs_.reserve(static_cast<size_t>(agent.worldSize()));
+    for (int32_t peer = 0; peer < agent.worldSize(); ++peer) {
+      codecs_.emplace_back(this, peer);
+    }
+  }
 
   std::string_view name() const override { return "RRef"; }
   uint32_t wireId() const override { return kRRefExtension; }
@@ -403,8 +409,20 @@ class RRefContext : public AgentExtension,
 
   // ---- hooks -------------------------------------------------------------
 
-  std::unique_ptr<CodecContext> codecContext(int32_t peer) override {
-    return std::make_unique<RRefCodecContext>(shared_from_this(), peer);
+  // A message's context: the peer's, sharing ownership of this context
+  // (no allocation). A rank outside the group (a call that will fail on
+  // it) gets one of its own.
+  std::shared_ptr<CodecContext> codecContext(int32_t peer) override {
+    if (peer >= 0 && static_cast<size_t>(peer) < codecs_.size()) {
+      return std::shared_ptr<CodecContext>(shared_from_this(),
+                                           &codecs_[static_cast<size_t>(peer)]);
+    }
+    struct Lone : RRefCodecContext {
+      Lone(std::shared_ptr<RRefContext> keep, int32_t peer)
+          : RRefCodecContext(keep.get(), peer), keep(std::move(keep)) {}
+      std::shared_ptr<RRefContext> keep;
+    };
+    return std::make_shared<Lone>(shared_from_this(), peer);
   }
 
   // Graceful shutdown: releases this worker's user references.
@@ -498,6 +516,8 @@ class RRefContext : public AgentExtension,
   }
 
   Agent* agent_;
+  // codecContext()'s, by peer rank; fixed after construction.
+  std::vector<RRefCodecContext> codecs_;
   std::atomic<uint64_t> next_{1};
   Mutex mu_;
   std::map<Key, OwnerEntry> owners_ TRELLIS_GUARDED_BY(mu_);
