@@ -33,6 +33,7 @@
 // std::map<std::string, at::Tensor> argument compile.
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -111,13 +112,15 @@ struct DecodeLimits {
 };
 
 // What the argument bytes say about one tensor (see docs/rpc_wire.md).
+// Sizes and strides of up to 6 dimensions live inline: decoding a tensor
+// allocates nothing for them.
 struct TensorMeta {
   at::ScalarType dtype = at::ScalarType::Undefined;
   c10::DeviceType deviceType = c10::DeviceType::CPU;
   int32_t deviceIndex = -1;
   bool requiresGrad = false;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  c10::SmallVector<int64_t, 6> sizes;
+  c10::SmallVector<int64_t, 6> strides;
   int64_t offset = 0;  // in elements, from the start of the span
 };
 
