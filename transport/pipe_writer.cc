@@ -14,7 +14,8 @@ namespace {
 
 // The buffers of one frame, in wire order: its head, the descriptor, the
 // payloads and the tensors that go inline (all of them when `outOfBand` is
-// null; else those whose record is not present), empty ones left out.
+// null; else those whose record is not present), empty ones left out, in
+// `out` (cleared first, so that a caller may reuse one).
 void frameBuffers(const Message& m, const std::vector<uint8_t>& head,
                   const std::vector<wf::OutOfBand>* outOfBand,
                   std::vector<IoBuf>* out) {
@@ -36,14 +37,6 @@ void frameBuffers(const Message& m, const std::vector<uint8_t>& head,
       iov.push_back(IoBuf{t.data, t.length});
     }
   }
-}
-
-std::vector<IoBuf> frameBuffers(const Message& m,
-                                const std::vector<uint8_t>& head,
-                                const std::vector<wf::OutOfBand>* outOfBand) {
-  std::vector<IoBuf> iov;
-  frameBuffers(m, head, outOfBand, &iov);
-  return iov;
 }
 
 }  // namespace
@@ -182,8 +175,8 @@ void PipeImpl::submitWrite(const std::shared_ptr<WriteOp>& op) {
   } else {
     wf::encodeFrameHead(m, &op->head);
   }
-  const std::vector<IoBuf> iov =
-      frameBuffers(m, op->head, op->awaitsPeer ? &outOfBand : nullptr);
+  std::vector<IoBuf> iov;
+  frameBuffers(m, op->head, op->awaitsPeer ? &outOfBand : nullptr, &iov);
   inflightWrites_.push_back(op);
   std::weak_ptr<PipeImpl> weak = shared_from_this();
   conn_->write(iov.data(), iov.size(), [weak, op](const Error& e) {
