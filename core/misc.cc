@@ -2,6 +2,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <sys/resource.h>
 
 #include <trellis/core/check.h>
 #include <trellis/core/deadline.h>
@@ -9,6 +11,7 @@
 #include <trellis/core/ids.h>
 #include <trellis/core/logging.h>
 #include <trellis/core/spin.h>
+#include <trellis/core/thread_usage.h>
 
 namespace trellis {
 
@@ -37,6 +40,20 @@ void throwNotCompleted() {
 }
 
 }  // namespace detail
+
+ThreadUsage ThreadUsage::now() {
+  ThreadUsage u;
+  timespec t{};
+  if (::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) == 0) {
+    u.cpu =
+        std::chrono::seconds(t.tv_sec) + std::chrono::nanoseconds(t.tv_nsec);
+  }
+  rusage r{};
+  if (::getrusage(RUSAGE_THREAD, &r) == 0) {
+    u.waits = r.ru_nvcsw;
+  }
+  return u;
+}
 
 Duration microsFromEnv(const char* name, Duration fallback, Duration max) {
   using std::chrono::duration_cast;

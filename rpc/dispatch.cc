@@ -2,10 +2,10 @@
 
 #include <functional>
 #include <optional>
-#include <sys/resource.h>
 #include <thread>
 
 #include <trellis/core/logging.h>
+#include <trellis/core/thread_usage.h>
 #include <trellis/rpc/profiler.h>
 
 namespace trellis::rpc::detail {
@@ -41,25 +41,6 @@ Duration inlineWarnThreshold() {
                     std::chrono::seconds(60));
   return threshold;
 }
-
-// The calling thread's CPU time and voluntary context switches (it went
-// to sleep: a lock, I/O, a sleep), from one getrusage.
-struct ThreadUsage {
-  Duration cpu{0};
-  long waits = 0;
-
-  static ThreadUsage now() {
-    rusage r{};
-    ThreadUsage u;
-    if (::getrusage(RUSAGE_THREAD, &r) == 0) {
-      u.cpu =
-          std::chrono::seconds(r.ru_utime.tv_sec + r.ru_stime.tv_sec) +
-          std::chrono::microseconds(r.ru_utime.tv_usec + r.ru_stime.tv_usec);
-      u.waits = r.ru_nvcsw;
-    }
-    return u;
-  }
-};
 
 }  // namespace
 
