@@ -121,6 +121,33 @@ bool addOverflows(int64_t a, int64_t b, int64_t* out) {
 
 }  // namespace
 
+Encoder::Encoder(Encoder&& other) noexcept
+    : wire_(std::move(other.wire_)),
+      tensors_(std::move(other.tensors_)),
+      gradTensors_(std::move(other.gradTensors_)),
+      context_(other.context_),
+      unsent_(std::exchange(other.unsent_, {})) {}
+
+Encoder& Encoder::operator=(Encoder&& other) noexcept {
+  if (this != &other) {
+    undoUnsent();  // this message is replaced: it never goes
+    wire_ = std::move(other.wire_);
+    tensors_ = std::move(other.tensors_);
+    gradTensors_ = std::move(other.gradTensors_);
+    context_ = other.context_;
+    unsent_ = std::exchange(other.unsent_, {});
+  }
+  return *this;
+}
+
+void Encoder::undoUnsent() noexcept {
+  // Last registered first, as a destructor would.
+  for (auto it = unsent_.rbegin(); it != unsent_.rend(); ++it) {
+    (*it)();
+  }
+  unsent_.clear();
+}
+
 uint32_t Encoder::addTensor(const at::Tensor& t) {
   tensors_.push_back(spanOf(sendable(t)));
   return static_cast<uint32_t>(tensors_.size() - 1);

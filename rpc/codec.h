@@ -33,14 +33,15 @@
 // std::map<std::string, at::Tensor> argument compile.
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/SmallVector.h>
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <c10/util/SmallVector.h>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -74,6 +75,12 @@ class CodecContext {
 class Encoder {
  public:
   explicit Encoder(CodecContext* context = nullptr) : context_(context) {}
+  // Undoes what was encoded (onUnsent) unless the message was sent.
+  ~Encoder() { undoUnsent(); }
+  Encoder(Encoder&& other) noexcept;
+  Encoder& operator=(Encoder&& other) noexcept;
+  Encoder(const Encoder&) = delete;
+  Encoder& operator=(const Encoder&) = delete;
 
   ::trellis::wire::WireWriter& wire() { return wire_; }
   size_t wireBytes() const { return wire_.size(); }
@@ -93,6 +100,19 @@ class Encoder {
 
   CodecContext* context() const { return context_; }
 
+  // A side effect of encoding that stands only if the message goes out
+  // (rref/: the fork that encoding an RRef registers with its owner).
+  // `undo` runs when this encoder is destroyed or assigned over before
+  // sent(): the message was never handed to the transport (the call failed
+  // before it was sent, or encoding a later argument threw). It must not
+  // throw.
+  void onUnsent(std::function<void()> undo) {
+    unsent_.push_back(std::move(undo));
+  }
+  // The message was handed to the transport (rpc/connections.cc): what it
+  // carries stands from here on, whatever becomes of the write.
+  void sent() { unsent_.clear(); }
+
   // The tensors encoded so far that require grad (the originals, in order):
   // distributed autograd records a send function for them.
   const std::vector<at::Tensor>& gradTensors() const { return gradTensors_; }
@@ -103,6 +123,9 @@ class Encoder {
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> gradTensors_;
   CodecContext* context_;
+  std::vector<std::function<void()>> unsent_;
+
+  void undoUnsent() noexcept;
 };
 
 struct DecodeLimits {

@@ -179,6 +179,7 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
   if (lifeline_->isCut()) {
     return;  // its callback would run on the transport's late thread
   }
+  body.sent();
   struct Held {
     std::vector<uint8_t> bytes;
     std::vector<at::Tensor> tensors;

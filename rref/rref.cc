@@ -773,10 +773,18 @@ void encodeRRef(Encoder& e, const std::shared_ptr<RRefState>& state) {
   RRefContext& ctx = *c->ctx;
   const RRefId child = ctx.newId();
   encodeRRefWire(e, {state->id(), state->owner(), child}, state->typeId());
+  // Undone if the message never goes (Encoder::onUnsent): the owner would
+  // keep a fork nobody holds, or this worker a hold nobody releases, and
+  // the value would live until shutdown reported it as a leak.
+  std::shared_ptr<RRefContext> keep = ctx.shared_from_this();
   if (state->owner() == ctx.rank()) {
     ctx.addFork(state->id(), child);
+    e.onUnsent([keep = std::move(keep), id = state->id(), child] {
+      keep->removeFork(id, child);
+    });
   } else {
     ctx.holdParent(child, state);
+    e.onUnsent([keep = std::move(keep), child] { keep->childAccepted(child); });
   }
 }
 

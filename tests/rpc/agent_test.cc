@@ -103,6 +103,16 @@ void dropHeld() {
   drop.swap(gHeld);
 }
 at::Tensor makeTensor(int64_t n) { return at::arange(n).to(at::kFloat); }
+// Takes an RRef and a tensor: a call whose tensor is sparse (only strided
+// tensors travel) fails while its arguments are encoded, after the RRef's.
+int64_t readWithTensor(rpc::RRef<Counter> c, at::Tensor t) {
+  return c.rpcSync<&Counter::get>() + t.numel();
+}
+at::Tensor sparseTensor() { return at::zeros({2}).to_sparse(); }
+// A result whose encoding fails after its RRef's (a sparse tensor).
+std::tuple<rpc::RRef<Counter>, at::Tensor> ownedWithSparseTensor() {
+  return {rpc::makeRRef(std::make_shared<Counter>()), sparseTensor()};
+}
 
 // Says where it died: 1 on gProbeOwner's transport loop, 0 elsewhere.
 std::atomic<rpc::Agent*> gProbeOwner{nullptr};
@@ -222,6 +232,8 @@ TRELLIS_REMOTE_FUNCTION(readThrough);
 TRELLIS_REMOTE_FUNCTION(holdRRef);
 TRELLIS_REMOTE_FUNCTION(dropHeld);
 TRELLIS_REMOTE_FUNCTION(makeTensor);
+TRELLIS_REMOTE_FUNCTION(readWithTensor);
+TRELLIS_REMOTE_FUNCTION(ownedWithSparseTensor);
 TRELLIS_REMOTE_FUNCTION(makeLoopProbe);
 TRELLIS_REMOTE_FUNCTION(holdOwnAgent);
 TRELLIS_REMOTE_FUNCTION(shutDownFromHandler);
@@ -1054,6 +1066,73 @@ TEST(RpcProfiler, NestedCallIsNestedUnderTheOuterEventInTheTrace) {
 }  // namespace
 
 namespace {
+
+// An RRef in a message that never goes out forks nothing: what encoding
+// it registered (a fork on its owner, or the sender's hold on its own
+// fork) is undone, and the value dies with its last real holder. Before,
+// it lived until shutdown, which reported it as a leak.
+TEST(RRefTest, AnRRefInAMessageThatIsNeverSentForksNothing) {
+  Group g(2);
+  const int before = gLiveCounters.load();
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    auto local = rpc::makeRRef(std::make_shared<Counter>());  // owner w0
+    auto remote = rpc::remote<makeCounter>("w1");             // owner w1
+    remote.waitConfirmed(10s);
+    EXPECT_EQ(gLiveCounters.load(), before + 2);
+    // Encoding the next argument throws: neither call is sent.
+    EXPECT_THROW(rpc::rpcSync<readWithTensor>("w1", local, sparseTensor()),
+                 trellis::InvalidArgumentError);
+    EXPECT_THROW(rpc::rpcSync<readWithTensor>("w1", remote, sparseTensor()),
+                 trellis::InvalidArgumentError);
+    // A rank outside the group: encoded with a codec context of its own,
+    // refused by Agent::call before anything is sent.
+    auto context = g[0].codecContext(7);
+    rpc::Encoder args(context.get());
+    rpc::encodeValue<rpc::RRef<Counter>>(args, local);
+    rpc::detail::CallSpec spec;
+    spec.function = "readThrough";
+    auto f = g[0].call(7, spec, std::move(args), context);
+    EXPECT_THROW(f.wait(10s), trellis::InvalidArgumentError);
+    try {
+      f.wait(10s);
+    } catch (const trellis::Exception& e) {
+      EXPECT_NE(std::string(e.what()).find("no such worker"), std::string::npos)
+          << e.what();
+    }
+    // The calls that did go still work.
+    EXPECT_EQ(rpc::rpcSync<readThrough>("w1", local), 0);
+    EXPECT_EQ(rpc::rpcSync<readThrough>("w1", remote), 0);
+  }
+  EXPECT_TRUE(waitUntil([&] { return gLiveCounters.load() == before; }))
+      << gLiveCounters.load() - before << " counters left";
+  EXPECT_TRUE(waitUntil([&] {
+    return rpc::ownedRRefCount(g[0]) == 0 && rpc::ownedRRefCount(g[1]) == 0;
+  }));
+}
+
+// The same for a result: an RRef whose reply fails to encode (a later
+// element throws) is not kept by its owner for a caller that never gets
+// it; the caller gets the error.
+TEST(RRefTest, AnRRefInAReplyThatIsNeverSentForksNothing) {
+  Group g(2);
+  const int before = gLiveCounters.load();
+  {
+    rpc::CurrentAgentScope scope(&g[0]);
+    try {
+      rpc::rpcSync<ownedWithSparseTensor>("w1");
+      ADD_FAILURE() << "a result that cannot be encoded was returned";
+    } catch (const trellis::RemoteError& e) {
+      EXPECT_EQ(e.code(), trellis::Code::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("only strided tensors"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_TRUE(waitUntil([&] { return gLiveCounters.load() == before; }))
+      << gLiveCounters.load() - before << " counters left";
+  EXPECT_TRUE(waitUntil([&] { return rpc::ownedRRefCount(g[1]) == 0; }));
+}
 
 TEST(RRefTest, MakeRRefOfALocalValueIsOwnedHereAndFreedWhenDropped) {
   Group g(2);
