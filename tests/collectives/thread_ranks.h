@@ -16,11 +16,12 @@
 
 namespace trellis::collectives::testing {
 
-// Runs fn(rank, group) on n threads; an exception on any rank fails the
-// test naming the rank. Unless `options` say otherwise, groups time out
-// after 60 s and fail their works (watchdog fail mode) rather than end the
-// process the ranks share. A null `store` is a fresh HashStore.
-inline void runThreadRanks(
+// Runs fn(rank, group) on n threads and returns what each rank threw
+// (creating its group included), "" for a rank that threw nothing. Unless
+// `options` say otherwise, groups time out after 60 s and fail their works
+// (watchdog fail mode) rather than end the process the ranks share. A null
+// `store` is a fresh HashStore.
+inline std::vector<std::string> runThreadRanksCollectingFailures(
     int n, const std::function<void(int, std::shared_ptr<ProcessGroup>)>& fn,
     ProcessGroupOptions options = {},
     std::shared_ptr<store::Store> store = nullptr) {
@@ -47,6 +48,16 @@ inline void runThreadRanks(
   for (auto& t : threads) {
     t.join();
   }
+  return failures;
+}
+
+// The same, where an exception on any rank fails the test naming the rank.
+inline void runThreadRanks(
+    int n, const std::function<void(int, std::shared_ptr<ProcessGroup>)>& fn,
+    ProcessGroupOptions options = {},
+    std::shared_ptr<store::Store> store = nullptr) {
+  const auto failures = runThreadRanksCollectingFailures(
+      n, fn, std::move(options), std::move(store));
   for (int r = 0; r < n; ++r) {
     EXPECT_EQ(failures[static_cast<size_t>(r)], "") << "rank " << r;
   }
