@@ -37,6 +37,9 @@ PROGRAMS = {
     "transport": ("transport_bench_tensorpipe", [], "transport_bench_tensorpipe"),
     "store": ("store_bench", [], "store_bench"),
     "rpc": ("rpc_bench", [], "rpc_bench"),
+    # The same with each process on half of the CPUs: the VM's scheduling
+    # state out of the figures (docs/benchmarks.md, RPC). Orientation rows.
+    "rpc_pinned": ("rpc_bench", ["--pin"], "rpc_bench --pin"),
     "dist_autograd": ("dist_autograd_bench", [], "dist_autograd_bench"),
     "collectives": ("collectives_bench", [], "collectives_bench"),
     "ddp": ("ddp_bench", [], "ddp_bench"),
@@ -86,6 +89,12 @@ ROWS = [
     ("rpc", "rpc_shm_echo_1KiB", "transport_shm_handoff_echo_1KiB", None, None),
     ("rpc", "rpc_shm_echo_64KiB", "transport_shm_handoff_echo_64KiB", None, None),
     ("rpc", "transport_shm_handoff_echo_64KiB", "transport_shm_echo_64KiB", None, None),
+    ("rpc_pinned", "rpc_shm_noop_rtt_median", "transport_shm_rtt_8B_median", None, None),
+    ("rpc_pinned", "rpc_shm_noop_rtt_median", "transport_shm_handoff_rtt_8B_median", None, None),
+    ("rpc_pinned", "rpc_shm_echo_1KiB", "transport_shm_echo_1KiB", None, None),
+    ("rpc_pinned", "rpc_shm_echo_1KiB", "transport_shm_handoff_echo_1KiB", None, None),
+    ("rpc_pinned", "rpc_shm_echo_64KiB", "transport_shm_echo_64KiB", None, None),
+    ("rpc_pinned", "rpc_shm_remote_tohere_median", "rpc_shm_noop_beside_remote_median", None, None),
     ("dist_autograd", "ps_dist_iter_median", "ps_local_iter_median", "<=", 1.5),
     ("dist_autograd", "ps_dist_iter_median", "ps_floor_iter_median", None, None),
     ("dist_autograd", "ps_floor_iter_median", "ps_local_iter_median", None, None),

@@ -34,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <sched.h>
 #include <semaphore>
 #include <string>
 #include <sys/prctl.h>
@@ -106,6 +107,8 @@ struct Flags {
   size_t echoBytes = 128 * kMiB;  // bytes echoed per size (at least 3 calls)
   bool callee = false;
   uint16_t storePort = 0;
+  bool pin = false;       // --pin: one half of the CPUs for each process
+  std::vector<int> cpus;  // the callee's half (the caller passes --cpus)
 };
 Flags flags;
 
@@ -844,6 +847,70 @@ void grpcCaller(store::Store& st) {
 // ---- the two processes
 // -----------------------------------------------------------
 
+// --pin. On the 2-core VM, two processes whose threads may run on either
+// vCPU flip, for seconds at a time and with the same context switches per
+// call, into a state where small calls take 3-4x longer; with each process
+// on a vCPU of its own they never did (docs/benchmarks.md, RPC). Both the
+// baselines and the RPC rows of a --pin run are measured that way.
+
+// The CPUs this process may run on, in order.
+std::vector<int> allowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) {
+        cpus.push_back(c);
+      }
+    }
+  }
+  return cpus;
+}
+
+std::string cpuList(const std::vector<int>& cpus) {
+  std::string out;
+  for (int c : cpus) {
+    out += (out.empty() ? "" : ",") + std::to_string(c);
+  }
+  return out;
+}
+
+// "0,1,3" -> {0, 1, 3}; empty on anything else (a flag is untrusted).
+std::vector<int> parseCpuList(const std::string& text) {
+  std::vector<int> cpus;
+  size_t i = 0;
+  while (i <= text.size()) {
+    const size_t comma = std::min(text.find(',', i), text.size());
+    const std::string item = text.substr(i, comma - i);
+    if (item.empty() || item.size() > 4 ||
+        item.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoi(item) >= CPU_SETSIZE) {
+      return {};
+    }
+    cpus.push_back(std::stoi(item));
+    i = comma + 1;
+  }
+  return cpus;
+}
+
+// Every thread of this process (and those it starts later) on `cpus`.
+void pinTo(const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) {
+    CPU_SET(c, &set);
+  }
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    const pid_t tid = std::stoi(t.path().filename().string());
+    if (::sched_setaffinity(tid, sizeof(set), &set) != 0) {
+      std::fprintf(stderr, "rpc_bench: cannot pin thread %d to CPUs %s: %s\n",
+                   tid, cpuList(cpus).c_str(), std::strerror(errno));
+      std::exit(1);
+    }
+  }
+}
+
 int runCallee() {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   for (const auto& p : kPhases) {
@@ -862,9 +929,15 @@ int runCallee() {
 pid_t spawnCallee(const char* self) {
   const std::string port = std::to_string(flags.storePort);
   const std::string iters = std::to_string(flags.iters);
+  const std::string cpus = cpuList(flags.cpus);
   std::vector<const char*> argv = {self,           "--role",     "callee",
                                    "--store-port", port.c_str(), "--iters",
-                                   iters.c_str(),  nullptr};
+                                   iters.c_str()};
+  if (!cpus.empty()) {
+    argv.push_back("--cpus");
+    argv.push_back(cpus.c_str());
+  }
+  argv.push_back(nullptr);
   return bench::spawnSelf("rpc_bench", std::move(argv));
 }
 
@@ -905,9 +978,11 @@ int runCaller(const char* self) {
 
 [[noreturn]] void usage(const char* self) {
   std::fprintf(stderr,
-               "usage: %s [--json] [--iters N] [--echo-mib N]\n"
+               "usage: %s [--json] [--iters N] [--echo-mib N] [--pin]\n"
                "  --iters N     round trips per latency metric (default 3000)\n"
-               "  --echo-mib N  MiB echoed per tensor size (default 128)\n",
+               "  --echo-mib N  MiB echoed per tensor size (default 128)\n"
+               "  --pin         caller on the first half of the CPUs this\n"
+               "                process may use, callee on the rest\n",
                self);
   std::exit(2);
 }
@@ -928,9 +1003,34 @@ int main(int argc, char** argv) {
       flags.callee = std::strcmp(argv[++i], "callee") == 0;
     } else if (a == "--store-port" && hasValue) {
       flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+    } else if (a == "--pin") {
+      flags.pin = true;
+    } else if (a == "--cpus" && hasValue) {  // the callee's, from --pin
+      flags.cpus = parseCpuList(argv[++i]);
+      if (flags.cpus.empty()) {
+        std::fprintf(stderr, "rpc_bench: --cpus wants a list like 1,2: '%s'\n",
+                     argv[i]);
+        return 2;
+      }
     } else {
       usage(argv[0]);
     }
+  }
+  if (flags.callee && !flags.cpus.empty()) {
+    pinTo(flags.cpus);
+  } else if (!flags.callee && flags.pin) {
+    const std::vector<int> all = allowedCpus();
+    if (all.size() < 2) {
+      std::fprintf(stderr,
+                   "rpc_bench: --pin needs 2 CPUs; this process may use %zu\n",
+                   all.size());
+      return 2;
+    }
+    const auto half = all.begin() + static_cast<std::ptrdiff_t>(all.size() / 2);
+    pinTo({all.begin(), half});
+    flags.cpus.assign(half, all.end());
+    note("pinned: caller on CPUs " + cpuList({all.begin(), half}) +
+         ", callee on " + cpuList(flags.cpus));
   }
   try {
     return flags.callee ? runCallee() : runCaller(argv[0]);
