@@ -16,6 +16,8 @@
 // 2-4x between blocks a second apart, so one block's median compares the
 // machine's moods more than the two stacks. remote + toHere, whose target
 // is a ratio to the no-op, alternates blocks of each instead (rpcCaller).
+// `--pin` runs each process on half of the CPUs (pinTo, below), which takes
+// the VM's scheduling state out of the figures.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
