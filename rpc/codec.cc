@@ -149,8 +149,20 @@ void Encoder::undoUnsent() noexcept {
 }
 
 uint32_t Encoder::addTensor(const at::Tensor& t) {
-  tensors_.push_back(spanOf(sendable(t)));
+  // Kept as it is: a byte view of it (spanOf) would cost a tensor object
+  // made and freed per tensor sent, and the transport needs only its
+  // address and length.
+  tensors_.push_back(sendable(t));
   return static_cast<uint32_t>(tensors_.size() - 1);
+}
+
+std::vector<at::Tensor> Encoder::tensors() const {
+  std::vector<at::Tensor> spans;
+  spans.reserve(tensors_.size());
+  for (const auto& t : tensors_) {
+    spans.push_back(spanOf(t));
+  }
+  return spans;
 }
 
 Decoder::Decoder(std::span<const uint8_t> bytes,

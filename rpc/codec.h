@@ -85,18 +85,22 @@ class Encoder {
   ::trellis::wire::WireWriter& wire() { return wire_; }
   size_t wireBytes() const { return wire_.size(); }
 
-  // Registers `t` to travel out of band and returns its index in tensors().
-  // The span sent is the tensor's own memory when it is non-overlapping and
-  // dense (even a view into a larger storage: only its span travels), else a
-  // contiguous copy. Throws InvalidArgumentError for an undefined or
-  // non-strided tensor, or one not on CPU or CUDA.
+  // Registers `t` to travel out of band and returns its index in
+  // outgoing(). The span sent is the tensor's own memory when it is
+  // non-overlapping and dense (even a view into a larger storage: only its
+  // span travels), else a contiguous copy. Throws InvalidArgumentError for
+  // an undefined or non-strided tensor, or one not on CPU or CUDA.
   uint32_t addTensor(const at::Tensor& t);
 
-  // One entry per addTensor: a 1-D uint8 tensor whose data_ptr/nbytes is
-  // exactly the span. The transport keeps these alive until its write
+  // One entry per addTensor: that tensor, or its contiguous copy, as it is
+  // sent. Each is non-overlapping and dense, so data_ptr() .. + nbytes()
+  // is exactly its span. The transport keeps them alive until its write
   // completes.
-  const std::vector<at::Tensor>& tensors() const { return tensors_; }
-  std::vector<at::Tensor> releaseTensors() { return std::move(tensors_); }
+  const std::vector<at::Tensor>& outgoing() const { return tensors_; }
+  // The same spans as a receiver gets them, 1-D uint8 tensors on the same
+  // memory: for decoding in the same process (tests, fuzzers). Made on
+  // each call; sending uses outgoing() and makes none.
+  std::vector<at::Tensor> tensors() const;
 
   CodecContext* context() const { return context_; }
 

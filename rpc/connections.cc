@@ -187,7 +187,7 @@ void Connections::send(const std::shared_ptr<PipeState>& ps,
   };
   Held held;
   held.bytes = body.wire().release();
-  held.tensors = body.tensors();
+  held.tensors = body.outgoing();
   held.context = std::move(context);
   joinCurrentStreams(held.tensors);
   tp::Message m;
@@ -239,13 +239,13 @@ Error Connections::checkFits(int32_t to, const Encoder& body) const {
                    " bytes, more than one message carries (" +
                    std::to_string(limits.maxPayloadBytes) + ")");
   }
-  if (body.tensors().size() > limits.maxTensorsPerMessage) {
-    return tooMuch(std::to_string(body.tensors().size()) +
+  if (body.outgoing().size() > limits.maxTensorsPerMessage) {
+    return tooMuch(std::to_string(body.outgoing().size()) +
                    " tensors, more than one message carries (" +
                    std::to_string(limits.maxTensorsPerMessage) + ")");
   }
-  for (size_t i = 0; i < body.tensors().size(); ++i) {
-    const size_t bytes = body.tensors()[i].nbytes();
+  for (size_t i = 0; i < body.outgoing().size(); ++i) {
+    const size_t bytes = body.outgoing()[i].nbytes();
     if (bytes > limits.maxTensorBytes) {
       return tooMuch("tensor " + std::to_string(i) + " is " +
                      std::to_string(bytes) +
