@@ -39,6 +39,7 @@
 #include <sched.h>
 #include <semaphore>
 #include <string>
+#include <string_view>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -51,6 +52,7 @@
 #include "pipe_bench_util.h"
 #include "rpc_bench_echo.grpc.pb.h"
 #include <trellis/core/future.h>
+#include <trellis/core/text.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/rref/rref.h>
 #include <trellis/store/prefix_store.h>
@@ -884,13 +886,12 @@ std::vector<int> parseCpuList(const std::string& text) {
   size_t i = 0;
   while (i <= text.size()) {
     const size_t comma = std::min(text.find(',', i), text.size());
-    const std::string item = text.substr(i, comma - i);
-    if (item.empty() || item.size() > 4 ||
-        item.find_first_not_of("0123456789") != std::string::npos ||
-        std::stoi(item) >= CPU_SETSIZE) {
+    const std::optional<int64_t> cpu =
+        parseDecimal(std::string_view(text).substr(i, comma - i));
+    if (!cpu || *cpu < 0 || *cpu >= CPU_SETSIZE) {
       return {};
     }
-    cpus.push_back(std::stoi(item));
+    cpus.push_back(static_cast<int>(*cpu));
     i = comma + 1;
   }
   return cpus;
