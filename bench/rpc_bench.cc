@@ -81,6 +81,9 @@ at::Tensor addTensors(const at::Tensor& a, const at::Tensor& b) {
 }
 at::Tensor echoTensor(const at::Tensor& t) { return t; }
 int64_t answer() { return 42; }
+// remote() + toHere() of a value that does not ride on remote()'s reply
+// (a number does: docs/rref.md), so toHere() fetches it.
+at::Tensor oneTensor() { return at::ones({1}); }
 int64_t sleepMs(int64_t ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
@@ -90,6 +93,7 @@ TRELLIS_REMOTE_FUNCTION(noop);
 TRELLIS_REMOTE_FUNCTION(addTensors);
 TRELLIS_REMOTE_FUNCTION(echoTensor);
 TRELLIS_REMOTE_FUNCTION(answer);
+TRELLIS_REMOTE_FUNCTION(oneTensor);
 TRELLIS_REMOTE_FUNCTION(sleepMs);
 TRELLIS_REMOTE_FUNCTION(noopInline);
 TRELLIS_REMOTE_INLINE(noopInline);
@@ -633,7 +637,10 @@ void rpcCaller(const Phase& p, store::Store& st) {
   // ratio is the median of all pairs (its two medians; docs/benchmarks.md,
   // RPC). Before the calls in flight below, which leave small calls 2-4x
   // slower for seconds after them.
+  // Two kinds of value: a number, which comes with remote()'s reply, and a
+  // one-element tensor, which toHere() fetches (docs/rref.md).
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
+  timeCalls(warmup, [] { rpc::remote<oneTensor>("callee").toHere(); });
   const auto remoteByThread = bench::switchesByThread();
   {
     struct BlockPair {
@@ -642,30 +649,44 @@ void rpcCaller(const Phase& p, store::Store& st) {
     };
     constexpr int kPairs = 10;
     const int n = std::max(flags.iters / kPairs, 10);
-    std::vector<BlockPair> pairs(kPairs);
-    for (auto& p : pairs) {
-      p.noop = timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
-      p.remote = timeCalls(n, [] { rpc::remote<answer>("callee").toHere(); });
-      p.ratio =
-          bench::percentile(p.remote, 0.5) / bench::percentile(p.noop, 0.5);
+    std::vector<BlockPair> numbers(kPairs), tensors(kPairs);
+    for (int i = 0; i < kPairs; ++i) {
+      numbers[i].noop = timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
+      numbers[i].remote =
+          timeCalls(n, [] { rpc::remote<answer>("callee").toHere(); });
+      tensors[i].noop = timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
+      tensors[i].remote =
+          timeCalls(n, [] { rpc::remote<oneTensor>("callee").toHere(); });
     }
-    std::sort(pairs.begin(), pairs.end(),
-              [](const BlockPair& a, const BlockPair& b) {
-                return a.ratio < b.ratio;
-              });
-    const BlockPair& mid = pairs[kPairs / 2];
     note(pre + " remote + toHere: caller context switches per call (and " +
          "per no-op beside it) by thread:" +
-         bench::switchesPerCall(remoteByThread, 2 * n * kPairs));
-    note(pre + " remote + toHere / no-op, block pairs: " + [&] {
-      std::string r;
-      for (const auto& p : pairs) {
-        r += (r.empty() ? "" : " ") + std::to_string(p.ratio).substr(0, 4);
+         bench::switchesPerCall(remoteByThread, 4 * n * kPairs));
+    auto reportPairs = [&](std::vector<BlockPair>& pairs,
+                           const std::string& what, const std::string& suffix) {
+      for (auto& p : pairs) {
+        p.ratio =
+            bench::percentile(p.remote, 0.5) / bench::percentile(p.noop, 0.5);
       }
-      return r;
-    }());
-    addLatency(pre + "_noop_beside_remote", mid.noop, "");
-    addLatency(pre + "_remote_tohere", mid.remote, pre + "_noop_beside_remote");
+      std::sort(pairs.begin(), pairs.end(),
+                [](const BlockPair& a, const BlockPair& b) {
+                  return a.ratio < b.ratio;
+                });
+      note(
+          pre + " remote + toHere (" + what + ") / no-op, block pairs: " + [&] {
+            std::string r;
+            for (const auto& p : pairs) {
+              r +=
+                  (r.empty() ? "" : " ") + std::to_string(p.ratio).substr(0, 4);
+            }
+            return r;
+          }());
+      const BlockPair& mid = pairs[kPairs / 2];
+      addLatency(pre + "_noop_beside_remote" + suffix, mid.noop, "");
+      addLatency(pre + "_remote_tohere" + suffix, mid.remote,
+                 pre + "_noop_beside_remote" + suffix);
+    };
+    reportPairs(numbers, "a number", "");
+    reportPairs(tensors, "a tensor", "_tensor");
   }
 
   const at::Tensor one = at::ones({1});

@@ -5,6 +5,7 @@
 // delete before its fork leaves a tombstone) read best in one place;
 // protocol.{h,cc} holds the pure decoding.
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -73,6 +74,21 @@ bool freesQuickly(const AnyValue& v) {
   return holds<bool>(v) || holds<int32_t>(v) || holds<int64_t>(v) ||
          holds<uint32_t>(v) || holds<uint64_t>(v) || holds<float>(v) ||
          holds<double>(v) || holds<std::string>(v);
+}
+
+// Whether a remote()'s result rides on its reply: the owner's side of
+// kCarriedByConfirmation (rref.h), the same list. Such a value never
+// changes, so the copy the creator keeps is always the owner's value.
+bool carriedByConfirmation(const AnyValue& v) {
+  static_assert(
+      kCarriedByConfirmation<bool> && kCarriedByConfirmation<int32_t> &&
+      kCarriedByConfirmation<int64_t> && kCarriedByConfirmation<uint32_t> &&
+      kCarriedByConfirmation<uint64_t> && kCarriedByConfirmation<float> &&
+      kCarriedByConfirmation<double>);
+  return v.encode != nullptr &&
+         (holds<bool>(v) || holds<int32_t>(v) || holds<int64_t>(v) ||
+          holds<uint32_t>(v) || holds<uint64_t>(v) || holds<float>(v) ||
+          holds<double>(v));
 }
 
 // Names of the protocol's messages; they travel as ordinary requests.
@@ -183,12 +199,19 @@ class RRefContext : public AgentExtension,
       // reply to the creator's fetch.
       const uint64_t mergeable = request.plainReply ? request.requestId : 0;
       storeOwnerValue(call.rref, call.fork, request.caller, result, mergeable);
-      // The reply only confirms (or fails) the creation; no value travels.
+      // The reply confirms (or fails) the creation. It carries the value
+      // only when that is a number or bool, which never changes: the
+      // creator's toHere() then needs no fetch (docs/rref.md).
       std::weak_ptr<RRefContext> weak = shared_from_this();
-      result =
-          result.then([weak, k = keyOf(call.rref), mergeable](const AnyValue&) {
+      result = result.then(
+          [weak, k = keyOf(call.rref), mergeable](const AnyValue& made) {
             AnyValue confirmation;
             if (mergeable != 0) {
+              if (carriedByConfirmation(made)) {
+                confirmation.value = made.value;
+                confirmation.typeId = made.typeId;
+                confirmation.encode = made.encode;
+              }
               if (auto self = weak.lock()) {
                 confirmation.noReply = !self->takeConfirmation(k);
               }
@@ -684,6 +707,17 @@ void RRefState::confirm(const Error& error) {
   }
 }
 
+void RRefState::confirmCreated(const Future<Reply>& reply) {
+  if (reply.hasError()) {
+    confirm(reply.error());
+    return;
+  }
+  if (expectsValue_ && !reply.value().bytes.empty()) {
+    created_ = reply.value();
+  }
+  confirm(Error());
+}
+
 void RRefState::release() {
   if (released_.exchange(true)) {
     return;
@@ -731,6 +765,43 @@ std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout) {
                                       " holds another type"));
   }
   return v.value;
+}
+
+std::optional<Reply> createdValueOf(const std::shared_ptr<RRefState>& state,
+                                    std::optional<Duration>* timeout) {
+  if (!state->expectsValue()) {
+    return std::nullopt;
+  }
+  auto agent = state->agent();
+  const Duration limit =
+      timeoutOr(*timeout, agent->options().defaultTimeout, "toHere timeout");
+  const Deadline deadline = Deadline::fromTimeout(limit);
+  const Future<void> confirmed = state->confirmed();
+  bool done = confirmed.completed();
+  while (!done) {
+    // Bounded slices, so that "no limit" needs no special wait.
+    const Duration slice = deadline.isNever()
+                               ? Duration(std::chrono::hours(1))
+                               : std::max(deadline.remaining(), Duration(0));
+    done = confirmed.waitFor(slice);
+    if (!done && deadline.expired()) {
+      throwError(Error(Code::kDeadlineExceeded,
+                       "toHere() of RRef " + str(state->id()) + ": owner '" +
+                           agent->workerInfo(state->owner()).name +
+                           "' did not answer the remote() that makes the "
+                           "value within " +
+                           formatDuration(limit)));
+    }
+  }
+  if (!deadline.isNever()) {
+    *timeout = std::max(deadline.remaining(), Duration(1));
+  }
+  if (confirmed.hasError() || state->createdValue().bytes.empty()) {
+    // The owner's error comes back from the fetch as it always did, and a
+    // remote() that only timed out here may have made its value since.
+    return std::nullopt;
+  }
+  return state->createdValue();
 }
 
 Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,

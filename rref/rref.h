@@ -23,6 +23,10 @@
 //  - toHere(timeout) copies the value here (T must be serializable);
 //    localValue() is the value itself, on the owner only (a
 //    FailedPreconditionError elsewhere).
+//  - A number or bool in an RRef never changes: no method runs on it, and
+//    localValue() gives it const. So the owner's reply to remote() carries
+//    it, and the creator's toHere() returns it with no message of its own
+//    (docs/rref.md, "Numbers travel with the confirmation").
 //  - A std::shared_ptr<T> result makes an RRef<T> (so objects that cannot
 //    be copied, such as modules, can live in an RRef); any other result R
 //    makes an RRef<R>.
@@ -33,15 +37,18 @@
 //    threads.
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <typeinfo>
 #include <utility>
 
 #include <trellis/core/deadline.h>
 #include <trellis/core/future.h>
 #include <trellis/rpc/agent.h>
+#include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
 #include <trellis/rpc/registry.h>
 #include <trellis/rpc/rpc.h>
@@ -50,6 +57,17 @@
 namespace trellis::rpc {
 
 namespace detail {
+
+// The value types an RRef holds unchanged for its whole life, small enough
+// to ride on the owner's reply to remote() (docs/rref.md, "Numbers travel
+// with the confirmation"). rref.cc's carriedByConfirmation() names the
+// same list for the owner's side.
+template <typename T>
+inline constexpr bool kCarriedByConfirmation =
+    std::is_same_v<T, bool> || std::is_same_v<T, int32_t> ||
+    std::is_same_v<T, int64_t> || std::is_same_v<T, uint32_t> ||
+    std::is_same_v<T, uint64_t> || std::is_same_v<T, float> ||
+    std::is_same_v<T, double>;
 
 // The state behind every RRef<T> handle of one fork on one worker.
 class RRefState {
@@ -70,6 +88,15 @@ class RRefState {
   // Completes once the owner knows this fork (or with the creation error).
   Future<void> confirmed() const { return confirmed_.getFuture(); }
   void confirm(const Error& error);
+  // The creator's reference made by remote(): confirmed by `reply`, which
+  // carries the value when it is a number or bool (expectValue() was
+  // called before the remote() went).
+  void expectValue() { expectsValue_ = true; }
+  bool expectsValue() const { return expectsValue_; }
+  void confirmCreated(const Future<Reply>& reply);
+  // The value the reply to remote() carried; empty bytes when it carried
+  // none. Read only once confirmed() has completed without error.
+  const Reply& createdValue() const { return created_; }
 
   // Graceful shutdown: sends the deletion now; the destructor then sends
   // nothing. Idempotent.
@@ -82,6 +109,10 @@ class RRefState {
   int32_t owner_;
   const char* typeId_;
   Promise<void> confirmed_;
+  // Set before the remote() is sent; created_ is written once, before
+  // confirmed_ completes, and read only after (the promise orders the two).
+  bool expectsValue_ = false;
+  Reply created_;
   std::atomic<bool> released_{false};
 };
 
@@ -91,6 +122,14 @@ std::shared_ptr<RRefState> makeCreatorState(Agent& agent, int32_t owner,
 std::shared_ptr<RRefState> makeLocalOwnerState(Agent& agent, AnyValue value);
 // Owner value of `state` (owner only) as the erased pointer; throws.
 std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout);
+// The value the creator's reply to remote() carried (a number or bool:
+// RRefState::expectValue), once that reply is here; waits for it up to
+// `*timeout` (unset: the agent's default call timeout; zero: no limit) and
+// leaves in `*timeout` what is left of it. Empty when the reply carried
+// none (an owner that sends none, a profiled remote()) or failed: then
+// fetch. Throws TimeoutError when the reply does not come in time.
+std::optional<Reply> createdValueOf(const std::shared_ptr<RRefState>& state,
+                                    std::optional<Duration>* timeout);
 // Fetches the owner's value encoded; decode as T. The future completes on
 // the transport loop: wait on it, never chain work on it.
 Future<Reply> fetchValue(const std::shared_ptr<RRefState>& state,
@@ -147,11 +186,17 @@ class RRef {
   T toHere(std::optional<Duration> timeout = std::nullopt) const {
     static_assert(kIsSerializable<T>,
                   "toHere() copies the value: its type needs a Codec");
-    const std::optional<Duration> t = timeout.has_value() ? timeout : timeout_;
+    std::optional<Duration> t = timeout.has_value() ? timeout : timeout_;
     if (isOwner()) {
       return *localValue(t);
     }
-    auto reply = detail::fetchValue(state_, t).wait();
+    std::optional<detail::Reply> created;
+    if constexpr (detail::kCarriedByConfirmation<T>) {
+      created = detail::createdValueOf(state_, &t);
+    }
+    const detail::Reply reply = created.has_value()
+                                    ? std::move(*created)
+                                    : detail::fetchValue(state_, t).wait();
     auto agent = state_->agent();
     auto context = agent->codecContext(reply.from);
     auto receiver = agent->gradReceiver(reply);
@@ -163,10 +208,13 @@ class RRef {
   }
 
   // The value itself; owner only. Waits for it to exist (a remote() still
-  // running here) up to `timeout`; unset or zero: no limit.
-  std::shared_ptr<T> localValue(
+  // running here) up to `timeout`; unset or zero: no limit. Const for a
+  // number or bool, which never changes (kCarriedByConfirmation).
+  using LocalValue =
+      std::conditional_t<detail::kCarriedByConfirmation<T>, const T, T>;
+  std::shared_ptr<LocalValue> localValue(
       std::optional<Duration> timeout = std::nullopt) const {
-    return std::static_pointer_cast<T>(detail::localValueOf(
+    return std::static_pointer_cast<LocalValue>(detail::localValueOf(
         *state_, timeoutOr(timeout, Duration::zero(), "localValue timeout")));
   }
 
@@ -241,16 +289,27 @@ RRefOf<ResultOf<Fn>> remoteCall(Agent& agent, int32_t to, CallSpec spec,
   using V = typename RRefValue<WireType<ResultOf<Fn>>>::type;
   ensureRRefSupport(agent);
   auto state = makeCreatorState(agent, to, typeid(V).name());
+  // A number or bool made as it is (not a std::shared_ptr the function may
+  // keep and change): the owner's reply carries it, except inside a
+  // distributed-autograd context (that reply carries more than the
+  // result), where toHere() fetches at once.
+  if constexpr (std::is_same_v<WireType<ResultOf<Fn>>, V> &&
+                kCarriedByConfirmation<V>) {
+    if (currentAutogradContext() == 0) {
+      state->expectValue();
+    }
+  }
   setStoreResult(spec, state->id(), state->fork());
-  // The reply only confirms the fork (below): setting a promise, and the
-  // library's callbacks on it only add context to an error, so the loop
-  // runs it instead of waking a completion thread (CallSpec).
+  // The reply confirms the fork (below), and may carry the value: setting
+  // a promise, and the library's callbacks on it only add context to an
+  // error, so the loop runs it instead of waking a completion thread
+  // (CallSpec).
   spec.completeOnLoop = true;
   auto reply = sendCall<Fn>(agent, to, spec, std::forward<A>(args)...);
   std::weak_ptr<RRefState> weak = state;
   reply.addDoneCallback([weak](const Future<Reply>& f) {
     if (auto s = weak.lock()) {
-      s->confirm(f.error());
+      s->confirmCreated(f);
     }
   });
   return RRefOf<ResultOf<Fn>>(std::move(state), spec.timeout);

@@ -128,7 +128,9 @@ void finish() {
 }
 
 int64_t addInts(int64_t a, int64_t b) { return a + b; }
-int64_t makeValue() { return 42; }
+// Text, which toHere() fetches from the owner (a number would come with the
+// remote()'s reply, and toHere() would need w0 no more).
+std::string makeValue() { return "value"; }
 // On w0: RRefs to its parameter, for w1's DistributedOptimizer.
 std::vector<rpc::RRef<at::Tensor>> paramRRefs() {
   return dist::localParameters({param()});

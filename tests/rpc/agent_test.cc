@@ -202,6 +202,22 @@ int64_t valueOnceReceived(int64_t n) {
   return static_cast<int64_t>(agent.stats().messagesReceived);
 }
 
+// The same, as text: a value that does not ride on remote()'s reply, so
+// the creator's toHere() fetches it.
+std::string textOnceReceived(int64_t n) {
+  return std::to_string(valueOnceReceived(n));
+}
+std::string textOf(int64_t n) { return std::to_string(n); }
+std::string textAfterMs(int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return "done";
+}
+
+// A number the function keeps and may change later: as a std::shared_ptr
+// result it is the owner's object, so the creator must fetch it.
+std::shared_ptr<int64_t> gKeptNumber = std::make_shared<int64_t>(1);
+std::shared_ptr<int64_t> keptNumber() { return gKeptNumber; }
+
 int64_t toHereThrough(rpc::RRef<int64_t> r) { return r.toHere(); }
 
 // Sleeps `ms`, then counts itself in gRecorded (one-way calls).
@@ -241,6 +257,10 @@ TRELLIS_REMOTE_FUNCTION(replyWhenLetGo);
 TRELLIS_REMOTE_FUNCTION(resultLater);
 TRELLIS_REMOTE_FUNCTION(recordAfterMs);
 TRELLIS_REMOTE_FUNCTION(valueOnceReceived);
+TRELLIS_REMOTE_FUNCTION(textOnceReceived);
+TRELLIS_REMOTE_FUNCTION(textOf);
+TRELLIS_REMOTE_FUNCTION(textAfterMs);
+TRELLIS_REMOTE_FUNCTION(keptNumber);
 TRELLIS_REMOTE_FUNCTION(toHereThrough);
 TRELLIS_SERIALIZABLE(Delta, by, note);
 TRELLIS_REMOTE_METHODS(Counter, add, get, addDelta);
@@ -563,13 +583,13 @@ TEST(RRefTest, RemoteToHereAndMethods) {
 TEST(RRefTest, AFetchThatArrivesFirstAlsoAnswersItsRemote) {
   Group g(2);
   rpc::CurrentAgentScope scope(&g[0]);
-  std::vector<rpc::RRef<int64_t>> kept;  // no deletes between the counts
+  std::vector<rpc::RRef<std::string>> kept;  // no deletes between the counts
   for (int i = 0; i < 5; ++i) {
     const auto before = g[0].stats();
     // The remote() and the fetch: two messages more on the owner.
     const auto want = static_cast<int64_t>(g[1].stats().messagesReceived + 2);
-    auto r = rpc::remote<valueOnceReceived>("w1", want);
-    EXPECT_GE(r.toHere(), want);
+    auto r = rpc::remote<textOnceReceived>("w1", want);
+    EXPECT_GE(std::stoll(r.toHere()), want);
     r.waitConfirmed(10s);
     EXPECT_TRUE(r.confirmedByOwner());
     const auto after = g[0].stats();
@@ -584,14 +604,60 @@ TEST(RRefTest, AFetchThatArrivesFirstAlsoAnswersItsRemote) {
 TEST(RRefTest, AFetchAfterTheConfirmationIsAnsweredAlone) {
   Group g(2);
   rpc::CurrentAgentScope scope(&g[0]);
-  auto r = rpc::remote<addInts>("w1", int64_t{2}, int64_t{3});
+  auto r = rpc::remote<textOf>("w1", int64_t{5});
   r.waitConfirmed(10s);
   const auto before = g[0].stats();
-  EXPECT_EQ(r.toHere(), 5);
-  EXPECT_EQ(r.toHere(), 5);
+  EXPECT_EQ(r.toHere(), "5");
+  EXPECT_EQ(r.toHere(), "5");
   const auto after = g[0].stats();
   EXPECT_EQ(after.messagesReceived - before.messagesReceived, 2u);
   EXPECT_EQ(after.lateReplies, before.lateReplies);
+}
+
+// A number made by remote() rides on the owner's reply, which the creator
+// gets anyway: its toHere() sends nothing, before or after the reply came,
+// and as often as it is called. So does a method's result kept by
+// RRef::remote(). The owner sees the remote() and nothing else.
+TEST(RRefTest, ANumberTravelsWithTheConfirmation) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  auto c = rpc::remote<makeCounter>("w1");
+  c.rpcSync<&Counter::add>(int64_t{7});
+  std::vector<rpc::RRef<int64_t>> kept;  // no deletes between the counts
+  for (int i = 0; i < 3; ++i) {
+    const auto ownerBefore = g[1].stats().messagesReceived;
+    const auto before = g[0].stats();
+    auto r = rpc::remote<addInts>("w1", int64_t{i}, int64_t{3});
+    EXPECT_EQ(r.toHere(), i + 3);  // possibly before the reply came
+    EXPECT_TRUE(r.confirmedByOwner());
+    EXPECT_EQ(r.toHere(), i + 3);
+    auto v = c.remote<&Counter::get>();  // RRef<int64_t>, made by a method
+    EXPECT_EQ(v.toHere(), 7);
+    EXPECT_EQ(v.toHere(), 7);
+    const auto after = g[0].stats();
+    EXPECT_EQ(after.messagesReceived - before.messagesReceived, 2u) << i;
+    EXPECT_EQ(after.lateReplies, before.lateReplies) << i;
+    EXPECT_EQ(g[1].stats().messagesReceived - ownerBefore, 2u) << i;
+    kept.push_back(std::move(r));
+    kept.push_back(std::move(v));
+  }
+  // Its owner may read it, never change it.
+  static_assert(std::is_same_v<decltype(rpc::RRef<int64_t>().localValue()),
+                               std::shared_ptr<const int64_t>>);
+  static_assert(std::is_same_v<decltype(rpc::RRef<Counter>().localValue()),
+                               std::shared_ptr<Counter>>);
+}
+
+// A number the function returned as a std::shared_ptr is an object the
+// function may keep and change; the creator fetches it every time.
+TEST(RRefTest, ANumberTheOwnerKeepsIsFetched) {
+  Group g(2);
+  rpc::CurrentAgentScope scope(&g[0]);
+  *gKeptNumber = 1;
+  auto r = rpc::remote<keptNumber>("w1");
+  EXPECT_EQ(r.toHere(), 1);
+  *gKeptNumber = 7;  // w1's object (both workers share this process)
+  EXPECT_EQ(r.toHere(), 7);
 }
 
 // Only the creator's fetch may answer its remote(): a fork holder's fetch,
@@ -675,9 +741,27 @@ TEST(RRefTest, DeleteFreesAUserObjectOnAWorkerThread) {
 TEST(RRefTest, ToHereTimeout) {
   Group g(2);
   rpc::CurrentAgentScope scope(&g[0]);
+  // The TimeoutError's message, or "no timeout".
+  auto timedOut = [](auto&& toHere) -> std::string {
+    try {
+      (void)toHere();
+    } catch (const trellis::TimeoutError& e) {
+      return e.what();
+    }
+    return "no timeout";
+  };
+  // A number: toHere() waits for the remote()'s reply, which brings it.
   auto slow = rpc::remote<sleepMs>("w1", int64_t{800});
-  EXPECT_THROW(slow.toHere(100ms), trellis::TimeoutError);
+  std::string what = timedOut([&] { return slow.toHere(100ms); });
+  EXPECT_NE(what.find("toHere() of RRef"), std::string::npos) << what;
+  EXPECT_NE(what.find("'w1'"), std::string::npos) << what;
+  EXPECT_NE(what.find("100ms"), std::string::npos) << what;
   EXPECT_EQ(slow.toHere(10s), 800);
+  // Text is fetched: the fetch's own timeout.
+  auto text = rpc::remote<textAfterMs>("w1", int64_t{800});
+  what = timedOut([&] { return text.toHere(100ms); });
+  EXPECT_NE(what.find("toHere() of RRef"), std::string::npos) << what;
+  EXPECT_EQ(text.toHere(10s), "done");
 }
 
 // Regression (issue 14): the callback decoding a reply owned the agent, so
