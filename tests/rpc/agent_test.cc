@@ -623,6 +623,8 @@ TEST(RRefTest, ANumberTravelsWithTheConfirmation) {
   rpc::CurrentAgentScope scope(&g[0]);
   auto c = rpc::remote<makeCounter>("w1");
   c.rpcSync<&Counter::add>(int64_t{7});
+  // Its remote()'s reply may come after the add's: not inside the counts.
+  c.waitConfirmed(10s);
   std::vector<rpc::RRef<int64_t>> kept;  // no deletes between the counts
   for (int i = 0; i < 3; ++i) {
     const auto ownerBefore = g[1].stats().messagesReceived;
