@@ -66,6 +66,7 @@ namespace {
 
 constexpr uint8_t kStoreResult = 1;
 constexpr uint8_t kMethod = 2;
+constexpr uint8_t kValueInReply = 4;
 
 void putId(::trellis::wire::WireWriter& w, const ProtocolRRefId& id) {
   w.putVarint(id.worker);
@@ -85,8 +86,9 @@ ProtocolRRefId readId(::trellis::wire::WireReader& r, int32_t worldSize,
 
 std::string encodeRRefCall(const RRefCall& call) {
   ::trellis::wire::WireWriter w;
-  w.putU8(static_cast<uint8_t>((call.storeResult ? kStoreResult : 0) |
-                               (call.method ? kMethod : 0)));
+  w.putU8(static_cast<uint8_t>(
+      (call.storeResult ? kStoreResult : 0) | (call.method ? kMethod : 0) |
+      (call.storeResult && call.valueInReply ? kValueInReply : 0)));
   if (call.storeResult) {
     putId(w, call.rref);
     putId(w, call.fork);
@@ -101,11 +103,16 @@ std::string encodeRRefCall(const RRefCall& call) {
 Error decodeRRefCall(std::string_view bytes, int32_t worldSize, RRefCall* out) {
   ::trellis::wire::WireReader r(bytes, "RRef call payload");
   const uint8_t flags = r.u8("flags");
-  if (r.ok() && (flags == 0 || (flags & ~(kStoreResult | kMethod)) != 0)) {
+  if (r.ok() && ((flags & (kStoreResult | kMethod)) == 0 ||
+                 (flags & ~(kStoreResult | kMethod | kValueInReply)) != 0)) {
     r.fail("flags", "must ask to keep the result, call a method, or both");
+  }
+  if (r.ok() && (flags & kValueInReply) != 0 && (flags & kStoreResult) == 0) {
+    r.fail("flags", "asks for the value in the reply without keeping it");
   }
   out->storeResult = (flags & kStoreResult) != 0;
   out->method = (flags & kMethod) != 0;
+  out->valueInReply = (flags & kValueInReply) != 0;
   if (out->storeResult) {
     out->rref = readId(r, worldSize, "rref.worker", "rref.local");
     out->fork = readId(r, worldSize, "fork.worker", "fork.local");

@@ -47,10 +47,14 @@ void encodeRRefWire(Encoder& e, const RRefWire& w, std::string_view type);
 // extension (Envelope.extension_payload): keep the result as the owner
 // value of `rref` (with `fork`, the caller's user reference), and/or run
 // the method on the owner value of `target`. At least one of the two.
+// With storeResult only, `valueInReply`: the creator takes the value in
+// the reply when it is a number or bool (docs/rref.md, "Numbers travel
+// with the confirmation").
 struct RRefCall {
   bool storeResult = false;
   ProtocolRRefId rref;
   ProtocolRRefId fork;
+  bool valueInReply = false;
   bool method = false;
   ProtocolRRefId target;
 };

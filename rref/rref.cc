@@ -200,24 +200,28 @@ class RRefContext : public AgentExtension,
       const uint64_t mergeable = request.plainReply ? request.requestId : 0;
       storeOwnerValue(call.rref, call.fork, request.caller, result, mergeable);
       // The reply confirms (or fails) the creation. It carries the value
-      // only when that is a number or bool, which never changes: the
-      // creator's toHere() then needs no fetch (docs/rref.md).
+      // when the creator asked for it and it is a number or bool, which
+      // never changes: the creator's toHere() then needs no fetch
+      // (docs/rref.md). Only the creator knows that the function made the
+      // value (a std::shared_ptr result may be an object it keeps and
+      // changes): it asks only then.
       std::weak_ptr<RRefContext> weak = shared_from_this();
-      result = result.then(
-          [weak, k = keyOf(call.rref), mergeable](const AnyValue& made) {
-            AnyValue confirmation;
-            if (mergeable != 0) {
-              if (carriedByConfirmation(made)) {
-                confirmation.value = made.value;
-                confirmation.typeId = made.typeId;
-                confirmation.encode = made.encode;
-              }
-              if (auto self = weak.lock()) {
-                confirmation.noReply = !self->takeConfirmation(k);
-              }
-            }
-            return confirmation;
-          });
+      const bool valueInReply = call.valueInReply;
+      result = result.then([weak, k = keyOf(call.rref), mergeable,
+                            valueInReply](const AnyValue& made) {
+        AnyValue confirmation;
+        if (mergeable != 0) {
+          if (valueInReply && carriedByConfirmation(made)) {
+            confirmation.value = made.value;
+            confirmation.typeId = made.typeId;
+            confirmation.encode = made.encode;
+          }
+          if (auto self = weak.lock()) {
+            confirmation.noReply = !self->takeConfirmation(k);
+          }
+        }
+        return confirmation;
+      });
     }
     return result;
   }
@@ -913,7 +917,8 @@ void setMethodTarget(CallSpec& spec, const RRefId& target) {
   spec.extensionPayload = encodeRRefCall(call);
 }
 
-void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork) {
+void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork,
+                    bool valueInReply) {
   RRefCall call;
   if (spec.extension == kRRefExtension) {
     // A method call made before: keep its target. Our own bytes.
@@ -925,6 +930,7 @@ void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork) {
   call.storeResult = true;
   call.rref = rref;
   call.fork = fork;
+  call.valueInReply = valueInReply;
   spec.extension = kRRefExtension;
   spec.extensionPayload = encodeRRefCall(call);
 }

@@ -143,7 +143,10 @@ void ensureRRefSupport(Agent& agent);
 // value of `rref`, `fork` being the caller's user reference. The two
 // combine (a method's result kept in a new RRef).
 void setMethodTarget(CallSpec& spec, const RRefId& target);
-void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork);
+// `valueInReply`: the creator takes a number or bool in the reply
+// (RRefState::expectValue).
+void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork,
+                    bool valueInReply = false);
 
 }  // namespace detail
 
@@ -299,7 +302,7 @@ RRefOf<ResultOf<Fn>> remoteCall(Agent& agent, int32_t to, CallSpec spec,
       state->expectValue();
     }
   }
-  setStoreResult(spec, state->id(), state->fork());
+  setStoreResult(spec, state->id(), state->fork(), state->expectsValue());
   // The reply confirms the fork (below), and may carry the value: setting
   // a promise, and the library's callbacks on it only add context to an
   // error, so the loop runs it instead of waking a completion thread

@@ -107,6 +107,7 @@ void rrefCall(std::span<const uint8_t> args, int32_t world) {
     return;
   }
   require(call.storeResult || call.method);
+  require(!call.valueInReply || call.storeResult);
   require(!call.storeResult ||
           (inGroup(call.rref, world) && inGroup(call.fork, world)));
   require(!call.method || inGroup(call.target, world));
@@ -115,7 +116,8 @@ void rrefCall(std::span<const uint8_t> args, int32_t world) {
   const std::string again = rd::encodeRRefCall(call);
   rd::RRefCall back;
   require(rd::decodeRRefCall(again, world, &back).ok());
-  require(back.storeResult == call.storeResult && back.method == call.method);
+  require(back.storeResult == call.storeResult && back.method == call.method &&
+          back.valueInReply == call.valueInReply);
   require(!call.storeResult || (back.rref.worker == call.rref.worker &&
                                 back.rref.local == call.rref.local &&
                                 back.fork.worker == call.fork.worker &&
