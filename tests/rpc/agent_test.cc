@@ -213,9 +213,10 @@ std::string textAfterMs(int64_t ms) {
   return "done";
 }
 
-// A number the function keeps and may change later: as a std::shared_ptr
-// result it is the owner's object, so the creator must fetch it.
-std::shared_ptr<int64_t> gKeptNumber = std::make_shared<int64_t>(1);
+// A number the function keeps (and could change later): as a
+// std::shared_ptr result it is the owner's object, so the creator fetches
+// it. Never changed here: the owner's threads read it.
+const std::shared_ptr<int64_t> gKeptNumber = std::make_shared<int64_t>(1);
 std::shared_ptr<int64_t> keptNumber() { return gKeptNumber; }
 
 int64_t toHereThrough(rpc::RRef<int64_t> r) { return r.toHere(); }
@@ -651,15 +652,20 @@ TEST(RRefTest, ANumberTravelsWithTheConfirmation) {
 }
 
 // A number the function returned as a std::shared_ptr is an object the
-// function may keep and change; the creator fetches it every time.
+// function may keep and change: the creator does not ask for it in the
+// reply, and each toHere() fetches it (one message each way).
 TEST(RRefTest, ANumberTheOwnerKeepsIsFetched) {
   Group g(2);
   rpc::CurrentAgentScope scope(&g[0]);
-  *gKeptNumber = 1;
   auto r = rpc::remote<keptNumber>("w1");
-  EXPECT_EQ(r.toHere(), 1);
-  *gKeptNumber = 7;  // w1's object (both workers share this process)
-  EXPECT_EQ(r.toHere(), 7);
+  r.waitConfirmed(10s);
+  for (int i = 0; i < 2; ++i) {
+    const auto before = g[0].stats();
+    const auto ownerBefore = g[1].stats().messagesReceived;
+    EXPECT_EQ(r.toHere(), 1);
+    EXPECT_EQ(g[0].stats().messagesReceived - before.messagesReceived, 1u);
+    EXPECT_EQ(g[1].stats().messagesReceived - ownerBefore, 1u);
+  }
 }
 
 // Only the creator's fetch may answer its remote(): a fork holder's fetch,
