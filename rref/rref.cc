@@ -46,6 +46,18 @@ bool holds(const AnyValue& v) {
   return v.typeId != nullptr && std::strcmp(v.typeId, typeid(T).name()) == 0;
 }
 
+// A number or bool: kCarriedByConfirmation's list (rref.h), at run time.
+bool holdsNumber(const AnyValue& v) {
+  static_assert(
+      kCarriedByConfirmation<bool> && kCarriedByConfirmation<int32_t> &&
+      kCarriedByConfirmation<int64_t> && kCarriedByConfirmation<uint32_t> &&
+      kCarriedByConfirmation<uint64_t> && kCarriedByConfirmation<float> &&
+      kCarriedByConfirmation<double>);
+  return holds<bool>(v) || holds<int32_t>(v) || holds<int64_t>(v) ||
+         holds<uint32_t>(v) || holds<uint64_t>(v) || holds<float>(v) ||
+         holds<double>(v);
+}
+
 size_t storageBytes(const at::Tensor& t) {
   return t.defined() && t.has_storage() ? t.storage().nbytes() : 0;
 }
@@ -71,24 +83,14 @@ bool freesQuickly(const AnyValue& v) {
     }
     return bytes <= kLoopFreeBytes;
   }
-  return holds<bool>(v) || holds<int32_t>(v) || holds<int64_t>(v) ||
-         holds<uint32_t>(v) || holds<uint64_t>(v) || holds<float>(v) ||
-         holds<double>(v) || holds<std::string>(v);
+  return holdsNumber(v) || holds<std::string>(v);
 }
 
 // Whether a remote()'s result rides on its reply: the owner's side of
 // kCarriedByConfirmation (rref.h), the same list. Such a value never
 // changes, so the copy the creator keeps is always the owner's value.
 bool carriedByConfirmation(const AnyValue& v) {
-  static_assert(
-      kCarriedByConfirmation<bool> && kCarriedByConfirmation<int32_t> &&
-      kCarriedByConfirmation<int64_t> && kCarriedByConfirmation<uint32_t> &&
-      kCarriedByConfirmation<uint64_t> && kCarriedByConfirmation<float> &&
-      kCarriedByConfirmation<double>);
-  return v.encode != nullptr &&
-         (holds<bool>(v) || holds<int32_t>(v) || holds<int64_t>(v) ||
-          holds<uint32_t>(v) || holds<uint64_t>(v) || holds<float>(v) ||
-          holds<double>(v));
+  return v.encode != nullptr && holdsNumber(v);
 }
 
 // Names of the protocol's messages; they travel as ordinary requests.
@@ -781,23 +783,17 @@ std::optional<Reply> createdValueOf(const std::shared_ptr<RRefState>& state,
       timeoutOr(*timeout, agent->options().defaultTimeout, "toHere timeout");
   const Deadline deadline = Deadline::fromTimeout(limit);
   const Future<void> confirmed = state->confirmed();
-  bool done = confirmed.completed();
-  while (!done) {
-    // Bounded slices, so that "no limit" needs no special wait.
-    const Duration slice = deadline.isNever()
-                               ? Duration(std::chrono::hours(1))
-                               : std::max(deadline.remaining(), Duration(0));
-    done = confirmed.waitFor(slice);
-    if (!done && deadline.expired()) {
-      throwError(Error(Code::kDeadlineExceeded,
-                       "toHere() of RRef " + str(state->id()) + ": owner '" +
-                           agent->workerInfo(state->owner()).name +
-                           "' did not answer the remote() that makes the "
-                           "value within " +
-                           formatDuration(limit)));
+  if (deadline.isNever()) {
+    while (!confirmed.waitFor(std::chrono::hours(1))) {
     }
-  }
-  if (!deadline.isNever()) {
+  } else if (!confirmed.waitFor(deadline.remaining())) {
+    throwError(Error(Code::kDeadlineExceeded,
+                     "toHere() of RRef " + str(state->id()) + ": owner '" +
+                         agent->workerInfo(state->owner()).name +
+                         "' did not answer the remote() that makes the "
+                         "value within " +
+                         formatDuration(limit)));
+  } else {
     *timeout = std::max(deadline.remaining(), Duration(1));
   }
   if (confirmed.hasError() || state->createdValue().bytes.empty()) {
