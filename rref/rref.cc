@@ -788,17 +788,23 @@ std::optional<Reply> createdValueOf(const std::shared_ptr<RRefState>& state,
     }
   } else if (!confirmed.waitFor(deadline.remaining())) {
     throwError(Error(Code::kDeadlineExceeded,
-                     "toHere() of RRef " + str(state->id()) + ": owner '" +
+                     "toHere() of RRef " + str(state->id()) +
+                         ": the remote() that makes the value on owner '" +
                          agent->workerInfo(state->owner()).name +
-                         "' did not answer the remote() that makes the "
-                         "value within " +
-                         formatDuration(limit)));
+                         "' timed out after " + formatDuration(limit)));
   } else {
     *timeout = std::max(deadline.remaining(), Duration(1));
   }
+  if (confirmed.hasError() &&
+      confirmed.error().code() == Code::kDeadlineExceeded) {
+    // The remote() itself timed out, as torch's to_here() reports after
+    // one. Its timer started before this wait, with the same default, so
+    // a fetch would have next to no time left and time out again.
+    throwError(
+        confirmed.error().withContext("toHere() of RRef " + str(state->id())));
+  }
   if (confirmed.hasError() || state->createdValue().bytes.empty()) {
-    // The owner's error comes back from the fetch as it always did, and a
-    // remote() that only timed out here may have made its value since.
+    // The owner's error comes back from the fetch as it always did.
     return std::nullopt;
   }
   return state->createdValue();

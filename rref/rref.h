@@ -127,7 +127,8 @@ std::shared_ptr<void> localValueOf(const RRefState& state, Duration timeout);
 // `*timeout` (unset: the agent's default call timeout; zero: no limit) and
 // leaves in `*timeout` what is left of it. Empty when the reply carried
 // none (an owner that sends none, a profiled remote()) or failed: then
-// fetch. Throws TimeoutError when the reply does not come in time.
+// fetch. Throws TimeoutError when the reply does not come in time, and the
+// remote()'s own TimeoutError when it timed out.
 std::optional<Reply> createdValueOf(const std::shared_ptr<RRefState>& state,
                                     std::optional<Duration>* timeout);
 // Fetches the owner's value encoded; decode as T. The future completes on

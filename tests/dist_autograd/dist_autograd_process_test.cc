@@ -85,6 +85,9 @@ TEST(DistAutogradProcess,
       {"rpcSync", "'addInts' to worker 'w0'"},
       {"rpcAsync", "'addInts' to worker 'w0'"},
       {"toHere", "toHere() of RRef"},
+      // A number's toHere() waits for the remote()'s own reply: its own
+      // timeout, or the remote()'s that started just before it.
+      {"toHereNumber", "toHere() of RRef"},
       {"backward", "propagateGradients' to worker 'w0'"},
       {"step", "LocalOptimizer::step' to worker 'w0'"},
   };
@@ -129,6 +132,7 @@ TEST(DistAutogradProcess,
       const int ms = std::stoi(line.substr(head.size()));
       EXPECT_LT(ms, 5000) << line;  // a hang bound; the call timeout is 1 s
       EXPECT_NE(line.find(fn), std::string::npos) << line;
+      EXPECT_NE(line.find("'w0'"), std::string::npos) << line;
       EXPECT_NE(line.find("timed out after 1s"), std::string::npos) << line;
     }
     // The caller's own wait, not the call, timed out: that is all it says.

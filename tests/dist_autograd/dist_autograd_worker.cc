@@ -15,7 +15,8 @@
 //          builds an RRef, a DistributedOptimizer and two contexts whose
 //          forward ran through w0, prints "ready", and once the file
 //          exists (the test has SIGSTOPped w0 by then) runs rpcSync,
-//          rpcAsync, toHere, backward and step against w0 at once; each
+//          rpcAsync, toHere (of text, and of a number made by a remote()
+//          sent then), backward and step against w0 at once; each
 //          must fail with TimeoutError within the 1 s call timeout
 //          ("op <name> <type> <ms> <what>"). It also leaves a call with
 //          a 30 s timeout pending, having given up waiting for it after
@@ -309,6 +310,12 @@ int driveStopped(const std::string& mode, const std::string& goFile) {
                "rpcAsync"));
   threads.push_back(
       opThread([&] { return [&] { (void)rref.toHere(); }; }, "toHere"));
+  // A number comes with the remote()'s reply (docs/rref.md): its toHere()
+  // sends nothing and waits for that reply, which the stopped w0 never
+  // sends.
+  threads.push_back(opThread(
+      [] { return [] { (void)rpc::remote<addInts>("w0", 1, 2).toHere(); }; },
+      "toHereNumber"));
   // A context belongs to the thread that made it.
   threads.push_back(opThread(
       [] {

@@ -763,8 +763,17 @@ TEST(RRefTest, ToHereTimeout) {
   std::string what = timedOut([&] { return slow.toHere(100ms); });
   EXPECT_NE(what.find("toHere() of RRef"), std::string::npos) << what;
   EXPECT_NE(what.find("'w1'"), std::string::npos) << what;
-  EXPECT_NE(what.find("100ms"), std::string::npos) << what;
+  EXPECT_NE(what.find("timed out after 100ms"), std::string::npos) << what;
   EXPECT_EQ(slow.toHere(10s), 800);
+  // The remote() itself timed out: toHere() throws that, at once, rather
+  // than fetching (torch's to_here() after a remote() timeout).
+  auto late = rpc::remote<sleepMs>({"w1", 100ms}, int64_t{800});
+  const auto start = std::chrono::steady_clock::now();
+  what = timedOut([&] { return late.toHere(10s); });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_NE(what.find("toHere() of RRef"), std::string::npos) << what;
+  EXPECT_NE(what.find("'sleepMs' to worker 'w1'"), std::string::npos) << what;
+  EXPECT_NE(what.find("timed out after 100ms"), std::string::npos) << what;
   // Text is fetched: the fetch's own timeout.
   auto text = rpc::remote<textAfterMs>("w1", int64_t{800});
   what = timedOut([&] { return text.toHere(100ms); });
