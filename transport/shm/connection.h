@@ -95,6 +95,9 @@ class ShmConnection final : public Connection,
   void fail(const Error& e);
   void failWrites(const Error& e);
   void wake();
+  // Clears the write ring's "wake me when there is room" if this side set
+  // it.
+  void clearTxWaiting();
   void startIdle();
   void stopIdle();
   void onDoorbell();
@@ -139,6 +142,11 @@ class ShmConnection final : public Connection,
   RingWriter tx_ TRELLIS_GUARDED_BY(txMu_);
   std::deque<WriteOp> writes_ TRELLIS_GUARDED_BY(txMu_);
   bool txOpen_ TRELLIS_GUARDED_BY(txMu_) = false;
+  // Loop thread only, so that its polling needs no lock: writes_.size()
+  // (the loop is the only thread that changes writes_), and whether it
+  // asked the write ring's consumer to wake it.
+  size_t queuedWrites_ = 0;
+  bool txWaiting_ = false;
   RingReader rx_;
   ReadSink* sink_ = nullptr;
   bool reading_ = false;
