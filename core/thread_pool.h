@@ -96,9 +96,11 @@ class ThreadPool {
   };
 
   void workerLoop(size_t index) TRELLIS_EXCLUDES(mu_);
-  // Wakes the most recently idle worker, or starts one more when none is
-  // idle and the queued tasks outnumber the workers already woken for them.
-  void wakeOrGrowLocked() TRELLIS_REQUIRES(mu_);
+  // Chooses the most recently idle worker and returns it, to be notified
+  // once mu_ is released (a worker notified under it wakes only to sleep
+  // on mu_ again); or starts one more when none is idle and the queued
+  // tasks outnumber the workers already woken for them (null).
+  std::shared_ptr<Worker> wakeOrGrowLocked() TRELLIS_REQUIRES(mu_);
   // Starts one more worker; false if its thread could not start.
   bool startLocked() TRELLIS_REQUIRES(mu_);
 
@@ -109,7 +111,9 @@ class ThreadPool {
   bool stopping_ TRELLIS_GUARDED_BY(mu_) = false;
   // One per started thread, by index (its size is the threads started);
   // never shrinks while the pool lives.
-  std::vector<std::unique_ptr<Worker>> workers_ TRELLIS_GUARDED_BY(mu_);
+  // Shared: post() notifies the worker it chose after releasing mu_, and
+  // that worker must outlive the notify even if the pool does not.
+  std::vector<std::shared_ptr<Worker>> workers_ TRELLIS_GUARDED_BY(mu_);
   // Indices of the workers waiting for a task, the most recently idle last.
   std::vector<size_t> idle_ TRELLIS_GUARDED_BY(mu_);
   // Workers woken by a post that have not yet taken the lock again.
