@@ -141,6 +141,34 @@ TEST(ThreadPoolTest, ManyProducers) {
   EXPECT_EQ(sum.load(), 4000);
 }
 
+// post() notifies the worker it chose after releasing the pool's lock, so
+// that worker may have woken, run, gone idle and been chosen again by
+// another producer before the first notify lands. Each producer here waits
+// for its task before posting the next, so the pool is idle at almost
+// every post; a wake-up lost in that window would leave a task waiting
+// (the 10 s bound).
+TEST(ThreadPoolTest, EveryPostToAnIdlePoolIsRun) {
+  ThreadPool pool(2, "t");
+  std::atomic<int> ran{0};
+  std::atomic<int> late{0};
+  std::vector<std::thread> producers;
+  for (int t = 0; t < 3; ++t) {
+    producers.emplace_back([&] {
+      for (int i = 0; i < 500; ++i) {
+        if (!pool.submit([&] { ran.fetch_add(1); }).waitFor(10s)) {
+          late.fetch_add(1);
+          return;
+        }
+      }
+    });
+  }
+  for (auto& p : producers) {
+    p.join();
+  }
+  EXPECT_EQ(late.load(), 0);
+  EXPECT_EQ(ran.load(), 1500);
+}
+
 // Posts `n` tasks that each wait (10 s at most) until all `n` have
 // started; true if they all did, i.e. the pool ran them at once.
 bool runAtOnce(ThreadPool& pool, size_t n) {
