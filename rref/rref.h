@@ -147,7 +147,7 @@ void setMethodTarget(CallSpec& spec, const RRefId& target);
 // `valueInReply`: the creator takes a number or bool in the reply
 // (RRefState::expectValue).
 void setStoreResult(CallSpec& spec, const RRefId& rref, const RRefId& fork,
-                    bool valueInReply = false);
+                    bool valueInReply);
 
 }  // namespace detail
 
