@@ -1,7 +1,9 @@
 #include <ATen/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
+#include <cstring>
 #include <exception>
+#include <utility>
 
 #include <trellis/rpc/autograd_hooks.h>
 #include <trellis/rpc/codec.h>
@@ -41,6 +43,12 @@ std::optional<at::ScalarType> codeToDtype(uint8_t code) {
   }
   return std::nullopt;
 }
+
+// How a tensor travels (docs/rpc_wire.md, "Tensors"): the first byte of
+// its description.
+constexpr uint8_t kTensorUndefined = 0;
+constexpr uint8_t kTensorSpan = 1;    // a transport tensor of its own
+constexpr uint8_t kTensorInline = 2;  // its bytes inside the description
 
 constexpr uint8_t kDeviceCpu = 0;
 constexpr uint8_t kDeviceCuda = 1;
@@ -125,6 +133,8 @@ Encoder::Encoder(Encoder&& other) noexcept
     : wire_(std::move(other.wire_)),
       tensors_(std::move(other.tensors_)),
       gradTensors_(std::move(other.gradTensors_)),
+      inlineBytes_(std::exchange(other.inlineBytes_, 0)),
+      tensorsApart_(other.tensorsApart_),
       context_(other.context_),
       unsent_(std::exchange(other.unsent_, {})) {}
 
@@ -134,6 +144,8 @@ Encoder& Encoder::operator=(Encoder&& other) noexcept {
     wire_ = std::move(other.wire_);
     tensors_ = std::move(other.tensors_);
     gradTensors_ = std::move(other.gradTensors_);
+    inlineBytes_ = std::exchange(other.inlineBytes_, 0);
+    tensorsApart_ = other.tensorsApart_;
     context_ = other.context_;
     unsent_ = std::exchange(other.unsent_, {});
   }
@@ -315,15 +327,92 @@ at::Tensor Decoder::tensor(uint32_t index, const TensorMeta& meta) {
   }
 }
 
+at::Tensor Decoder::inlineTensor(const TensorMeta& meta,
+                                 std::span<const uint8_t> data) {
+  if (!ok()) {
+    return {};
+  }
+  if (!dtypeToCode(meta.dtype)) {
+    fail("Tensor.dtype", "dtype not allowed");
+    return {};
+  }
+  if (meta.deviceType != c10::DeviceType::CPU) {
+    fail("Tensor.device", "a tensor inside the argument bytes is on CPU");
+    return {};
+  }
+  if (meta.sizes.size() > limits_.maxDims) {
+    fail("Tensor.dims", "bad rank " + std::to_string(meta.sizes.size()));
+    return {};
+  }
+  const auto itemsize = static_cast<int64_t>(c10::elementSize(meta.dtype));
+  int64_t numel = 1;
+  for (size_t i = 0; i < meta.sizes.size(); ++i) {
+    if (meta.sizes[i] < 0) {
+      fail("Tensor.sizes", "negative size in dim " + std::to_string(i));
+      return {};
+    }
+    if (mulOverflows(numel, meta.sizes[i], &numel)) {
+      fail("Tensor.sizes", "element count overflows");
+      return {};
+    }
+  }
+  int64_t bytes = 0;
+  if (mulOverflows(numel, itemsize, &bytes) ||
+      static_cast<uint64_t>(bytes) != data.size()) {
+    fail("Tensor.data", std::to_string(data.size()) +
+                            " bytes of data for a tensor of " +
+                            std::to_string(numel) + " elements of " +
+                            std::to_string(itemsize) + " bytes");
+    return {};
+  }
+  if (meta.dtype == at::ScalarType::Bool) {
+    for (uint8_t b : data) {
+      if (b > 1) {
+        fail("Tensor.data", "bool tensor holds a byte other than 0 or 1");
+        return {};
+      }
+    }
+  }
+  if (meta.requiresGrad && !c10::isFloatingType(meta.dtype) &&
+      !c10::isComplexType(meta.dtype)) {
+    fail("Tensor.requires_grad", "set on a non-floating dtype");
+    return {};
+  }
+  try {
+    // Made inside libtorch, as emptyBytes() says why.
+    at::Tensor out = at::detail::empty_cpu(meta.sizes, meta.dtype);
+    if (!data.empty()) {
+      std::memcpy(out.data_ptr(), data.data(), data.size());
+    }
+    if (meta.requiresGrad) {
+      if (gradReceiver_ != nullptr) {
+        gradReceiver_->attach(out);
+      } else {
+        out.set_requires_grad(true);
+      }
+    }
+    return out;
+  } catch (const std::exception& e) {
+    fail("Tensor", std::string("cannot build tensor: ") + e.what());
+    return {};
+  }
+}
+
 void encodeTensor(Encoder& e, const at::Tensor& t) {
   auto& w = e.wire();
   if (!t.defined()) {
-    w.putBool(false);
+    w.putU8(kTensorUndefined);
     return;
   }
   const at::Tensor p = sendable(t);
-  const uint32_t index = e.addTensor(p);
-  w.putBool(true);
+  const size_t bytes = p.nbytes();
+  const bool inlined =
+      p.is_cpu() && p.is_contiguous() && e.takeInlineRoom(bytes);
+  uint32_t index = 0;
+  if (!inlined) {
+    index = e.addTensor(p);
+  }
+  w.putU8(inlined ? kTensorInline : kTensorSpan);
   w.putU8(*dtypeToCode(p.scalar_type()));
   w.putU8(p.is_cuda() ? kDeviceCuda : kDeviceCpu);
   w.putSignedVarint(p.is_cuda() ? t.device().index() : -1);
@@ -334,6 +423,10 @@ void encodeTensor(Encoder& e, const at::Tensor& t) {
   w.putVarint(static_cast<uint64_t>(p.dim()));
   for (int64_t s : p.sizes()) {
     w.putVarint(static_cast<uint64_t>(s));
+  }
+  if (inlined) {
+    w.putBytes({static_cast<const uint8_t*>(p.data_ptr()), bytes});
+    return;
   }
   for (int64_t s : p.strides()) {
     w.putVarint(static_cast<uint64_t>(s));
@@ -355,7 +448,12 @@ at::Tensor emptyBytes(size_t length) {
 
 at::Tensor decodeTensor(Decoder& d) {
   auto& r = d.wire();
-  if (!r.boolean("Tensor.defined")) {
+  const uint8_t form = r.u8("Tensor.form");
+  if (!r.ok() || form == kTensorUndefined) {
+    return {};
+  }
+  if (form != kTensorSpan && form != kTensorInline) {
+    d.fail("Tensor.form", "unknown form " + std::to_string(form));
     return {};
   }
   TensorMeta m;
@@ -380,18 +478,25 @@ at::Tensor decodeTensor(Decoder& d) {
   m.deviceIndex = static_cast<int32_t>(devIndex);
   m.requiresGrad = r.boolean("Tensor.requires_grad");
   const auto ndim = r.varint(d.limits().maxDims, "Tensor.dims");
-  // Each size and stride takes at least one byte.
-  if (r.ok() && ndim * 2 > r.remaining()) {
+  // Each size (and stride) takes at least one byte.
+  if (r.ok() && ndim * (form == kTensorSpan ? 2 : 1) > r.remaining()) {
     d.fail("Tensor.dims", "truncated sizes/strides");
     return {};
   }
   constexpr auto kMax =
       static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   m.sizes.resize(ndim);
-  m.strides.resize(ndim);
   for (auto& s : m.sizes) {
     s = static_cast<int64_t>(r.varint(kMax, "Tensor.sizes"));
   }
+  if (form == kTensorInline) {
+    const auto data = r.bytes(Encoder::kInlineTensorBytes, "Tensor.data");
+    if (!r.ok()) {
+      return {};
+    }
+    return d.inlineTensor(m, data);
+  }
+  m.strides.resize(ndim);
   for (auto& s : m.strides) {
     s = static_cast<int64_t>(r.varint(kMax, "Tensor.strides"));
   }

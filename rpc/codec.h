@@ -83,7 +83,32 @@ class Encoder {
   Encoder& operator=(const Encoder&) = delete;
 
   ::trellis::wire::WireWriter& wire() { return wire_; }
-  size_t wireBytes() const { return wire_.size(); }
+  // The encoding's size without the data of tensors that travel inside it
+  // (takeInlineRoom): what RpcOptions::maxMessageBytes bounds.
+  size_t wireBytes() const { return wire_.size() - inlineBytes_; }
+  // The encoding as it is sent, with that data.
+  size_t payloadBytes() const { return wire_.size(); }
+
+  // A CPU tensor of at most kInlineTensorBytes travels inside the argument
+  // bytes instead of as a transport tensor of its own, while the message's
+  // inlined data stays within kInlineBytesPerMessage (docs/rpc_wire.md,
+  // "Small tensors"): a separate transport tensor costs a receive buffer,
+  // a second tensor object and a frame of its own, several times what
+  // copying a few KiB costs.
+  static constexpr size_t kInlineTensorBytes = size_t{4} << 10;
+  static constexpr size_t kInlineBytesPerMessage = size_t{64} << 10;
+  // Whether `bytes` more may go inline; if so, counts them.
+  bool takeInlineRoom(size_t bytes) {
+    if (tensorsApart_ || bytes > kInlineTensorBytes ||
+        inlineBytes_ + bytes > kInlineBytesPerMessage) {
+      return false;
+    }
+    inlineBytes_ += bytes;
+    return true;
+  }
+  // Every tensor encoded from here on travels as a transport tensor of its
+  // own, however small (tests and fuzzers of that path).
+  void sendTensorsApart() { tensorsApart_ = true; }
 
   // Registers `t` to travel out of band and returns its index in
   // outgoing(). The span sent is the tensor's own memory when it is
@@ -126,6 +151,8 @@ class Encoder {
   ::trellis::wire::WireWriter wire_;
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> gradTensors_;
+  size_t inlineBytes_ = 0;  // tensor data written into wire_
+  bool tensorsApart_ = false;
   CodecContext* context_;
   std::vector<std::function<void()>> unsent_;
 
@@ -167,6 +194,11 @@ class Decoder {
   // twice, a dtype outside the allow-list, sizes/strides/offset reaching
   // outside the span, too many dims, or a size product that overflows.
   at::Tensor tensor(uint32_t index, const TensorMeta& meta);
+  // A new contiguous CPU tensor `meta` describes (its strides and offset
+  // are ignored), holding `data`, which must be exactly its bytes. Fails
+  // the decoder as tensor() does.
+  at::Tensor inlineTensor(const TensorMeta& meta,
+                          std::span<const uint8_t> data);
 
   // Reads a container count: a varint that must be <= limits().maxElements
   // and, when each element needs at least `minBytesEach` bytes, fit in what

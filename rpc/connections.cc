@@ -68,8 +68,10 @@ void joinCurrentStreams(const std::vector<at::Tensor>& tensors) {
 
 tp::Limits transportLimits(const RpcOptions& options) {
   tp::Limits limits;
+  // maxMessageBytes is below 2^63 (rendezvous.cc): the sum cannot wrap.
   limits.maxPayloadBytes =
-      std::max(limits.maxPayloadBytes, options.maxMessageBytes);
+      std::max(limits.maxPayloadBytes,
+               options.maxMessageBytes + Encoder::kInlineBytesPerMessage);
   return limits;
 }
 
@@ -234,8 +236,9 @@ Error Connections::checkFits(int32_t to, const Encoder& body) const {
                    describeWorker(peer) +
                    " accepts (its RpcOptions::maxMessageBytes)");
   }
-  if (body.wireBytes() > limits.maxPayloadBytes) {
-    return tooMuch("the encoding is " + std::to_string(body.wireBytes()) +
+  const size_t payload = body.payloadBytes();
+  if (payload > limits.maxPayloadBytes) {
+    return tooMuch("the encoding is " + std::to_string(payload) +
                    " bytes, more than one message carries (" +
                    std::to_string(limits.maxPayloadBytes) + ")");
   }
@@ -344,7 +347,11 @@ void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
     return bad("expected 1 payload, got " +
                std::to_string(desc.payloadLengths.size()));
   }
-  if (desc.payloadLengths[0] > options_.maxMessageBytes) {
+  // The encoding, and the data of the small tensors that travel inside it
+  // (Encoder::kInlineBytesPerMessage at most), which maxMessageBytes does
+  // not count.
+  if (desc.payloadLengths[0] >
+      options_.maxMessageBytes + Encoder::kInlineBytesPerMessage) {
     return bad("payload of " + std::to_string(desc.payloadLengths[0]) +
                " bytes exceeds maxMessageBytes");
   }

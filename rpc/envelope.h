@@ -15,8 +15,10 @@ namespace trellis::rpc {
 
 // 2: rref/'s fields became an extension payload; 3: a response may also
 // answer another request (also_answers), which a version 2 caller would
-// leave pending (docs/rpc_wire.md).
-constexpr uint32_t kEnvelopeVersion = 3;
+// leave pending; 4: small tensors travel inside the argument bytes (a
+// tensor's first byte may be 2), which a version 3 peer rejects
+// (docs/rpc_wire.md).
+constexpr uint32_t kEnvelopeVersion = 4;
 constexpr size_t kMaxFunctionNameBytes = 1024;
 constexpr size_t kMaxErrorMessageBytes = 64 << 10;
 constexpr int kMaxProfileEvents = 1024;

@@ -42,10 +42,11 @@ std::string bytesOfLength(int64_t n) {
   return std::string(static_cast<size_t>(n), 'b');
 }
 int64_t lengthOf(std::string s) { return static_cast<int64_t>(s.size()); }
-std::vector<at::Tensor> manyTensors(int64_t n) {
+// `n` tensors of `elems` floats each, the i-th all i.
+std::vector<at::Tensor> manyTensors(int64_t n, int64_t elems) {
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < n; ++i) {
-    out.push_back(at::full({1}, static_cast<double>(i)));
+    out.push_back(at::full({elems}, static_cast<double>(i)));
   }
   return out;
 }
@@ -225,9 +226,13 @@ TEST(RpcApi, MoreTensorsThanAMessageCarriesFailThatCallOnly) {
   rpc::CurrentAgentScope scope(&g[0]);
   const size_t most = trellis::transport::Limits{}.maxTensorsPerMessage;
   const auto n = static_cast<int64_t>(most + 1);
+  // Too big to travel inside the argument bytes: each is a transport
+  // tensor of its own, which the limit counts.
+  const auto apart =
+      static_cast<int64_t>(rpc::Encoder::kInlineTensorBytes / 4 + 1);
   auto inFlight = rpc::rpcAsync<sleepThenEcho>("w1", 300);
   try {
-    rpc::rpcSync<manyTensors>("w1", n);
+    rpc::rpcSync<manyTensors>("w1", n, apart);
     FAIL() << "no exception";
   } catch (const trellis::RemoteError& e) {
     EXPECT_EQ(e.code(), trellis::Code::kResourceExhausted);
@@ -238,15 +243,22 @@ TEST(RpcApi, MoreTensorsThanAMessageCarriesFailThatCallOnly) {
               std::string::npos)
         << e.what();
   }
-  std::vector<at::Tensor> args = manyTensors(n);
+  std::vector<at::Tensor> args = manyTensors(n, apart);
   EXPECT_THROW(rpc::rpcSync<countTensors>("w1", args),
                trellis::ResourceExhaustedError);
   EXPECT_EQ(inFlight.wait(10s), 300);
-  const auto fits = rpc::rpcSync<manyTensors>("w1", static_cast<int64_t>(most));
+  const auto fits =
+      rpc::rpcSync<manyTensors>("w1", static_cast<int64_t>(most), apart);
   ASSERT_EQ(fits.size(), most);
-  EXPECT_EQ(fits.back().item<float>(), static_cast<float>(most - 1));
+  EXPECT_EQ(fits.back()[apart - 1].item<float>(), static_cast<float>(most - 1));
   args.pop_back();
   EXPECT_EQ(rpc::rpcSync<countTensors>("w1", args), static_cast<int64_t>(most));
+  // One-element tensors travel inside the bytes (up to
+  // Encoder::kInlineBytesPerMessage of them): as many again fit.
+  const auto small = rpc::rpcSync<manyTensors>("w1", n, 1);
+  ASSERT_EQ(small.size(), static_cast<size_t>(n));
+  EXPECT_EQ(small.back().item<float>(), static_cast<float>(most));
+  EXPECT_EQ(rpc::rpcSync<countTensors>("w1", manyTensors(n, 1)), n);
 }
 
 TEST(RpcApi, AMalformedRendezvousEntryFailsStartNamingTheRank) {

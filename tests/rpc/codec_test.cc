@@ -1,6 +1,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <cmath>
@@ -68,16 +69,22 @@ struct Encoded {
   std::vector<at::Tensor> spans;
 };
 
+// `apart`: every tensor as a transport tensor of its own (the span path
+// most tests here are about); false: as a sender does, small CPU tensors
+// inside the bytes.
 template <typename T>
-Encoded encode(const T& v) {
+Encoded encode(const T& v, bool apart = true) {
   Encoder e;
+  if (apart) {
+    e.sendTensorsApart();
+  }
   encodeValue(e, v);
   return {e.wire().bytes(), e.tensors()};
 }
 
 template <typename T>
-T roundTrip(const T& v) {
-  Encoded enc = encode(v);
+T roundTrip(const T& v, bool apart = true) {
+  Encoded enc = encode(v, apart);
   Decoder d(enc.bytes, deliver(enc.spans));
   T out = decodeValue<T>(d);
   const Error err = d.finish();
@@ -292,10 +299,84 @@ TEST(CodecTest, EveryAllowedDtypeRoundTrips) {
                      at::kBool, at::kComplexFloat, at::kComplexDouble}) {
     SCOPED_TRACE(c10::toString(dtype));
     at::Tensor t = sample(dtype);
-    at::Tensor out = roundTrip(t);
-    EXPECT_TRUE(sameTensor(out, t));
-    EXPECT_EQ(out.strides(), t.strides());
+    for (bool apart : {true, false}) {
+      at::Tensor out = roundTrip(t, apart);
+      EXPECT_TRUE(sameTensor(out, t));
+      EXPECT_EQ(out.strides(), t.strides());
+    }
   }
+}
+
+// docs/rpc_wire.md, "Small tensors".
+TEST(CodecTest, SmallCpuTensorsTravelInsideTheArgumentBytes) {
+  const at::Tensor t = sample(at::kFloat);  // 96 bytes
+  Encoder e;
+  encodeValue(e, t);
+  EXPECT_TRUE(e.outgoing().empty());
+  // The data is in the payload but not in what maxMessageBytes bounds.
+  EXPECT_EQ(e.payloadBytes() - e.wireBytes(), 96u);
+  const std::vector<uint8_t> bytes = e.wire().bytes();
+  Decoder d(bytes, {});
+  at::Tensor out = decodeValue<at::Tensor>(d);
+  ASSERT_TRUE(d.finish().ok()) << d.error().what();
+  EXPECT_TRUE(sameTensor(out, t));
+  EXPECT_TRUE(out.is_contiguous());
+  EXPECT_FALSE(out.requires_grad());
+  // Memory of its own, not a view of the bytes it came in.
+  const auto* p = static_cast<const uint8_t*>(out.data_ptr());
+  EXPECT_TRUE(p < bytes.data() || p >= bytes.data() + bytes.size());
+  const at::Tensor before = out.clone();
+  Decoder again(bytes, {});
+  at::Tensor second = decodeValue<at::Tensor>(again);
+  ASSERT_TRUE(again.finish().ok());
+  second.add_(1);
+  EXPECT_TRUE(out.equal(before));
+
+  // Zero-dim and empty tensors too.
+  EXPECT_EQ(roundTrip(at::ones({}, at::kDouble).mul(7), false).item<double>(),
+            7);
+  const at::Tensor empty = at::empty({0, 3});
+  EXPECT_TRUE(encode(empty, false).spans.empty());
+  EXPECT_EQ(roundTrip(empty, false).sizes(), empty.sizes());
+}
+
+TEST(CodecTest, InlineStopsAtTheTensorAndMessageLimits) {
+  constexpr auto kOne = static_cast<int64_t>(Encoder::kInlineTensorBytes);
+  // Exactly the limit goes inline; one byte more, apart.
+  std::vector<at::Tensor> two = {at::full({kOne}, 3, at::kByte),
+                                 at::full({kOne + 1}, 4, at::kByte)};
+  Encoded enc = encode(two, false);
+  ASSERT_EQ(enc.spans.size(), 1u);
+  EXPECT_EQ(enc.spans[0].numel(), kOne + 1);
+  auto out = roundTrip(two, false);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_TRUE(out[0].equal(two[0]));
+  EXPECT_TRUE(out[1].equal(two[1]));
+
+  // The message's inline budget: the tensors that fit it go inline, in
+  // order, and the rest apart.
+  const size_t fit =
+      Encoder::kInlineBytesPerMessage / Encoder::kInlineTensorBytes;
+  std::vector<at::Tensor> many;
+  for (size_t i = 0; i <= fit; ++i) {
+    many.push_back(at::full({kOne / 4}, static_cast<int>(i), at::kInt));
+  }
+  Encoder e;
+  encodeValue(e, many);
+  ASSERT_EQ(e.outgoing().size(), 1u);
+  EXPECT_EQ(e.outgoing()[0][0].item<int>(), static_cast<int>(fit));
+  EXPECT_EQ(e.payloadBytes() - e.wireBytes(), Encoder::kInlineBytesPerMessage);
+  out = roundTrip(many, false);
+  ASSERT_EQ(out.size(), many.size());
+  for (size_t i = 0; i < many.size(); ++i) {
+    EXPECT_TRUE(out[i].equal(many[i])) << i;
+  }
+
+  // A dense layout that is not contiguous keeps its strides apart.
+  const at::Tensor t = at::arange(12, at::kFloat).reshape({3, 4}).t();
+  enc = encode(t, false);
+  ASSERT_EQ(enc.spans.size(), 1u);
+  EXPECT_EQ(roundTrip(t, false).strides(), t.strides());
 }
 
 TEST(CodecTest, UnsupportedTensorsAreRejectedAtEncode) {
@@ -365,6 +446,10 @@ TEST(CodecTest, RequiresGradIsPreservedAndTheResultIsALeaf) {
   EXPECT_TRUE(out.is_leaf());
   EXPECT_TRUE(out.detach().equal(nonLeaf.detach()));
   EXPECT_FALSE(roundTrip(at::ones({2})).requires_grad());
+  out = roundTrip(nonLeaf, false);  // inline
+  EXPECT_TRUE(out.requires_grad());
+  EXPECT_TRUE(out.is_leaf());
+  EXPECT_TRUE(out.detach().equal(nonLeaf.detach()));
 }
 
 // Distributed autograd's view of the codec: the encoder lists the tensors
@@ -611,6 +696,26 @@ std::vector<uint8_t> tensorBytes(uint8_t dtype, std::vector<uint64_t> sizes,
 
 constexpr uint8_t kFloatCode = 6;
 
+// Writes the description of a tensor carried inline by hand.
+std::vector<uint8_t> inlineTensorBytes(uint8_t dtype,
+                                       std::vector<uint64_t> sizes,
+                                       std::vector<uint8_t> data,
+                                       uint8_t device = 0,
+                                       bool requiresGrad = false) {
+  ::trellis::wire::WireWriter w;
+  w.putU8(2);
+  w.putU8(dtype);
+  w.putU8(device);
+  w.putSignedVarint(device == 0 ? -1 : 0);
+  w.putBool(requiresGrad);
+  w.putVarint(sizes.size());
+  for (auto s : sizes) {
+    w.putVarint(s);
+  }
+  w.putBytes(data);
+  return w.release();
+}
+
 at::Tensor bytesTensor(int64_t n) { return at::zeros({n}, at::kByte); }
 
 TEST(CodecMalformedTest, HandWrittenTensorDecodes) {
@@ -620,6 +725,51 @@ TEST(CodecMalformedTest, HandWrittenTensorDecodes) {
   at::Tensor out = decodeValue<at::Tensor>(d);
   ASSERT_TRUE(d.finish().ok()) << d.error().what();
   EXPECT_EQ(out[1][0].item<float>(), 5);
+}
+
+TEST(CodecMalformedTest, InlineTensors) {
+  std::vector<uint8_t> two(8, 0);
+  const float v = 2.5f;
+  std::memcpy(two.data() + 4, &v, 4);
+  {
+    const auto bytes = inlineTensorBytes(kFloatCode, {2}, two);
+    Decoder d(bytes, {});
+    at::Tensor out = decodeValue<at::Tensor>(d);
+    ASSERT_TRUE(d.finish().ok()) << d.error().what();
+    EXPECT_EQ(out[1].item<float>(), 2.5f);
+  }
+  expectProtocolError(decodeError<at::Tensor>({3}), "Tensor.form");
+  expectProtocolError(
+      decodeError<at::Tensor>(inlineTensorBytes(kFloatCode, {2}, {0, 0, 0, 0})),
+      "Tensor.data");
+  expectProtocolError(decodeError<at::Tensor>(
+                          inlineTensorBytes(kFloatCode, {1}, {0, 0, 0, 0, 0})),
+                      "Tensor.data");
+  expectProtocolError(
+      decodeError<at::Tensor>(inlineTensorBytes(11, {2}, {1, 2})),
+      "Tensor.data");
+  expectProtocolError(
+      decodeError<at::Tensor>(inlineTensorBytes(kFloatCode, {1}, two, 1)),
+      "Tensor.device");
+  expectProtocolError(decodeError<at::Tensor>(inlineTensorBytes(
+                          4, {1}, std::vector<uint8_t>(8), 0, true)),
+                      "requires_grad");
+  expectProtocolError(
+      decodeError<at::Tensor>(inlineTensorBytes(
+          0, {Encoder::kInlineTensorBytes + 1},
+          std::vector<uint8_t>(Encoder::kInlineTensorBytes + 1))),
+      "Tensor.data");
+  expectProtocolError(
+      decodeError<at::Tensor>(inlineTensorBytes(
+          kFloatCode, {uint64_t{1} << 62, uint64_t{1} << 62}, {})),
+      "Tensor.sizes");
+  std::vector<uint64_t> ones(65, 1);
+  expectProtocolError(
+      decodeError<at::Tensor>(inlineTensorBytes(kFloatCode, ones, two)),
+      "Tensor.dims");
+  // The decoder's own dtype check.
+  expectProtocolError(decodeError<at::Tensor>(inlineTensorBytes(8, {1}, two)),
+                      "Tensor.dtype");
 }
 
 TEST(CodecMalformedTest, BadDtype) {
@@ -798,19 +948,24 @@ TEST(CodecMalformedTest, TruncatedAtEveryOffset) {
   std::get<3>(v) = 2.5;
   std::get<4>(v) = {-1, 1 << 20};
   std::get<5>(v) = std::make_shared<std::string>("sp");
+  // Tensors apart, then inline.
+  for (bool apart : {true, false}) {
+    Encoded enc = encode(v, apart);
+    // The transpose is not contiguous: it travels apart either way.
+    ASSERT_EQ(enc.spans.size(), apart ? 2u : 1u);
+    {
+      Decoder d(enc.bytes, deliver(enc.spans));
+      decodeValue<Value>(d);
+      ASSERT_TRUE(d.finish().ok()) << d.error().what();
+    }
+    for (size_t n = 0; n < enc.bytes.size(); ++n) {
+      std::vector<uint8_t> prefix(enc.bytes.begin(), enc.bytes.begin() + n);
+      Error err;
+      EXPECT_NO_THROW(err = decodeError<Value>(prefix, deliver(enc.spans)));
+      EXPECT_EQ(err.code(), Code::kDataLoss) << "prefix " << n;
+    }
+  }
   Encoded enc = encode(v);
-  ASSERT_EQ(enc.spans.size(), 2u);
-  {
-    Decoder d(enc.bytes, deliver(enc.spans));
-    decodeValue<Value>(d);
-    ASSERT_TRUE(d.finish().ok()) << d.error().what();
-  }
-  for (size_t n = 0; n < enc.bytes.size(); ++n) {
-    std::vector<uint8_t> prefix(enc.bytes.begin(), enc.bytes.begin() + n);
-    Error err;
-    EXPECT_NO_THROW(err = decodeError<Value>(prefix, deliver(enc.spans)));
-    EXPECT_EQ(err.code(), Code::kDataLoss) << "prefix " << n;
-  }
   // And every truncation of a received span.
   for (size_t i = 0; i < enc.spans.size(); ++i) {
     auto spans = deliver(enc.spans);
