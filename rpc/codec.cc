@@ -127,6 +127,27 @@ bool addOverflows(int64_t a, int64_t b, int64_t* out) {
   return __builtin_add_overflow(a, b, out);
 }
 
+// Whether every byte of a bool tensor's data is 0 or 1 (any other byte
+// makes a bool that is neither).
+bool validBoolBytes(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] > 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A received tensor that requires grad goes to distributed autograd's
+// receiver when there is one, else becomes a leaf that requires grad.
+void requireGrad(at::Tensor& t, GradReceiver* receiver) {
+  if (receiver != nullptr) {
+    receiver->attach(t);
+  } else {
+    t.set_requires_grad(true);
+  }
+}
+
 }  // namespace
 
 Encoder::Encoder(Encoder&& other) noexcept
@@ -300,25 +321,18 @@ at::Tensor Decoder::tensor(uint32_t index, const TensorMeta& meta) {
       fail("Tensor.strides", "layout overlaps or has gaps");
       return {};
     }
-    if (meta.dtype == at::ScalarType::Bool && span.is_cpu()) {
-      const auto* p = static_cast<const uint8_t*>(span.data_ptr());
-      for (int64_t i = 0; i < spanBytes; ++i) {
-        if (p[i] > 1) {
-          fail("Tensor.data", "bool tensor holds a byte other than 0 or 1");
-          return {};
-        }
-      }
+    if (meta.dtype == at::ScalarType::Bool && span.is_cpu() &&
+        !validBoolBytes(static_cast<const uint8_t*>(span.data_ptr()),
+                        static_cast<size_t>(spanBytes))) {
+      fail("Tensor.data", "bool tensor holds a byte other than 0 or 1");
+      return {};
     }
     if (meta.requiresGrad) {
       if (!c10::isFloatingType(meta.dtype) && !c10::isComplexType(meta.dtype)) {
         fail("Tensor.requires_grad", "set on a non-floating dtype");
         return {};
       }
-      if (gradReceiver_ != nullptr) {
-        gradReceiver_->attach(out);
-      } else {
-        out.set_requires_grad(true);
-      }
+      requireGrad(out, gradReceiver_);
     }
     return out;
   } catch (const std::exception& e) {
@@ -365,13 +379,10 @@ at::Tensor Decoder::inlineTensor(const TensorMeta& meta,
                             std::to_string(itemsize) + " bytes");
     return {};
   }
-  if (meta.dtype == at::ScalarType::Bool) {
-    for (uint8_t b : data) {
-      if (b > 1) {
-        fail("Tensor.data", "bool tensor holds a byte other than 0 or 1");
-        return {};
-      }
-    }
+  if (meta.dtype == at::ScalarType::Bool &&
+      !validBoolBytes(data.data(), data.size())) {
+    fail("Tensor.data", "bool tensor holds a byte other than 0 or 1");
+    return {};
   }
   if (meta.requiresGrad && !c10::isFloatingType(meta.dtype) &&
       !c10::isComplexType(meta.dtype)) {
@@ -385,11 +396,7 @@ at::Tensor Decoder::inlineTensor(const TensorMeta& meta,
       std::memcpy(out.data_ptr(), data.data(), data.size());
     }
     if (meta.requiresGrad) {
-      if (gradReceiver_ != nullptr) {
-        gradReceiver_->attach(out);
-      } else {
-        out.set_requires_grad(true);
-      }
+      requireGrad(out, gradReceiver_);
     }
     return out;
   } catch (const std::exception& e) {
