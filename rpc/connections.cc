@@ -353,7 +353,10 @@ void Connections::onDescriptor(const std::shared_ptr<PipeState>& ps,
   if (desc.payloadLengths[0] >
       options_.maxMessageBytes + Encoder::kInlineBytesPerMessage) {
     return bad("payload of " + std::to_string(desc.payloadLengths[0]) +
-               " bytes exceeds maxMessageBytes");
+               " bytes exceeds maxMessageBytes (" +
+               std::to_string(options_.maxMessageBytes) + ") plus " +
+               std::to_string(Encoder::kInlineBytesPerMessage) +
+               " of inlined tensor data");
   }
   Reply* body = &in->body;
   body->from = from;

@@ -219,6 +219,14 @@ TEST(RpcApi, ArgumentsTooBigForTheCalleeFailTheCallBeforeItIsSent) {
   EXPECT_EQ(g[0].stats().messagesSent, sent);
   EXPECT_EQ(inFlight.wait(10s), 300);
   EXPECT_EQ(rpc::rpcSync<lengthOf>("w1", std::string(60000, 'a')), 60000);
+  // Tensors do not count, also those small enough to travel inside the
+  // bytes: 64 KiB of them make a payload above w1's 64 KiB, which w1
+  // accepts.
+  const auto perMessage = static_cast<int64_t>(
+      rpc::Encoder::kInlineBytesPerMessage / rpc::Encoder::kInlineTensorBytes);
+  const auto small = manyTensors(
+      perMessage, static_cast<int64_t>(rpc::Encoder::kInlineTensorBytes / 4));
+  EXPECT_EQ(rpc::rpcSync<countTensors>("w1", small), perMessage);
 }
 
 TEST(RpcApi, MoreTensorsThanAMessageCarriesFailThatCallOnly) {
