@@ -138,6 +138,11 @@ bool validBoolBytes(const uint8_t* p, size_t n) {
   return true;
 }
 
+// Only floating and complex tensors can require grad (autograd's rule).
+bool canRequireGrad(at::ScalarType dtype) {
+  return c10::isFloatingType(dtype) || c10::isComplexType(dtype);
+}
+
 // A received tensor that requires grad goes to distributed autograd's
 // receiver when there is one, else becomes a leaf that requires grad.
 void requireGrad(at::Tensor& t, GradReceiver* receiver) {
@@ -328,7 +333,7 @@ at::Tensor Decoder::tensor(uint32_t index, const TensorMeta& meta) {
       return {};
     }
     if (meta.requiresGrad) {
-      if (!c10::isFloatingType(meta.dtype) && !c10::isComplexType(meta.dtype)) {
+      if (!canRequireGrad(meta.dtype)) {
         fail("Tensor.requires_grad", "set on a non-floating dtype");
         return {};
       }
@@ -384,8 +389,7 @@ at::Tensor Decoder::inlineTensor(const TensorMeta& meta,
     fail("Tensor.data", "bool tensor holds a byte other than 0 or 1");
     return {};
   }
-  if (meta.requiresGrad && !c10::isFloatingType(meta.dtype) &&
-      !c10::isComplexType(meta.dtype)) {
+  if (meta.requiresGrad && !canRequireGrad(meta.dtype)) {
     fail("Tensor.requires_grad", "set on a non-floating dtype");
     return {};
   }
