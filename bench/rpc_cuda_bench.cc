@@ -19,6 +19,7 @@
 #include <ATen/ops/ones.h>
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -65,6 +66,7 @@ struct Flags {
   bool json = false;
   int iters = 1000;  // calls per latency figure, and the cap per size
   size_t echoBytes = 1024 * kMiB;  // bytes echoed per size (at least 30 calls)
+  size_t maxBytes = SIZE_MAX;      // sizes above are skipped
   bool callee = false;
   uint16_t storePort = 0;
 };
@@ -78,6 +80,17 @@ double micros(Clock::duration d) {
 std::string sizeName(size_t n) {
   return n >= kMiB ? std::to_string(n / kMiB) + "MiB"
                    : std::to_string(n / kKiB) + "KiB";
+}
+
+// The sizes this run measures.
+std::vector<size_t> sizes() {
+  std::vector<size_t> out;
+  for (size_t s : kSizes) {
+    if (s <= flags.maxBytes) {
+      out.push_back(s);
+    }
+  }
+  return out;
 }
 
 int repsFor(size_t size) {
@@ -237,7 +250,7 @@ std::vector<double> transportEcho(tp::Pipe& pipe, const at::Tensor& src,
 // The echo rows of `pipe` (`prefix` + size), then "stop" to its server.
 void measureTransport(tp::Pipe& pipe, const std::string& prefix) {
   const auto on = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0);
-  for (size_t size : kSizes) {
+  for (size_t size : sizes()) {
     const auto n = static_cast<int64_t>(size);
     const at::Tensor src = at::ones({n}, on);
     at::Tensor dst = at::empty({n}, on);
@@ -303,7 +316,7 @@ void measure() {
     return timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
   });
   report.add("rpc_cuda_noop_rtt_median", bench::percentile(us, 0.5), "us");
-  for (size_t size : kSizes) {
+  for (size_t size : sizes()) {
     const auto n = static_cast<int64_t>(size);
     const at::Tensor src = at::ones({n}, on);
     at::Tensor mid = at::empty({n}, on);
@@ -362,10 +375,12 @@ int runCallee() {
 
 [[noreturn]] void usage(const char* self) {
   std::fprintf(stderr,
-               "usage: %s [--json] [--iters N] [--echo-mib N]\n"
+               "usage: %s [--json] [--iters N] [--echo-mib N] [--max-kib N]\n"
                "  --iters N     calls per latency figure, and at most per "
                "size (default 1000)\n"
-               "  --echo-mib N  MiB echoed per size (default 1024)\n",
+               "  --echo-mib N  MiB echoed per size (default 1024)\n"
+               "  --max-kib N   only the sizes up to N KiB (default all; 1 "
+               "for the fixed cost alone)\n",
                self);
   std::exit(2);
 }
@@ -382,6 +397,8 @@ int main(int argc, char** argv) {
       flags.iters = std::max(30, std::atoi(argv[++i]));
     } else if (a == "--echo-mib" && hasValue) {
       flags.echoBytes = std::max<size_t>(1, std::atoll(argv[++i])) * kMiB;
+    } else if (a == "--max-kib" && hasValue) {
+      flags.maxBytes = std::max<size_t>(1, std::atoll(argv[++i])) * kKiB;
     } else if (a == "--role" && hasValue) {
       flags.callee = std::strcmp(argv[++i], "callee") == 0;
     } else if (a == "--store-port" && hasValue) {

@@ -12,7 +12,8 @@
 #       with .gpu-debs/ copied along) unpacks them into a private prefix,
 #       configures against the machine's PyTorch and NCCL, builds the GPU
 #       tests (nccl, cuda_ipc, CUDA tensors over RPC, DDP over nccl) and
-#       runs them, then the GPU echo benchmark; logs go to OUTDIR;
+#       runs them, then the GPU echo benchmark (also with its stage trace,
+#       and under the MPS daemon where there is one); logs go to OUTDIR;
 #   build_on_gpu_machine.sh all [OUTDIR]   (there, after `test`) builds the
 #       rest of the tree against the same libtorch, to show it compiles,
 #       and runs the CPU suites against it;
@@ -39,15 +40,31 @@ unpack() {
   mkdir -p "$prefix"
   for f in "$debs"/*.deb; do dpkg -x "$f" "$prefix"; done
   # A -dev package's libfoo.so points at a runtime library that the machine
-  # may have instead of the carried prefix (libssl.so.3, libz.so.1): point
-  # every dangling link at the machine's copy.
+  # may have instead of the carried prefix (libssl.so.3, libz.so.1), by a
+  # relative or an absolute path: point every dangling link at the carried
+  # copy, else the machine's copy of that file, else the machine's library
+  # of the same soname (zlib1g-dev's libz.so names /lib/.../libz.so.1.2.13;
+  # a machine with another zlib has only its own libz.so.1, and without the
+  # link CMake takes the static libz.a, which a shared library cannot link).
   local lib=$prefix/usr/lib/x86_64-linux-gnu
   find "$lib" -xtype l | while read -r link; do
-    local target
+    local target base soname candidate found='' candidates=()
     target=$(readlink "$link")
-    if [[ -e /usr/lib/x86_64-linux-gnu/$target ]]; then
-      ln -sf "/usr/lib/x86_64-linux-gnu/$target" "$link"
-    else
+    base=${target##*/}
+    soname=$(sed -E 's/(\.so\.[0-9]+)\..*/\1/' <<<"$base")
+    if [[ $target == /* ]]; then
+      candidates+=("$prefix$target")
+    fi
+    candidates+=({/usr,}/lib/x86_64-linux-gnu/"$base"
+      {/usr,}/lib/x86_64-linux-gnu/"$soname")
+    for candidate in "${candidates[@]}"; do
+      if [[ -e $candidate ]]; then
+        ln -sf "$candidate" "$link"
+        found=1
+        break
+      fi
+    done
+    if [[ -z $found ]]; then
       echo "build_on_gpu_machine: $link -> $target is missing" >&2
     fi
   done
@@ -93,6 +110,7 @@ case "${1:-}" in
     out=${2:-/tmp/gpu-out}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    echo "kernel $(uname -r), $(nproc) cores"
     [[ -d $prefix/usr ]] || unpack
     setenv
     configure 2>&1 | tee "$out/configure.log" | tail -n 20
@@ -115,10 +133,29 @@ case "${1:-}" in
       # The GPU tensor echo through RPC (docs/benchmarks.md).
       timeout 180 "$build/bench/rpc_cuda_bench" 2>&1 |
         tee "$out/rpc_cuda_bench.txt" || rc=$?
-      # Again, shorter, with cuda_ipc's stage trace (docs/transport.md).
-      TRELLIS_CUDA_IPC_TRACE=1 TRELLIS_LOG_LEVEL=info timeout 120 \
-        "$build/bench/rpc_cuda_bench" --echo-mib 64 --iters 300 2>&1 |
-        grep -E 'cuda_ipc trace|_echo_' >"$out/cuda_ipc_trace.txt" || true
+      # Again, shorter, with cuda_ipc's stage trace (docs/transport.md):
+      # the sizes up to 64 MiB, then 1 KiB alone (the fixed cost).
+      for args in "--echo-mib 64 --iters 300" "--max-kib 1 --iters 3000"; do
+        echo "== rpc_cuda_bench $args" >>"$out/cuda_ipc_trace.txt"
+        # shellcheck disable=SC2086
+        TRELLIS_CUDA_IPC_TRACE=1 TRELLIS_LOG_LEVEL=info timeout 120 \
+          "$build/bench/rpc_cuda_bench" $args 2>&1 |
+          grep -E 'cuda_ipc trace|_echo_|noop' >>"$out/cuda_ipc_trace.txt" || true
+      done
+      # Under the MPS control daemon, where the machine has it: the
+      # processes then share the GPU without switching contexts
+      # (docs/benchmarks.md, "GPU tensors").
+      if command -v nvidia-cuda-mps-control >/dev/null; then
+        (
+          export CUDA_MPS_PIPE_DIRECTORY=/tmp/trellis-mps
+          export CUDA_MPS_LOG_DIRECTORY=/tmp/trellis-mps-log
+          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+          timeout 20 nvidia-cuda-mps-control -d
+          timeout 120 "$build/bench/rpc_cuda_bench" --echo-mib 256 2>&1 |
+            tee "$out/rpc_cuda_bench_mps.txt" || true
+          echo quit | timeout 20 nvidia-cuda-mps-control
+        ) || true
+      fi
       exit $rc
     fi
     cmake --build "$build" -j "$(nproc)" -- -k 0 2>&1 | tee "$out/build-all.log" |
