@@ -1,9 +1,9 @@
 #pragma once
 
 // What every benchmark program in bench/ shares: the result table and the
-// JSON-lines format of DESIGN.md ("Benchmarks"), percentiles, the raw
-// loopback-socket plumbing its baselines are measured with, and buffers on
-// transparent huge pages. Failures exit the program: a benchmark with a
+// JSON-lines format of DESIGN.md ("Benchmarks"), numeric flags, percentiles,
+// the raw loopback-socket plumbing its baselines are measured with, and buffers
+// on transparent huge pages. Failures exit the program: a benchmark with a
 // broken baseline has nothing to report.
 
 #include <algorithm>
@@ -28,6 +28,8 @@
 #include <unistd.h>
 #include <utility>
 #include <vector>
+
+#include <trellis/core/text.h>
 
 namespace trellis::bench {
 
@@ -88,6 +90,22 @@ class Report {
   std::string bench_;
   std::vector<Result> results_;
 };
+
+// The value of numeric flag `flag` of `program`: `text` as a decimal
+// integer in [lo, hi]. Anything else exits 2 naming the flag, the range
+// and the text: flags are untrusted input (atoi would read "x" as 0).
+inline int64_t flagValue(const char* program, const char* flag,
+                         const char* text, int64_t lo, int64_t hi) {
+  const std::optional<int64_t> v = parseDecimal(text);
+  if (!v || *v < lo || *v > hi) {
+    std::fprintf(stderr,
+                 "%s: %s wants a whole number from %lld to %lld, not '%s'\n",
+                 program, flag, static_cast<long long>(lo),
+                 static_cast<long long>(hi), text);
+    std::exit(2);
+  }
+  return *v;
+}
 
 // The p-th quantile (0..1) of `v`; 0 for an empty sample.
 inline double percentile(std::vector<double> v, double p) {

@@ -842,11 +842,14 @@ int main(int argc, char** argv) {
     } else if (a == "--role" && hasValue) {
       flags.worker = std::strcmp(argv[++i], "worker") == 0;
     } else if (a == "--rank" && hasValue) {
-      flags.rank = std::atoi(argv[++i]);
+      flags.rank = static_cast<int>(bench::flagValue(
+          "collectives_bench", "--rank", argv[++i], 0, 1 << 16));
     } else if (a == "--world" && hasValue) {
-      flags.world = std::atoi(argv[++i]);
+      flags.world = static_cast<int>(bench::flagValue(
+          "collectives_bench", "--world", argv[++i], 1, 1 << 16));
     } else if (a == "--store-port" && hasValue) {
-      flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+      flags.storePort = static_cast<uint16_t>(bench::flagValue(
+          "collectives_bench", "--store-port", argv[++i], 1, 65535));
     } else if (a == "--phase" && hasValue) {
       flags.phase = argv[++i];
     } else {

@@ -898,13 +898,17 @@ int main(int argc, char** argv) {
     if (a == "--json") {
       flags.json = true;
     } else if (a == "--steps" && hasValue) {
-      flags.steps = std::max(1, std::atoi(argv[++i]));
+      flags.steps = static_cast<int>(
+          bench::flagValue("ddp_bench", "--steps", argv[++i], 1, 1000000));
     } else if (a == "--warmup" && hasValue) {
-      flags.warmup = std::max(1, std::atoi(argv[++i]));
+      flags.warmup = static_cast<int>(
+          bench::flagValue("ddp_bench", "--warmup", argv[++i], 1, 1000000));
     } else if (a == "--threads" && hasValue) {
-      flags.threads = std::max(1, std::atoi(argv[++i]));
+      flags.threads = static_cast<int>(
+          bench::flagValue("ddp_bench", "--threads", argv[++i], 1, 1024));
     } else if (a == "--timeout" && hasValue) {
-      flags.timeoutS = std::max(10, std::atoi(argv[++i]));
+      flags.timeoutS = static_cast<int>(
+          bench::flagValue("ddp_bench", "--timeout", argv[++i], 10, 86400));
     } else if (a == "--python" && hasValue) {
       flags.python = argv[++i];
     } else if (a == "--torch-script" && hasValue) {
@@ -914,13 +918,17 @@ int main(int argc, char** argv) {
     } else if (a == "--role" && hasValue) {
       flags.role = argv[++i];
     } else if (a == "--rounds" && hasValue) {
-      flags.rounds = std::max(1, std::atoi(argv[++i]));
+      flags.rounds = static_cast<int>(
+          bench::flagValue("ddp_bench", "--rounds", argv[++i], 1, 1000));
     } else if (a == "--round" && hasValue) {
-      flags.round = std::atoi(argv[++i]);
+      flags.round = static_cast<int>(
+          bench::flagValue("ddp_bench", "--round", argv[++i], 0, 1000));
     } else if (a == "--rank" && hasValue) {
-      flags.rank = std::atoi(argv[++i]);
+      flags.rank = static_cast<int>(
+          bench::flagValue("ddp_bench", "--rank", argv[++i], 0, 1 << 16));
     } else if (a == "--store-port" && hasValue) {
-      flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+      flags.storePort = static_cast<uint16_t>(
+          bench::flagValue("ddp_bench", "--store-port", argv[++i], 1, 65535));
     } else if (a == "--kill-me") {
       flags.killMe = true;
     } else {

@@ -887,7 +887,8 @@ int main(int argc, char** argv) {
     if (a == "--json") {
       flags.json = true;
     } else if (a == "--iters" && hasValue) {
-      flags.iters = std::max(100, std::atoi(argv[++i]));
+      flags.iters = static_cast<int>(bench::flagValue(
+          "dist_autograd_bench", "--iters", argv[++i], 100, 10000000));
     } else if (a == "--trace" && hasValue) {
       flags.trace = argv[++i];
     } else if (a == "--default-malloc") {
@@ -895,9 +896,11 @@ int main(int argc, char** argv) {
     } else if (a == "--role" && hasValue) {
       flags.role = argv[++i];
     } else if (a == "--floor-fd" && hasValue) {
-      flags.floorFd = std::atoi(argv[++i]);
+      flags.floorFd = static_cast<int>(bench::flagValue(
+          "dist_autograd_bench", "--floor-fd", argv[++i], 0, 1 << 20));
     } else if (a == "--store-port" && hasValue) {
-      flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+      flags.storePort = static_cast<uint16_t>(bench::flagValue(
+          "dist_autograd_bench", "--store-port", argv[++i], 1, 65535));
     } else {
       usage(argv[0]);
     }

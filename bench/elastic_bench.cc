@@ -21,6 +21,7 @@
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <spawn.h>
 #include <string>
 #include <sys/wait.h>
@@ -162,7 +163,12 @@ int main(int argc, char** argv) {
   int runs = 3, agents = 64, torchrunAgents = 16;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::atoi(argv[++i]) : -1; };
+    // -1 (out of every range below) for a missing or non-decimal value.
+    auto next = [&] {
+      const std::optional<int64_t> v =
+          i + 1 < argc ? trellis::parseDecimal(argv[++i]) : std::nullopt;
+      return v && *v >= 0 && *v <= 1 << 20 ? static_cast<int>(*v) : -1;
+    };
     if (a == "--json") {
       json = true;
     } else if (a == "--runs") {

@@ -640,19 +640,25 @@ int main(int argc, char** argv) {
     if (a == "--json") {
       json = true;
     } else if (a == "--steps" && hasValue) {
-      steps = std::strtoll(argv[++i], nullptr, 10);
+      steps = trellis::bench::flagValue("hybrid_bench", "--steps", argv[++i], 1,
+                                        10000000);
     } else if (a == "--batch" && hasValue) {
-      batch = std::strtoll(argv[++i], nullptr, 10);
+      batch = trellis::bench::flagValue("hybrid_bench", "--batch", argv[++i], 1,
+                                        1 << 20);
     } else if (a == "--large-batch" && hasValue) {
-      largeBatch = std::strtoll(argv[++i], nullptr, 10);
+      largeBatch = trellis::bench::flagValue("hybrid_bench", "--large-batch",
+                                             argv[++i], 1, 1 << 20);
     } else if (a == "--role" && hasValue) {
       floor.role = argv[++i];
     } else if (a == "--index" && hasValue) {
-      floor.index = std::atoi(argv[++i]);
+      floor.index = static_cast<int>(trellis::bench::flagValue(
+          "hybrid_bench", "--index", argv[++i], 0, 1 << 16));
     } else if (a == "--servers" && hasValue) {
-      floor.servers = std::atoi(argv[++i]);
+      floor.servers = static_cast<int>(trellis::bench::flagValue(
+          "hybrid_bench", "--servers", argv[++i], 1, 1 << 16));
     } else if (a == "--trainers" && hasValue) {
-      floor.trainers = std::atoi(argv[++i]);
+      floor.trainers = static_cast<int>(trellis::bench::flagValue(
+          "hybrid_bench", "--trainers", argv[++i], 1, 1 << 16));
     } else {
       std::fprintf(stderr,
                    "usage: hybrid_bench [--json] [--steps N] [--batch B] "

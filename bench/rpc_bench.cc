@@ -1020,13 +1020,17 @@ int main(int argc, char** argv) {
     if (a == "--json") {
       flags.json = true;
     } else if (a == "--iters" && hasValue) {
-      flags.iters = std::max(100, std::atoi(argv[++i]));
+      flags.iters = static_cast<int>(
+          bench::flagValue("rpc_bench", "--iters", argv[++i], 100, 10000000));
     } else if (a == "--echo-mib" && hasValue) {
-      flags.echoBytes = std::max<size_t>(1, std::atoll(argv[++i])) * kMiB;
+      flags.echoBytes = static_cast<size_t>(bench::flagValue(
+                            "rpc_bench", "--echo-mib", argv[++i], 1, 1 << 20)) *
+                        kMiB;
     } else if (a == "--role" && hasValue) {
       flags.callee = std::strcmp(argv[++i], "callee") == 0;
     } else if (a == "--store-port" && hasValue) {
-      flags.storePort = static_cast<uint16_t>(std::atoi(argv[++i]));
+      flags.storePort = static_cast<uint16_t>(
+          bench::flagValue("rpc_bench", "--store-port", argv[++i], 1, 65535));
     } else if (a == "--pin") {
       flags.pin = true;
     } else if (a == "--cpus" && hasValue) {  // the callee's, from --pin

@@ -25,7 +25,6 @@
 #include <cstring>
 #include <cuda_runtime_api.h>
 #include <functional>
-#include <optional>
 #include <string>
 #include <sys/prctl.h>
 #include <thread>
@@ -34,7 +33,6 @@
 #include "bench_util.h"
 #include "pipe_bench_util.h"
 #include <trellis/core/future.h>
-#include <trellis/core/text.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/store/prefix_store.h>
 #include <trellis/store/tcp_store.h>
@@ -375,21 +373,6 @@ int runCallee() {
   return 0;
 }
 
-// The value of a numeric flag, in [lo, hi]; exits naming the flag and the
-// value otherwise (a flag is untrusted input).
-int64_t flagValue(const char* flag, const char* text, int64_t lo, int64_t hi) {
-  const std::optional<int64_t> v = trellis::parseDecimal(text);
-  if (!v || *v < lo || *v > hi) {
-    std::fprintf(stderr,
-                 "rpc_cuda_bench: %s wants a whole number from %lld to %lld, "
-                 "not '%s'\n",
-                 flag, static_cast<long long>(lo), static_cast<long long>(hi),
-                 text);
-    std::exit(2);
-  }
-  return *v;
-}
-
 [[noreturn]] void usage(const char* self) {
   std::fprintf(stderr,
                "usage: %s [--json] [--iters N] [--echo-mib N] [--max-kib N]\n"
@@ -411,21 +394,23 @@ int main(int argc, char** argv) {
     if (a == "--json") {
       flags.json = true;
     } else if (a == "--iters" && hasValue) {
-      flags.iters =
-          static_cast<int>(flagValue("--iters", argv[++i], 30, 10'000'000));
+      flags.iters = static_cast<int>(bench::flagValue(
+          "rpc_cuda_bench", "--iters", argv[++i], 30, 10'000'000));
     } else if (a == "--echo-mib" && hasValue) {
       flags.echoBytes =
-          static_cast<size_t>(flagValue("--echo-mib", argv[++i], 1, 1 << 20)) *
+          static_cast<size_t>(bench::flagValue("rpc_cuda_bench", "--echo-mib",
+                                               argv[++i], 1, 1 << 20)) *
           kMiB;
     } else if (a == "--max-kib" && hasValue) {
       flags.maxBytes =
-          static_cast<size_t>(flagValue("--max-kib", argv[++i], 1, 1 << 30)) *
+          static_cast<size_t>(bench::flagValue("rpc_cuda_bench", "--max-kib",
+                                               argv[++i], 1, 1 << 30)) *
           kKiB;
     } else if (a == "--role" && hasValue) {
       flags.callee = std::strcmp(argv[++i], "callee") == 0;
     } else if (a == "--store-port" && hasValue) {
-      flags.storePort =
-          static_cast<uint16_t>(flagValue("--store-port", argv[++i], 1, 65535));
+      flags.storePort = static_cast<uint16_t>(bench::flagValue(
+          "rpc_cuda_bench", "--store-port", argv[++i], 1, 65535));
     } else {
       usage(argv[0]);
     }
