@@ -21,7 +21,6 @@
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
-#include <optional>
 #include <spawn.h>
 #include <string>
 #include <sys/wait.h>
@@ -163,30 +162,24 @@ int main(int argc, char** argv) {
   int runs = 3, agents = 64, torchrunAgents = 16;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    // -1 (out of every range below) for a missing or non-decimal value.
-    auto next = [&] {
-      const std::optional<int64_t> v =
-          i + 1 < argc ? trellis::parseDecimal(argv[++i]) : std::nullopt;
-      return v && *v >= 0 && *v <= 1 << 20 ? static_cast<int>(*v) : -1;
-    };
+    const bool hasValue = i + 1 < argc;
     if (a == "--json") {
       json = true;
-    } else if (a == "--runs") {
-      runs = next();
-    } else if (a == "--agents") {
-      agents = next();
-    } else if (a == "--torchrun-agents") {
-      torchrunAgents = next();
+    } else if (a == "--runs" && hasValue) {
+      runs = static_cast<int>(trellis::bench::flagValue(
+          "elastic_bench", "--runs", argv[++i], 1, 100));
+    } else if (a == "--agents" && hasValue) {
+      agents = static_cast<int>(trellis::bench::flagValue(
+          "elastic_bench", "--agents", argv[++i], 2, 256));
+    } else if (a == "--torchrun-agents" && hasValue) {
+      torchrunAgents = static_cast<int>(trellis::bench::flagValue(
+          "elastic_bench", "--torchrun-agents", argv[++i], 0, 256));
     } else {
-      runs = -1;
+      std::fprintf(stderr,
+                   "usage: elastic_bench [--json] [--runs 1..100] [--agents "
+                   "2..256] [--torchrun-agents 0..256]\n");
+      return 2;
     }
-  }
-  if (runs < 1 || runs > 100 || agents < 2 || agents > 256 ||
-      torchrunAgents < 0 || torchrunAgents > 256) {
-    std::fprintf(stderr,
-                 "usage: elastic_bench [--json] [--runs 1..100] [--agents "
-                 "2..256] [--torchrun-agents 0..256]\n");
-    return 2;
   }
   char dir[] = "/tmp/trellis-elastic-bench.XXXXXX";
   if (::mkdtemp(dir) == nullptr) {

@@ -48,7 +48,7 @@ unpack() {
   # link CMake takes the static libz.a, which a shared library cannot link).
   local lib=$prefix/usr/lib/x86_64-linux-gnu
   find "$lib" -xtype l | while read -r link; do
-    local target base soname candidate found='' candidates=()
+    local target base soname candidate candidates=()
     target=$(readlink "$link")
     base=${target##*/}
     soname=$(sed -E 's/(\.so\.[0-9]+)\..*/\1/' <<<"$base")
@@ -60,13 +60,10 @@ unpack() {
     for candidate in "${candidates[@]}"; do
       if [[ -e $candidate ]]; then
         ln -sf "$candidate" "$link"
-        found=1
-        break
+        continue 2
       fi
     done
-    if [[ -z $found ]]; then
-      echo "build_on_gpu_machine: $link -> $target is missing" >&2
-    fi
+    echo "build_on_gpu_machine: $link -> $target is missing" >&2
   done
 }
 
