@@ -20,7 +20,9 @@
 // and the local one is the same model in one process: forward, backward()
 // into .grad, torch::optim::Adagrad step. A third process (--role floor)
 // runs the ps's half behind a bare UNIX socket (FloorRun): the cost of the
-// split on this machine without Trellis. All use one intra-op thread and
+// split on this machine without Trellis, once with the ps's step riding on
+// the gradient and once with the DistributedOptimizer's shape (the step
+// after the backward, `*_floor_step_after_*`). All use one intra-op thread and
 // one OpenMP/MKL/OpenBLAS thread (oneMathThreadPerProcess) and
 // keep freed memory (see keepMemory). Three model sizes: "tiny" (a few
 // numbers per tensor: the fixed cost of a distributed iteration), "ps" (the
@@ -334,6 +336,13 @@ class LocalRun {
 // the ps's backward and Adagrad step are done, while the trainer steps its
 // head. Same work and the same four messages as a distributed iteration
 // (the release aside), no RPC, RRef or distributed autograd.
+//
+// An iteration with `stepAfter` has the shape of the DistributedOptimizer
+// program instead: a byte says that the ps's backward is done (ctx.backward()
+// returns), then the trainer sends a byte that starts the ps's step and
+// steps its head while waiting for the byte that ends it (step(ctx)). The
+// same work, six messages: what any implementation of that program costs
+// on this machine, Trellis's or not.
 class FloorRun {
  public:
   FloorRun(const ModelSize& m, int fd)
@@ -346,17 +355,19 @@ class FloorRun {
     optim_ = std::make_unique<torch::optim::Adagrad>(
         head_->parameters(), torch::optim::AdagradOptions(kLr));
   }
-  // Sizes {-1, -1}: this model is done; the other side waits for the next.
+  // Sizes {-1, -1, 0}: this model is done; the other side waits for the
+  // next.
   ~FloorRun() {
-    const int64_t end[2] = {-1, -1};
+    const int64_t end[3] = {-1, -1, 0};
     bench::sendAll(fd_, end, sizeof end);
   }
   FloorRun(const FloorRun&) = delete;
   FloorRun& operator=(const FloorRun&) = delete;
 
-  void iteration(const Batch& b, Samples* s) {
+  void iteration(const Batch& b, bool stepAfter, Samples* s) {
     const auto t0 = Clock::now();
-    const int64_t sizes[2] = {b.ids.numel(), b.offsets.numel()};
+    const int64_t sizes[3] = {b.ids.numel(), b.offsets.numel(),
+                              stepAfter ? 1 : 0};
     bench::sendAll(fd_, sizes, sizeof sizes);
     bench::sendAll(fd_, b.ids.data_ptr<int64_t>(),
                    static_cast<size_t>(sizes[0]) * sizeof(int64_t));
@@ -370,12 +381,19 @@ class FloorRun {
     const auto t1 = Clock::now();
     loss.backward();
     bench::sendAll(fd_, h.grad().data_ptr<float>(), h.grad().nbytes());
+    char done = 0;
+    if (stepAfter) {
+      bench::recvAll(fd_, &done, 1);  // the ps's backward is done
+    }
     const auto t2 = Clock::now();
+    if (stepAfter) {
+      const char step = 1;
+      bench::sendAll(fd_, &step, 1);
+    }
     optim_->step();
     for (auto& p : head_->parameters()) {
       p.mutable_grad() = at::Tensor();
     }
-    char done = 0;
     bench::recvAll(fd_, &done, 1);
     const auto t3 = Clock::now();
     if (s != nullptr) {
@@ -472,9 +490,10 @@ void runModel(const ModelSize& m) {
     local.iteration(batches[i % kBatches], nullptr);
     dist.iteration(batches[i % kBatches], nullptr);
     stepping.iteration(batches[i % kBatches], nullptr);
-    floor.iteration(batches[i % kBatches], nullptr);
+    floor.iteration(batches[i % kBatches], /*stepAfter=*/false, nullptr);
+    floor.iteration(batches[i % kBatches], /*stepAfter=*/true, nullptr);
   }
-  Samples ls, ds, is, fs;
+  Samples ls, ds, is, fs, as;
   std::map<std::string, double> distWakeups;  // per thread, all dist blocks
   std::vector<double> plain, inContext;
   constexpr int kBlocks = 4;
@@ -503,9 +522,14 @@ void runModel(const ModelSize& m) {
     is.switches.addSince(c0);
     c0 = Switches::now();
     for (int i = 0; i < n; ++i) {
-      floor.iteration(batches[(next + i) % kBatches], &fs);
+      floor.iteration(batches[(next + i) % kBatches], /*stepAfter=*/false, &fs);
     }
     fs.switches.addSince(c0);
+    c0 = Switches::now();
+    for (int i = 0; i < n; ++i) {
+      floor.iteration(batches[(next + i) % kBatches], /*stepAfter=*/true, &as);
+    }
+    as.switches.addSince(c0);
     for (int i = 0; i < n; ++i) {
       plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
     }
@@ -521,12 +545,16 @@ void runModel(const ModelSize& m) {
   addSamples(m.name + "_dist", ds, m.name + "_local");
   addSamples(m.name + "_dist_in_backward", is, m.name + "_local");
   addSamples(m.name + "_floor", fs, m.name + "_local");
+  addSamples(m.name + "_floor_step_after", as, m.name + "_local");
   report.add(m.name + "_dist_in_backward_iter_median_vs_floor",
              report.valueOf(m.name + "_dist_in_backward_iter_median"), "us",
              m.name + "_floor_iter_median");
   report.add(m.name + "_dist_iter_median_vs_floor",
              report.valueOf(m.name + "_dist_iter_median"), "us",
              m.name + "_floor_iter_median");
+  report.add(m.name + "_dist_iter_median_vs_floor_step_after",
+             report.valueOf(m.name + "_dist_iter_median"), "us",
+             m.name + "_floor_step_after_iter_median");
   report.add(m.name + "_rpc_forward_no_context_median",
              bench::percentile(plain, 0.5), "us",
              m.name + "_dist_forward_median");
@@ -677,13 +705,14 @@ int runFloor() {
     const char ready = 1;
     bench::sendAll(fd, &ready, 1);
     for (;;) {
-      int64_t sizes[2];
+      // {ids, offsets, stepAfter}
+      int64_t sizes[3];
       bench::recvAll(fd, sizes, sizeof sizes);
       if (sizes[0] == -1 && sizes[1] == -1) {
         break;  // the next model, or the end
       }
       if (sizes[0] < 0 || sizes[1] <= 0 || sizes[0] > kMaxElements ||
-          sizes[1] > kMaxElements) {
+          sizes[1] > kMaxElements || (sizes[2] != 0 && sizes[2] != 1)) {
         std::fprintf(stderr, "dist_autograd_bench (floor): bad sizes\n");
         return 1;
       }
@@ -697,11 +726,16 @@ int runFloor() {
       auto grad = torch::empty_like(out);
       bench::recvAll(fd, grad.data_ptr<float>(), grad.nbytes());
       h.backward(grad);
+      const char done = 1;
+      if (sizes[2] == 1) {             // the DistributedOptimizer's shape
+        bench::sendAll(fd, &done, 1);  // backward done
+        char step = 0;
+        bench::recvAll(fd, &step, 1);
+      }
       optim.step();
       for (auto& p : params) {
         p.mutable_grad() = at::Tensor();
       }
-      const char done = 1;
       bench::sendAll(fd, &done, 1);
     }
   }

@@ -638,13 +638,16 @@ void rpcCaller(const Phase& p, store::Store& st) {
   // RPC). Before the calls in flight below, which leave small calls 2-4x
   // slower for seconds after them.
   // Two kinds of value: a number, which comes with remote()'s reply, and a
-  // one-element tensor, which toHere() fetches (docs/rref.md).
+  // one-element tensor, which toHere() fetches (docs/rref.md). Beside the
+  // tensor's pairs, rpcSync() of the same function: one round trip that
+  // returns the same tensor, so that what the tensor costs and what the
+  // RRef costs can be told apart.
   timeCalls(warmup, [] { rpc::remote<answer>("callee").toHere(); });
   timeCalls(warmup, [] { rpc::remote<oneTensor>("callee").toHere(); });
   const auto remoteByThread = bench::switchesByThread();
   {
     struct BlockPair {
-      std::vector<double> noop, remote;
+      std::vector<double> noop, remote, call;  // call: tensors only
       double ratio = 0;
     };
     constexpr int kPairs = 10;
@@ -657,10 +660,11 @@ void rpcCaller(const Phase& p, store::Store& st) {
       tensors[i].noop = timeCalls(n, [] { rpc::rpcSync<noop>("callee"); });
       tensors[i].remote =
           timeCalls(n, [] { rpc::remote<oneTensor>("callee").toHere(); });
+      tensors[i].call = timeCalls(n, [] { rpc::rpcSync<oneTensor>("callee"); });
     }
-    note(pre + " remote + toHere: caller context switches per call (and " +
-         "per no-op beside it) by thread:" +
-         bench::switchesPerCall(remoteByThread, 4 * n * kPairs));
+    note(pre + " remote + toHere: caller context switches per call (the " +
+         "no-ops and rpcSync() calls beside them counted as calls) by " +
+         "thread:" + bench::switchesPerCall(remoteByThread, 5 * n * kPairs));
     auto reportPairs = [&](std::vector<BlockPair>& pairs,
                            const std::string& what, const std::string& suffix) {
       for (auto& p : pairs) {
@@ -684,6 +688,13 @@ void rpcCaller(const Phase& p, store::Store& st) {
       addLatency(pre + "_noop_beside_remote" + suffix, mid.noop, "");
       addLatency(pre + "_remote_tohere" + suffix, mid.remote,
                  pre + "_noop_beside_remote" + suffix);
+      if (!mid.call.empty()) {
+        addLatency(pre + "_call" + suffix + "_beside_remote", mid.call,
+                   pre + "_noop_beside_remote" + suffix);
+        report.add(pre + "_remote_tohere" + suffix + "_median_vs_call",
+                   bench::percentile(mid.remote, 0.5), "us",
+                   pre + "_call" + suffix + "_beside_remote_median");
+      }
     };
     reportPairs(numbers, "a number", "");
     reportPairs(tensors, "a tensor", "_tensor");
