@@ -22,7 +22,11 @@
 // runs the ps's half behind a bare UNIX socket (FloorRun): the cost of the
 // split on this machine without Trellis, once with the ps's step riding on
 // the gradient and once with the DistributedOptimizer's shape (the step
-// after the backward, `*_floor_step_after_*`). All use one intra-op thread and
+// after the backward, `*_floor_step_after_*`). A fourth (--floor-handoff)
+// runs that shape with a thread on each side that reads the socket and
+// hands each message to the computing thread (HandoffReader), as an RPC
+// agent's loop does: `*_floor_handoff_*`, the floor under any RPC system
+// that runs functions off its I/O thread. All use one intra-op thread and
 // one OpenMP/MKL/OpenBLAS thread (oneMathThreadPerProcess) and
 // keep freed memory (see keepMemory). Three model sizes: "tiny" (a few
 // numbers per tensor: the fixed cost of a distributed iteration), "ps" (the
@@ -34,6 +38,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +47,7 @@
 #include <malloc.h>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <spawn.h>
 #include <stdexcept>
@@ -49,6 +55,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -179,6 +186,7 @@ struct Flags {
   int iters = 2000;              // tiny model; the others run a fraction of it
   std::string role = "trainer";  // --role: trainer, ps or floor
   int floorFd = -1;              // --role floor: the socket to the trainer
+  bool floorHandoff = false;     // --role floor: read through a HandoffReader
   uint16_t storePort = 0;
   std::string trace;  // --trace DIR: traces of a few iterations
 };
@@ -186,8 +194,117 @@ Flags flags;
 
 bench::Report report("dist_autograd");
 
-// The trainer's end of the socket to the --role floor process.
+// The trainer's ends of the sockets to the --role floor processes: the
+// plain one and the one with hand-offs (--floor-handoff).
 int gFloorFd = -1;
+int gHandoffFloorFd = -1;
+
+// Sends the parts as one message: one sendmsg() where the socket takes it
+// all, as the RPC layer writes a message at once (the rest, if any, after).
+void sendParts(int fd,
+               std::initializer_list<std::pair<const void*, size_t>> parts) {
+  std::vector<iovec> iov;
+  for (const auto& [data, n] : parts) {
+    iov.push_back({const_cast<void*>(data), n});
+  }
+  msghdr mh{};
+  mh.msg_iov = iov.data();
+  mh.msg_iovlen = iov.size();
+  ssize_t sent = ::sendmsg(fd, &mh, MSG_NOSIGNAL);
+  if (sent < 0) {
+    std::perror("sendmsg");
+    std::exit(1);
+  }
+  for (const auto& [data, n] : parts) {
+    const size_t skip = std::min(static_cast<size_t>(sent), n);
+    bench::sendAll(fd, static_cast<const char*>(data) + skip, n - skip);
+    sent -= static_cast<ssize_t>(skip);
+  }
+}
+
+// Reads a socket on a thread of its own and hands the bytes to the thread
+// that asks for them (a mutex and a condition variable): one thread wake-up
+// more per message on the receiving side, as an RPC agent's loop thread
+// adds between the connection and the thread that runs the function or
+// waits for the reply. The floor with hand-offs has one on each side, and
+// so passes each message through two threads there as RPC does (the
+// reader blocks in recv() and never polls).
+class HandoffReader {
+ public:
+  explicit HandoffReader(int fd) : fd_(fd), thread_([this] { run(); }) {}
+  HandoffReader(const HandoffReader&) = delete;
+  HandoffReader& operator=(const HandoffReader&) = delete;
+  // Shuts the socket's read side, which ends the reading thread.
+  ~HandoffReader() {
+    ::shutdown(fd_, SHUT_RD);
+    thread_.join();
+  }
+
+  // The next `n` bytes into `data`; false when the stream ends first.
+  // Woken once, when all of them are here.
+  bool read(void* data, size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    want_ = n;
+    cv_.wait(lock, [&] { return buffered() >= n || eof_; });
+    want_ = 0;
+    if (buffered() < n) {
+      return false;
+    }
+    std::memcpy(data, buf_.data() + head_, n);
+    head_ += n;
+    if (head_ == buf_.size()) {
+      buf_.clear();
+      head_ = 0;
+    }
+    return true;
+  }
+
+  void readAll(void* data, size_t n) {
+    if (!read(data, n)) {
+      std::fprintf(stderr, "dist_autograd_bench: the floor's socket closed\n");
+      std::exit(1);
+    }
+  }
+
+ private:
+  size_t buffered() const { return buf_.size() - head_; }
+
+  void run() {
+    std::vector<char> chunk(size_t{1} << 16);
+    for (;;) {
+      const ssize_t r = ::recv(fd_, chunk.data(), chunk.size(), 0);
+      bool wake = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (r <= 0) {
+          eof_ = true;
+          wake = true;
+        } else {
+          buf_.insert(buf_.end(), chunk.data(), chunk.data() + r);
+          wake = want_ != 0 && buffered() >= want_;
+        }
+      }
+      if (wake) {
+        cv_.notify_one();  // outside the lock, as ThreadPool::post does
+      }
+      if (r <= 0) {
+        return;
+      }
+    }
+  }
+
+  int fd_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<char> buf_;  // guarded by mu_, from head_ on
+  size_t head_ = 0;
+  size_t want_ = 0;  // what the waiting reader needs (0: none waits)
+  bool eof_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+// The trainer's reader of gHandoffFloorFd.
+std::unique_ptr<HandoffReader> gHandoffIn;
 
 struct ModelSize {
   std::string name;
@@ -343,15 +460,19 @@ class LocalRun {
 // steps its head while waiting for the byte that ends it (step(ctx)). The
 // same work, six messages: what any implementation of that program costs
 // on this machine, Trellis's or not.
+//
+// With `in`, what comes back is read through a HandoffReader, and the
+// other side is a --floor-handoff process: the floor with hand-offs. The
+// first message goes in one sendmsg() (sendParts), as RPC writes one.
 class FloorRun {
  public:
-  FloorRun(const ModelSize& m, int fd)
-      : fd_(fd), hidden_(m.hidden), head_(makeHead(m.hidden, 7)) {
+  FloorRun(const ModelSize& m, int fd, HandoffReader* in = nullptr)
+      : fd_(fd), in_(in), hidden_(m.hidden), head_(makeHead(m.hidden, 7)) {
     // {rows, dim, hidden, seed}: the other side builds its half.
     const int64_t init[4] = {m.rows, m.dim, m.hidden, 7};
     bench::sendAll(fd_, init, sizeof init);
     char ready = 0;
-    bench::recvAll(fd_, &ready, 1);
+    recv(&ready, 1);
     optim_ = std::make_unique<torch::optim::Adagrad>(
         head_->parameters(), torch::optim::AdagradOptions(kLr));
   }
@@ -368,13 +489,13 @@ class FloorRun {
     const auto t0 = Clock::now();
     const int64_t sizes[3] = {b.ids.numel(), b.offsets.numel(),
                               stepAfter ? 1 : 0};
-    bench::sendAll(fd_, sizes, sizeof sizes);
-    bench::sendAll(fd_, b.ids.data_ptr<int64_t>(),
-                   static_cast<size_t>(sizes[0]) * sizeof(int64_t));
-    bench::sendAll(fd_, b.offsets.data_ptr<int64_t>(),
-                   static_cast<size_t>(sizes[1]) * sizeof(int64_t));
+    sendParts(fd_, {{sizes, sizeof sizes},
+                    {b.ids.data_ptr<int64_t>(),
+                     static_cast<size_t>(sizes[0]) * sizeof(int64_t)},
+                    {b.offsets.data_ptr<int64_t>(),
+                     static_cast<size_t>(sizes[1]) * sizeof(int64_t)}});
     auto h = torch::empty({sizes[1], hidden_}, torch::kFloat32);
-    bench::recvAll(fd_, h.data_ptr<float>(), h.nbytes());
+    recv(h.data_ptr<float>(), h.nbytes());
     h.requires_grad_(true);
     auto loss =
         torch::binary_cross_entropy_with_logits(head_(h).squeeze(1), b.labels);
@@ -383,7 +504,7 @@ class FloorRun {
     bench::sendAll(fd_, h.grad().data_ptr<float>(), h.grad().nbytes());
     char done = 0;
     if (stepAfter) {
-      bench::recvAll(fd_, &done, 1);  // the ps's backward is done
+      recv(&done, 1);  // the ps's backward is done
     }
     const auto t2 = Clock::now();
     if (stepAfter) {
@@ -394,7 +515,7 @@ class FloorRun {
     for (auto& p : head_->parameters()) {
       p.mutable_grad() = at::Tensor();
     }
-    bench::recvAll(fd_, &done, 1);
+    recv(&done, 1);
     const auto t3 = Clock::now();
     if (s != nullptr) {
       s->addPhases(t0, t1, t2, t3);
@@ -402,7 +523,16 @@ class FloorRun {
   }
 
  private:
+  void recv(void* data, size_t n) {
+    if (in_ != nullptr) {
+      in_->readAll(data, n);
+    } else {
+      bench::recvAll(fd_, data, n);
+    }
+  }
+
   int fd_;
+  HandoffReader* in_;
   int64_t hidden_;
   torch::nn::Linear head_;
   std::unique_ptr<torch::optim::Adagrad> optim_;
@@ -485,6 +615,7 @@ void runModel(const ModelSize& m) {
   DistRun dist(m, /*inBackward=*/false);
   DistRun stepping(m, /*inBackward=*/true);
   FloorRun floor(m, gFloorFd);
+  FloorRun handoffFloor(m, gHandoffFloorFd, gHandoffIn.get());
   const int warmup = std::max(5, m.iters / 10);
   for (int i = 0; i < warmup; ++i) {
     local.iteration(batches[i % kBatches], nullptr);
@@ -492,8 +623,9 @@ void runModel(const ModelSize& m) {
     stepping.iteration(batches[i % kBatches], nullptr);
     floor.iteration(batches[i % kBatches], /*stepAfter=*/false, nullptr);
     floor.iteration(batches[i % kBatches], /*stepAfter=*/true, nullptr);
+    handoffFloor.iteration(batches[i % kBatches], /*stepAfter=*/true, nullptr);
   }
-  Samples ls, ds, is, fs, as;
+  Samples ls, ds, is, fs, as, hs;
   std::map<std::string, double> distWakeups;  // per thread, all dist blocks
   std::vector<double> plain, inContext;
   constexpr int kBlocks = 4;
@@ -530,6 +662,12 @@ void runModel(const ModelSize& m) {
       floor.iteration(batches[(next + i) % kBatches], /*stepAfter=*/true, &as);
     }
     as.switches.addSince(c0);
+    c0 = Switches::now();
+    for (int i = 0; i < n; ++i) {
+      handoffFloor.iteration(batches[(next + i) % kBatches],
+                             /*stepAfter=*/true, &hs);
+    }
+    hs.switches.addSince(c0);
     for (int i = 0; i < n; ++i) {
       plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
     }
@@ -546,6 +684,7 @@ void runModel(const ModelSize& m) {
   addSamples(m.name + "_dist_in_backward", is, m.name + "_local");
   addSamples(m.name + "_floor", fs, m.name + "_local");
   addSamples(m.name + "_floor_step_after", as, m.name + "_local");
+  addSamples(m.name + "_floor_handoff", hs, m.name + "_local");
   report.add(m.name + "_dist_in_backward_iter_median_vs_floor",
              report.valueOf(m.name + "_dist_in_backward_iter_median"), "us",
              m.name + "_floor_iter_median");
@@ -555,6 +694,9 @@ void runModel(const ModelSize& m) {
   report.add(m.name + "_dist_iter_median_vs_floor_step_after",
              report.valueOf(m.name + "_dist_iter_median"), "us",
              m.name + "_floor_step_after_iter_median");
+  report.add(m.name + "_dist_iter_median_vs_floor_handoff",
+             report.valueOf(m.name + "_dist_iter_median"), "us",
+             m.name + "_floor_handoff_iter_median");
   report.add(m.name + "_rpc_forward_no_context_median",
              bench::percentile(plain, 0.5), "us",
              m.name + "_dist_forward_median");
@@ -680,16 +822,32 @@ int runPs() {
 }
 
 // --role floor: the ps's half of FloorRun, one model per {rows, dim, hidden,
-// seed} message, until the trainer closes the socket.
+// seed} message, until the trainer closes the socket. With --floor-handoff
+// a HandoffReader reads the socket and this thread computes.
 int runFloor() {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   keepMemory();
   torch::set_num_threads(1);
   const int fd = flags.floorFd;
+  std::unique_ptr<HandoffReader> in;
+  if (flags.floorHandoff) {
+    in = std::make_unique<HandoffReader>(fd);
+  }
+  auto recvAll = [&](void* data, size_t n) {
+    if (in != nullptr) {
+      in->readAll(data, n);
+    } else {
+      bench::recvAll(fd, data, n);
+    }
+  };
   constexpr int64_t kMaxElements = int64_t{1} << 28;
   for (;;) {
     int64_t init[4];
-    const ssize_t r = ::recv(fd, init, sizeof init, MSG_WAITALL);
+    const ssize_t r =
+        in != nullptr
+            ? (in->read(init, sizeof init) ? static_cast<ssize_t>(sizeof init)
+                                           : 0)
+            : ::recv(fd, init, sizeof init, MSG_WAITALL);
     if (r == 0) {
       return 0;  // the trainer is done
     }
@@ -707,7 +865,7 @@ int runFloor() {
     for (;;) {
       // {ids, offsets, stepAfter}
       int64_t sizes[3];
-      bench::recvAll(fd, sizes, sizeof sizes);
+      recvAll(sizes, sizeof sizes);
       if (sizes[0] == -1 && sizes[1] == -1) {
         break;  // the next model, or the end
       }
@@ -718,19 +876,19 @@ int runFloor() {
       }
       auto ids = torch::empty({sizes[0]}, torch::kInt64);
       auto offsets = torch::empty({sizes[1]}, torch::kInt64);
-      bench::recvAll(fd, ids.data_ptr<int64_t>(), ids.nbytes());
-      bench::recvAll(fd, offsets.data_ptr<int64_t>(), offsets.nbytes());
+      recvAll(ids.data_ptr<int64_t>(), ids.nbytes());
+      recvAll(offsets.data_ptr<int64_t>(), offsets.nbytes());
       auto h = ps.forward(ids, offsets);
       const auto out = h.detach().contiguous();
       bench::sendAll(fd, out.data_ptr<float>(), out.nbytes());
       auto grad = torch::empty_like(out);
-      bench::recvAll(fd, grad.data_ptr<float>(), grad.nbytes());
+      recvAll(grad.data_ptr<float>(), grad.nbytes());
       h.backward(grad);
       const char done = 1;
       if (sizes[2] == 1) {             // the DistributedOptimizer's shape
         bench::sendAll(fd, &done, 1);  // backward done
         char step = 0;
-        bench::recvAll(fd, &step, 1);
+        recvAll(&step, 1);
       }
       optim.step();
       for (auto& p : params) {
@@ -741,9 +899,9 @@ int runFloor() {
   }
 }
 
-// Starts --role floor on one end of a UNIX socket pair (its fd 3); the
-// other end goes to *fd.
-pid_t spawnFloor(const char* self, int* fd) {
+// Starts --role floor (with --floor-handoff when `handoff`) on one end of a
+// UNIX socket pair (its fd 3); the other end goes to *fd.
+pid_t spawnFloor(const char* self, int* fd, bool handoff) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     std::perror("dist_autograd_bench: socketpair");
@@ -752,9 +910,11 @@ pid_t spawnFloor(const char* self, int* fd) {
   posix_spawn_file_actions_t actions;
   ::posix_spawn_file_actions_init(&actions);
   ::posix_spawn_file_actions_adddup2(&actions, sv[1], 3);  // clears CLOEXEC
-  const pid_t pid = bench::spawnSelf(
-      "dist_autograd_bench",
-      {self, "--role", "floor", "--floor-fd", "3", nullptr}, &actions);
+  const pid_t pid =
+      bench::spawnSelf("dist_autograd_bench",
+                       {self, "--role", "floor", "--floor-fd", "3",
+                        handoff ? "--floor-handoff" : nullptr, nullptr},
+                       &actions);
   ::posix_spawn_file_actions_destroy(&actions);
   ::close(sv[1]);
   *fd = sv[0];
@@ -829,7 +989,10 @@ int runTrainer(const char* self) {
   store::TCPStoreServer server;
   flags.storePort = server.port();
   const pid_t ps = spawnPs(self);
-  const pid_t floorPid = spawnFloor(self, &gFloorFd);
+  const pid_t floorPid = spawnFloor(self, &gFloorFd, /*handoff=*/false);
+  const pid_t handoffFloorPid =
+      spawnFloor(self, &gHandoffFloorFd, /*handoff=*/true);
+  gHandoffIn = std::make_unique<HandoffReader>(gHandoffFloorFd);
   auto st = connectStore();
   const auto t0 = Clock::now();
   rpc::init("trainer", 0, 2, rpcOptions(st));
@@ -881,17 +1044,22 @@ int runTrainer(const char* self) {
   st->set("done", "1");
   rpc::shutdown({.drainTimeout = std::chrono::seconds(60)});
   const int rc = bench::reapChild("dist_autograd_bench", ps);
-  ::close(gFloorFd);  // the floor process exits on EOF
+  ::close(gFloorFd);  // the floor processes exit on EOF
+  gHandoffIn.reset();
+  ::close(gHandoffFloorFd);
   const int floorRc = bench::reapChild("dist_autograd_bench", floorPid);
+  const int handoffFloorRc =
+      bench::reapChild("dist_autograd_bench", handoffFloorPid);
   note(
       "total " +
       std::to_string(std::chrono::duration<double>(Clock::now() - t0).count()) +
       " s");
   report.print(flags.json);
-  if (rc != 0 || floorRc != 0) {
+  if (rc != 0 || floorRc != 0 || handoffFloorRc != 0) {
     std::fprintf(stderr,
-                 "dist_autograd_bench: ps exited with %d, floor with %d\n", rc,
-                 floorRc);
+                 "dist_autograd_bench: ps exited with %d, floors with %d and "
+                 "%d\n",
+                 rc, floorRc, handoffFloorRc);
     return 1;
   }
   return 0;
@@ -925,6 +1093,8 @@ int main(int argc, char** argv) {
           "dist_autograd_bench", "--iters", argv[++i], 100, 10000000));
     } else if (a == "--trace" && hasValue) {
       flags.trace = argv[++i];
+    } else if (a == "--floor-handoff") {
+      flags.floorHandoff = true;
     } else if (a == "--default-malloc") {
       flags.defaultMalloc = true;
     } else if (a == "--role" && hasValue) {
