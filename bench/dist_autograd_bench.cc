@@ -306,6 +306,16 @@ class HandoffReader {
 // The trainer's reader of gHandoffFloorFd.
 std::unique_ptr<HandoffReader> gHandoffIn;
 
+// `n` bytes from `fd`, through `in` when there is one (both ends of the
+// floors read this way).
+void recvFloor(int fd, HandoffReader* in, void* data, size_t n) {
+  if (in != nullptr) {
+    in->readAll(data, n);
+  } else {
+    bench::recvAll(fd, data, n);
+  }
+}
+
 struct ModelSize {
   std::string name;
   int64_t rows, dim, hidden, bags, maxBag;
@@ -523,13 +533,7 @@ class FloorRun {
   }
 
  private:
-  void recv(void* data, size_t n) {
-    if (in_ != nullptr) {
-      in_->readAll(data, n);
-    } else {
-      bench::recvAll(fd_, data, n);
-    }
-  }
+  void recv(void* data, size_t n) { recvFloor(fd_, in_, data, n); }
 
   int fd_;
   HandoffReader* in_;
@@ -632,12 +636,17 @@ void runModel(const ModelSize& m) {
   int next = 0;
   for (int block = 0; block < kBlocks; ++block) {
     const int n = m.iters / kBlocks;
-    auto c0 = Switches::now();
-    for (int i = 0; i < n; ++i) {
-      local.iteration(batches[(next + i) % kBatches], &ls);
-    }
-    ls.switches.addSince(c0);
-    c0 = Switches::now();
+    // n iterations of `one(batch, samples)` into `s`, with the process's
+    // context switches over them.
+    auto timedBlock = [&](Samples& s, const auto& one) {
+      const auto c0 = Switches::now();
+      for (int i = 0; i < n; ++i) {
+        one(batches[(next + i) % kBatches], &s);
+      }
+      s.switches.addSince(c0);
+    };
+    timedBlock(ls, [&](const Batch& b, Samples* s) { local.iteration(b, s); });
+    const auto c0 = Switches::now();
     const auto byThread = bench::switchesByThread(/*voluntaryOnly=*/true);
     for (int i = 0; i < n; ++i) {
       dist.iteration(batches[(next + i) % kBatches], &ds);
@@ -647,27 +656,17 @@ void runModel(const ModelSize& m) {
          bench::switchesSince(byThread, /*voluntaryOnly=*/true)) {
       distWakeups[name] += count;
     }
-    c0 = Switches::now();
-    for (int i = 0; i < n; ++i) {
-      stepping.iteration(batches[(next + i) % kBatches], &is);
-    }
-    is.switches.addSince(c0);
-    c0 = Switches::now();
-    for (int i = 0; i < n; ++i) {
-      floor.iteration(batches[(next + i) % kBatches], /*stepAfter=*/false, &fs);
-    }
-    fs.switches.addSince(c0);
-    c0 = Switches::now();
-    for (int i = 0; i < n; ++i) {
-      floor.iteration(batches[(next + i) % kBatches], /*stepAfter=*/true, &as);
-    }
-    as.switches.addSince(c0);
-    c0 = Switches::now();
-    for (int i = 0; i < n; ++i) {
-      handoffFloor.iteration(batches[(next + i) % kBatches],
-                             /*stepAfter=*/true, &hs);
-    }
-    hs.switches.addSince(c0);
+    timedBlock(is,
+               [&](const Batch& b, Samples* s) { stepping.iteration(b, s); });
+    timedBlock(fs, [&](const Batch& b, Samples* s) {
+      floor.iteration(b, /*stepAfter=*/false, s);
+    });
+    timedBlock(as, [&](const Batch& b, Samples* s) {
+      floor.iteration(b, /*stepAfter=*/true, s);
+    });
+    timedBlock(hs, [&](const Batch& b, Samples* s) {
+      handoffFloor.iteration(b, /*stepAfter=*/true, s);
+    });
     for (int i = 0; i < n; ++i) {
       plain.push_back(dist.plainForward(batches[(next + i) % kBatches]));
     }
@@ -685,18 +684,16 @@ void runModel(const ModelSize& m) {
   addSamples(m.name + "_floor", fs, m.name + "_local");
   addSamples(m.name + "_floor_step_after", as, m.name + "_local");
   addSamples(m.name + "_floor_handoff", hs, m.name + "_local");
-  report.add(m.name + "_dist_in_backward_iter_median_vs_floor",
-             report.valueOf(m.name + "_dist_in_backward_iter_median"), "us",
-             m.name + "_floor_iter_median");
-  report.add(m.name + "_dist_iter_median_vs_floor",
-             report.valueOf(m.name + "_dist_iter_median"), "us",
-             m.name + "_floor_iter_median");
-  report.add(m.name + "_dist_iter_median_vs_floor_step_after",
-             report.valueOf(m.name + "_dist_iter_median"), "us",
-             m.name + "_floor_step_after_iter_median");
-  report.add(m.name + "_dist_iter_median_vs_floor_handoff",
-             report.valueOf(m.name + "_dist_iter_median"), "us",
-             m.name + "_floor_handoff_iter_median");
+  // <m>_<run>_iter_median_vs_<floor>: a run's median over a floor's.
+  auto overFloor = [&](const std::string& run, const std::string& floorName) {
+    report.add(m.name + "_" + run + "_iter_median_vs_" + floorName,
+               report.valueOf(m.name + "_" + run + "_iter_median"), "us",
+               m.name + "_" + floorName + "_iter_median");
+  };
+  overFloor("dist_in_backward", "floor");
+  overFloor("dist", "floor");
+  overFloor("dist", "floor_step_after");
+  overFloor("dist", "floor_handoff");
   report.add(m.name + "_rpc_forward_no_context_median",
              bench::percentile(plain, 0.5), "us",
              m.name + "_dist_forward_median");
@@ -834,11 +831,7 @@ int runFloor() {
     in = std::make_unique<HandoffReader>(fd);
   }
   auto recvAll = [&](void* data, size_t n) {
-    if (in != nullptr) {
-      in->readAll(data, n);
-    } else {
-      bench::recvAll(fd, data, n);
-    }
+    recvFloor(fd, in.get(), data, n);
   };
   constexpr int64_t kMaxElements = int64_t{1} << 28;
   for (;;) {
