@@ -240,27 +240,26 @@ class HandoffReader {
     thread_.join();
   }
 
-  // The next `n` bytes into `data`; false when the stream ends first.
-  // Woken once, when all of them are here.
-  bool read(void* data, size_t n) {
+  // The next `n` bytes into `data`, as recv(MSG_WAITALL) reads them: all
+  // of them, or what came before the stream ended (0 at its end). Woken
+  // once, when all of them are here.
+  size_t read(void* data, size_t n) {
     std::unique_lock<std::mutex> lock(mu_);
     want_ = n;
     cv_.wait(lock, [&] { return buffered() >= n || eof_; });
     want_ = 0;
-    if (buffered() < n) {
-      return false;
-    }
-    std::memcpy(data, buf_.data() + head_, n);
-    head_ += n;
+    const size_t got = std::min(n, buffered());
+    std::memcpy(data, buf_.data() + head_, got);
+    head_ += got;
     if (head_ == buf_.size()) {
       buf_.clear();
       head_ = 0;
     }
-    return true;
+    return got;
   }
 
   void readAll(void* data, size_t n) {
-    if (!read(data, n)) {
+    if (read(data, n) != n) {
       std::fprintf(stderr, "dist_autograd_bench: the floor's socket closed\n");
       std::exit(1);
     }
@@ -836,11 +835,9 @@ int runFloor() {
   constexpr int64_t kMaxElements = int64_t{1} << 28;
   for (;;) {
     int64_t init[4];
-    const ssize_t r =
-        in != nullptr
-            ? (in->read(init, sizeof init) ? static_cast<ssize_t>(sizeof init)
-                                           : 0)
-            : ::recv(fd, init, sizeof init, MSG_WAITALL);
+    const ssize_t r = in != nullptr
+                          ? static_cast<ssize_t>(in->read(init, sizeof init))
+                          : ::recv(fd, init, sizeof init, MSG_WAITALL);
     if (r == 0) {
       return 0;  // the trainer is done
     }
