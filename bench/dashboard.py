@@ -74,8 +74,10 @@ ROWS = [
     ("rpc", "rpc_shm_echo_64MiB", "transport_shm_echo_64MiB", ">=", 0.8),
     ("rpc", "rpc_uv_remote_tohere_median", "rpc_uv_noop_beside_remote_median", "<=", 1.5),
     ("rpc", "rpc_shm_remote_tohere_median", "rpc_shm_noop_beside_remote_median", "<=", 1.5),
-    ("rpc", "rpc_uv_remote_tohere_tensor_median", "rpc_uv_noop_beside_remote_tensor_median", "<=", 1.5),
-    ("rpc", "rpc_shm_remote_tohere_tensor_median", "rpc_shm_noop_beside_remote_tensor_median", "<=", 1.5),
+    # A tensor's pair: orientation rows (the target is on the number, the
+    # figure issue 20 measured; docs/benchmarks.md, RPC).
+    ("rpc", "rpc_uv_remote_tohere_tensor_median", "rpc_uv_noop_beside_remote_tensor_median", None, None),
+    ("rpc", "rpc_shm_remote_tohere_tensor_median", "rpc_shm_noop_beside_remote_tensor_median", None, None),
     ("rpc", "rpc_shm_call_tensor_beside_remote_median", "rpc_shm_noop_beside_remote_tensor_median", None, None),
     ("rpc", "rpc_shm_remote_tohere_tensor_median", "rpc_shm_call_tensor_beside_remote_median", None, None),
     ("rpc", "rpc_shm_calls_per_s_64_in_flight", None, None, None),
@@ -157,6 +159,23 @@ ROWS = [
     ("elastic", "elastic_run_vs_torchrun_crash_to_restart", "torchrun_monitor_0.1_crash_to_restart_s", None, None),
 ]
 
+# Targets that this machine's own floor misses: (program, figure, baseline)
+# -> (floor, its baseline), both from the same program and runs. A row that
+# misses its target while the floor's ratio misses it too reads "✘ (machine
+# limit: floor R)": nothing built the way its issue asks reaches the target
+# here, and the figure over the floor (an orientation row) is the part that
+# is the code's (docs/benchmarks.md, "How to run").
+FLOORS = {
+    ("rpc", "rpc_uv_noop_rtt_median", "transport_uv_rtt_8B_median"):
+        ("transport_uv_handoff_rtt_8B_median", "transport_uv_rtt_8B_median"),
+    ("rpc", "rpc_shm_echo_1KiB", "transport_shm_echo_1KiB"):
+        ("transport_shm_handoff_echo_1KiB", "transport_shm_echo_1KiB"),
+    ("dist_autograd", "ps_dist_iter_median", "ps_local_iter_median"):
+        ("ps_floor_handoff_iter_median", "ps_local_iter_median"),
+    ("collectives", "trellis_ring_uv_allreduce_64MiB_busbw_2r", "uv_throughput_64MiB"):
+        ("uv_both_ways_2proc_64MiB", "uv_throughput_64MiB"),
+}
+
 
 def run_tag(side, i):
     """The file tag of run i (from 1) of a side: after, after.2, after.3..."""
@@ -205,10 +224,19 @@ def fmt(value):
     return f"{value:.3g}"
 
 
+def meets(value, op, threshold):
+    return {"<=": value <= threshold, ">=": value >= threshold,
+            "<": value < threshold}[op]
+
+
 def verdict(value, op, threshold):
-    ok = {"<=": value <= threshold, ">=": value >= threshold,
-          "<": value < threshold}[op]
-    return f"{op} {threshold:g} {'✔' if ok else '✘'}"
+    return f"{op} {threshold:g} {'✔' if meets(value, op, threshold) else '✘'}"
+
+
+def ratios_of(runs, figure, base):
+    """The per-run ratios figure / base, over the runs that have both."""
+    return [r[figure][0] / r[base][0] for r in runs
+            if figure in r and base in r and r[base][0] > 0]
 
 
 def median_figure(runs, name):
@@ -244,8 +272,7 @@ def dashboard(results, bindir_shown):
         if median_figure(runs, base) is None:
             continue
         bvalue, bunit = median_figure(runs, base)
-        ratios = [r[figure][0] / r[base][0] for r in runs
-                  if figure in r and base in r and r[base][0] > 0]
+        ratios = ratios_of(runs, figure, base)
         if bvalue <= 0 or not ratios:
             # A difference (an overhead) that came out at or below zero in
             # this run: load noise, no ratio to judge.
@@ -255,6 +282,13 @@ def dashboard(results, bindir_shown):
             continue
         ratio = statistics.median(ratios)
         target = verdict(ratio, op, threshold) if op else ""
+        floor = FLOORS.get((prog, figure, base))
+        if op and floor and not meets(ratio, op, threshold):
+            floor_ratios = ratios_of(runs, *floor)
+            if floor_ratios:
+                floor_ratio = statistics.median(floor_ratios)
+                if not meets(floor_ratio, op, threshold):
+                    target += f" (machine limit: floor {floor_ratio:.2f})"
         lines.append(f"| `{figure}` | {fmt(value)} {unit} | `{base}` "
                      f"{fmt(bvalue)} {bunit} | {ratio:.2f}{spread(ratios)} | "
                      f"{target} | {cmd} |")
