@@ -4,6 +4,10 @@
 // The static rendezvous of several nodes is the same with a fixed world:
 // node rank 0 hosts the store at --master-addr:--master-port and every
 // node's group rank is its --node-rank.
+#include <algorithm>
+#include <random>
+#include <thread>
+
 #include <trellis/core/deadline.h>
 #include <trellis/elastic/change_store.h>
 #include <trellis/elastic/rendezvous.h>
@@ -21,28 +25,24 @@ namespace {
 // 50 ms it used to sleep between looks, now cut short by the move itself.
 constexpr std::chrono::milliseconds kAwaitBound{50};
 
-// Connects to the rendezvous store at `ep` and sets up the counter
-// heartbeats over a connection of their own. `what` names the store in
-// the error ("the c10d rendezvous endpoint H:P (--rdzv-endpoint)").
-void connectRoundStore(RoundStore& parts, const Endpoint& ep,
-                       const std::string& what,
-                       std::chrono::milliseconds readTimeout,
-                       std::chrono::milliseconds joinTimeout,
-                       const auth::JobToken& token) {
+// A client of the store at `ep`, connected (and authenticated) within
+// `window`; a ConnectionError when nobody answered in time.
+std::unique_ptr<store::TCPStore> connectStore(
+    const Endpoint& ep, std::chrono::milliseconds readTimeout,
+    std::chrono::milliseconds window, const auth::JobToken& token) {
   store::TCPStoreOptions co;
   co.host = ep.host;
   co.port = ep.port;
   co.timeout = readTimeout;
-  co.connectTimeout = joinTimeout;
+  co.connectTimeout = window;
   co.jobToken = token;
-  std::unique_ptr<store::TCPStore> tcp;
-  try {
-    tcp = std::make_unique<store::TCPStore>(co);
-  } catch (const ConnectionError& e) {
-    throw ConnectionError(Error::connection(
-        "cannot reach " + what + " within join_timeout " +
-        formatDuration(joinTimeout) + ": " + e.error().message()));
-  }
+  return std::make_unique<store::TCPStore>(co);
+}
+
+// Sets up the round store over `tcp`, and the counter heartbeats over a
+// connection of their own.
+void useRoundStore(RoundStore& parts, std::unique_ptr<store::TCPStore> tcp,
+                   std::chrono::milliseconds readTimeout) {
   // Heartbeats are never waited on: a plain handle, no change ticks.
   std::shared_ptr<store::Store> hb = tcp->clone(readTimeout);
   parts.beat = [hb](const std::string& id, bool) {
@@ -58,6 +58,100 @@ void connectRoundStore(RoundStore& parts, const Endpoint& ep,
   parts.liveness = LivenessMode::kCounter;
 }
 
+std::string cannotReach(const std::string& what,
+                        std::chrono::milliseconds joinTimeout,
+                        const std::string& why) {
+  return "cannot reach " + what + " within join_timeout " +
+         formatDuration(joinTimeout) + ": " + why;
+}
+
+// Connects to the rendezvous store at `ep`, retrying until join_timeout.
+// `what` names the store in the error ("the c10d rendezvous endpoint H:P
+// (--rdzv-endpoint)").
+void connectRoundStore(RoundStore& parts, const Endpoint& ep,
+                       const std::string& what,
+                       std::chrono::milliseconds readTimeout,
+                       std::chrono::milliseconds joinTimeout,
+                       const auth::JobToken& token) {
+  std::unique_ptr<store::TCPStore> tcp;
+  try {
+    tcp = connectStore(ep, readTimeout, joinTimeout, token);
+  } catch (const ConnectionError& e) {
+    throw ConnectionError(
+        Error::connection(cannotReach(what, joinTimeout, e.error().message())));
+  }
+  useRoundStore(parts, std::move(tcp), readTimeout);
+}
+
+// How long an agent that could not host the store first tries to join it
+// before it tries to host again; doubled after each try, up to kMaxProbe.
+constexpr std::chrono::milliseconds kFirstProbe{500};
+constexpr std::chrono::milliseconds kMaxProbe{8000};
+
+// is_host unset: host the store at `ep`, or join the one there, whichever
+// works first, until join_timeout. Hosting is tried again whenever nobody
+// answers at the endpoint, not once: two agents that bind the same endpoint
+// at the same moment can both be refused. Each sets SO_REUSEADDR, so both
+// binds succeed; listen() then fails with EADDRINUSE on each when it sees
+// the other's socket in the listening state for an instant (Linux marks a
+// socket listening before it checks the port). On this project's VM, two
+// processes racing so both lost in 22 and 24 of 3,000 rounds (two runs);
+// agents that then only waited to join would wait, silent, for a store
+// nobody hosts.
+void hostOrJoin(RoundStore& parts, const Endpoint& ep,
+                const std::string& endpointText, const std::string& what,
+                std::chrono::milliseconds readTimeout,
+                std::chrono::milliseconds joinTimeout,
+                const auth::JobToken& token, const LogFn& log) {
+  store::TCPStoreServerOptions so;
+  so.host = ep.host;
+  so.port = ep.port;
+  so.jobToken = token;
+  const Deadline deadline = Deadline::fromTimeout(joinTimeout);
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pauseMs(0, 50);
+  auto probe = kFirstProbe;
+  for (int tries = 1;; ++tries) {
+    std::string hostError;
+    try {
+      parts.server = std::make_unique<store::TCPStoreServer>(so);
+      log("hosting the c10d rendezvous store on " + endpointText +
+          (tries == 1 ? std::string()
+                      : " (try " + std::to_string(tries) +
+                            ": nobody answered there before)"));
+      break;
+    } catch (const Exception& e) {
+      hostError = e.error().message();
+    }
+    if (tries == 1) {
+      // Said, because what follows is a silent wait of up to join_timeout
+      // for a store there: when the port is held by something that is not
+      // this job's store, this line is the only clue.
+      log("cannot bind the c10d rendezvous endpoint here (" + hostError +
+          "); joining the store at " + endpointText);
+    }
+    const auto window = std::clamp(
+        std::chrono::ceil<std::chrono::milliseconds>(deadline.remaining()),
+        std::chrono::milliseconds(1), probe);
+    try {
+      useRoundStore(parts, connectStore(ep, readTimeout, window, token),
+                    readTimeout);
+      return;
+    } catch (const ConnectionError& e) {
+      if (deadline.expired()) {
+        throw ConnectionError(Error::connection(
+            cannotReach(what, joinTimeout, e.error().message()) +
+            "; hosting it here failed too: " + hostError));
+      }
+    }
+    probe = std::min(probe * 2, kMaxProbe);
+    // Agents that lost a race together do not try again in step.
+    std::this_thread::sleep_for(std::min<Duration>(
+        std::chrono::milliseconds(pauseMs(rng)), deadline.remaining()));
+  }
+  connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token);
+}
+
 }  // namespace
 
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
@@ -70,33 +164,29 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
   const auto readTimeout = conf.readTimeout.value_or(kDefaultReadTimeout);
   const Endpoint& ep = options.rdzvEndpoint;
   const std::string endpointText = ep.toString();
+  const std::string what =
+      "the c10d rendezvous endpoint " + endpointText + " (--rdzv-endpoint)";
   RoundStore parts;
-  // Host: bind the endpoint if we may and can; else connect.
-  if (conf.isHost.value_or(true)) {
-    try {
+  if (!conf.isHost.has_value()) {
+    hostOrJoin(parts, ep, endpointText, what, readTimeout, joinTimeout, token,
+               log);
+  } else {
+    if (*conf.isHost) {
       store::TCPStoreServerOptions so;
       so.host = ep.host;
       so.port = ep.port;
       so.jobToken = token;
-      parts.server = std::make_unique<store::TCPStoreServer>(so);
-      log("hosting the c10d rendezvous store on " + endpointText);
-    } catch (const Exception& e) {
-      if (conf.isHost.value_or(false)) {
+      try {
+        parts.server = std::make_unique<store::TCPStoreServer>(so);
+      } catch (const Exception& e) {
         throw ConnectionError(Error::connection(
             "is_host=true but the rendezvous endpoint " + endpointText +
             " cannot be bound: " + e.error().message()));
       }
-      // Said, because what follows is a silent wait of up to join_timeout
-      // for a store there: when the port is held by something that is not
-      // this job's store, this line is the only clue.
-      log("cannot bind the c10d rendezvous endpoint here (" +
-          e.error().message() + "); joining the store at " + endpointText);
+      log("hosting the c10d rendezvous store on " + endpointText);
     }
+    connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token);
   }
-  connectRoundStore(
-      parts, ep,
-      "the c10d rendezvous endpoint " + endpointText + " (--rdzv-endpoint)",
-      readTimeout, joinTimeout, token);
   if (shareWithWorkers) {
     // torchrun's agent store: the workers use this store too, under
     // /worker/attempt_<N>/round_<R> (core/worker_env.h), far from

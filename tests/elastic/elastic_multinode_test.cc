@@ -12,6 +12,7 @@
 // fails.
 
 #include <algorithm>
+#include <arpa/inet.h>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -20,9 +21,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <netinet/in.h>
 #include <set>
 #include <sstream>
 #include <string>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -275,22 +278,105 @@ TEST(ElasticMultiNode, ThreeNodesAgreeOnEveryRank) {
   }
   expectConsistentRanks(job, 3, 2, 0);
   EXPECT_EQ(job.env(0, 0).at("MASTER_ADDR"), "127.0.0.1");
-  // One agent hosts; the two that could not bind the endpoint say so and
-  // why before they join its store.
-  int joined = 0;
+  // One agent hosts; the two others could not bind the endpoint and say so
+  // and why before they join its store. (The host may have said so too:
+  // when agents lose the bind race together, one hosts on a later try.)
+  int hosts = 0;
   for (int i = 0; i < 3; ++i) {
-    if (job.err(i).find("cannot bind the c10d rendezvous endpoint here (") !=
+    if (job.err(i).find("hosting the c10d rendezvous store on " + ep) !=
         std::string::npos) {
-      ++joined;
-      EXPECT_NE(job.err(i).find("Address already in use); joining the store "
-                                "at " +
-                                ep),
-                std::string::npos)
-          << job.err(i);
+      ++hosts;
+      continue;
+    }
+    EXPECT_NE(job.err(i).find("cannot bind the c10d rendezvous endpoint here "
+                              "(store server cannot listen on " +
+                              ep +
+                              ": Address already in use); joining the store "
+                              "at " +
+                              ep),
+              std::string::npos)
+        << job.err(i);
+  }
+  EXPECT_EQ(hosts, 1) << job.allErr();
+}
+
+// A loopback port bound, and not listened on, by this test: an agent's
+// bind of it fails (the socket lacks SO_REUSEADDR) and a connect to it is
+// refused, which is what agents see when they lose the bind race together.
+class PortHolder {
+ public:
+  explicit PortHolder(uint16_t port)
+      : fd_(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    bound_ = fd_ >= 0 &&
+             ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  }
+  ~PortHolder() { release(); }
+  PortHolder(const PortHolder&) = delete;
+  PortHolder& operator=(const PortHolder&) = delete;
+  bool bound() const { return bound_; }
+  void release() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      fd_ = -1;
     }
   }
-  EXPECT_EQ(joined, 2) << job.allErr();
-  EXPECT_GE(job.host(3), 0) << job.allErr();
+
+ private:
+  int fd_;
+  bool bound_ = false;
+};
+
+// No agent can bind the endpoint, and nobody answers there: each says it
+// could not bind and tries to join. Once the port is free, one of them
+// hosts it on a later try and the round forms, long before join_timeout
+// (20 s). Agents that only waited to join, as they did before, waited the
+// whole join_timeout for a store nobody hosted, and failed; CI saw exactly
+// that when two agents lost the bind race together (c10d_rendezvous.cc,
+// hostOrJoin).
+TEST(ElasticMultiNode, AnEndpointNobodyCouldBindIsHostedOnceItIsFree) {
+  Job job;
+  const uint16_t port = job.reservePort();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  PortHolder holder(port);
+  ASSERT_TRUE(holder.bound()) << "port " << port;
+  for (int i = 0; i < 2; ++i) {
+    job.start(i, c10d(ep, "2", 1), {"--sleep-ms", "200"});
+  }
+  const auto said = [&] {
+    for (int i = 0; i < 2; ++i) {
+      if (job.err(i).find("cannot bind the c10d rendezvous endpoint here") ==
+          std::string::npos) {
+        return false;
+      }
+    }
+    return true;
+  };
+  const auto end = Clock::now() + 10s;
+  while (!said() && Clock::now() < end) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(said()) << job.allErr();
+  std::this_thread::sleep_for(1s);  // a few tries to join, refused
+  holder.release();
+  const auto freed = Clock::now();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
+  }
+  EXPECT_LT(Clock::now() - freed, 15s) << job.allErr();
+  expectConsistentRanks(job, 2, 1, 0);
+  const int host = job.host(2);
+  ASSERT_GE(host, 0) << job.allErr();
+  EXPECT_NE(job.err(host).find("hosting the c10d rendezvous store on " + ep +
+                               " (try "),
+            std::string::npos)
+      << job.allErr();
+  EXPECT_NE(job.err(host).find(": nobody answered there before)"),
+            std::string::npos)
+      << job.allErr();
 }
 
 TEST(ElasticMultiNode, AWorkerCrashRestartsEveryNode) {
@@ -374,6 +460,29 @@ TEST(ElasticMultiNode, AnAgentThatRestartsRejoinsTheJob) {
     EXPECT_EQ(exitCode(job.wait(i, 30s)), 0) << job.allErr();
   }
   expectConsistentRanks(job, 3, 1, 1);
+}
+
+// The port stays held: trying to host and to join again ends at
+// join_timeout, and the error names both failures.
+TEST(ElasticMultiNode, AnEndpointHeldThroughoutIsNamedAtTheJoinTimeout) {
+  Job job;
+  const uint16_t port = job.reservePort();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  PortHolder holder(port);
+  ASSERT_TRUE(holder.bound()) << "port " << port;
+  const auto start = Clock::now();
+  job.start(0, c10d(ep, "2", 1, "join_timeout=2"), {});
+  EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_NE(job.err(0).find("cannot reach the c10d rendezvous endpoint " + ep +
+                            " (--rdzv-endpoint) within join_timeout 2s: "),
+            std::string::npos)
+      << job.err(0);
+  EXPECT_NE(job.err(0).find("Connection refused; hosting it here failed too: "
+                            "store server cannot listen on " +
+                            ep + ": Address already in use"),
+            std::string::npos)
+      << job.err(0);
 }
 
 TEST(ElasticMultiNode, ALatecomerIsTakenByTheNextRound) {
