@@ -25,6 +25,16 @@ namespace {
 // 50 ms it used to sleep between looks, now cut short by the move itself.
 constexpr std::chrono::milliseconds kAwaitBound{50};
 
+// The options of a store server at `ep` that admits holders of `token`.
+store::TCPStoreServerOptions serverAt(const Endpoint& ep,
+                                      const auth::JobToken& token) {
+  store::TCPStoreServerOptions so;
+  so.host = ep.host;
+  so.port = ep.port;
+  so.jobToken = token;
+  return so;
+}
+
 // A client of the store at `ep`, connected (and authenticated) within
 // `window`; a ConnectionError when nobody answered in time.
 std::unique_ptr<store::TCPStore> connectStore(
@@ -103,10 +113,7 @@ void hostOrJoin(RoundStore& parts, const Endpoint& ep,
                 std::chrono::milliseconds readTimeout,
                 std::chrono::milliseconds joinTimeout,
                 const auth::JobToken& token, const LogFn& log) {
-  store::TCPStoreServerOptions so;
-  so.host = ep.host;
-  so.port = ep.port;
-  so.jobToken = token;
+  const store::TCPStoreServerOptions so = serverAt(ep, token);
   const Deadline deadline = Deadline::fromTimeout(joinTimeout);
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> pauseMs(0, 50);
@@ -172,10 +179,7 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                log);
   } else {
     if (*conf.isHost) {
-      store::TCPStoreServerOptions so;
-      so.host = ep.host;
-      so.port = ep.port;
-      so.jobToken = token;
+      const store::TCPStoreServerOptions so = serverAt(ep, token);
       try {
         parts.server = std::make_unique<store::TCPStoreServer>(so);
       } catch (const Exception& e) {
@@ -222,10 +226,7 @@ std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
   const std::string endpointText = ep.toString();
   RoundStore parts;
   if (o.nodeRank == 0) {
-    store::TCPStoreServerOptions so;
-    so.host = ep.host;
-    so.port = ep.port;
-    so.jobToken = token;
+    const store::TCPStoreServerOptions so = serverAt(ep, token);
     try {
       parts.server = std::make_unique<store::TCPStoreServer>(so);
     } catch (const Exception& e) {
