@@ -335,18 +335,24 @@ RunResult Agent::run() {
   if (!storeNote.empty()) {
     log(storeNote);
   }
-  std::unique_ptr<Rendezvous> rdzv =
-      options_.rdzvBackend == RdzvBackend::kEtcd
-          ? makeEtcdRendezvous(options_, result.runLogDir, token,
-                               [this](const std::string& l) { log(l); })
-      : usesC10d(options_)
-          ? makeC10dRendezvous(
-                options_, result.runLogDir, token,
-                [this](const std::string& l) { log(l); }, shareStore)
-      : staticSeveral(options_)
-          ? makeStaticRendezvous(options_, result.runLogDir, token,
-                                 [this](const std::string& l) { log(l); })
-          : makeLocalRendezvous(options_, result.runLogDir, token);
+  // Connecting to the backend's store waits up to join_timeout; it looks
+  // at `interrupted` about every second.
+  std::unique_ptr<Rendezvous> rdzv;
+  try {
+    const LogFn logFn = [this](const std::string& l) { log(l); };
+    rdzv = options_.rdzvBackend == RdzvBackend::kEtcd
+               ? makeEtcdRendezvous(options_, result.runLogDir, token, logFn,
+                                    interrupted)
+           : usesC10d(options_)
+               ? makeC10dRendezvous(options_, result.runLogDir, token, logFn,
+                                    interrupted, shareStore)
+           : staticSeveral(options_)
+               ? makeStaticRendezvous(options_, result.runLogDir, token, logFn,
+                                      interrupted)
+               : makeLocalRendezvous(options_, result.runLogDir, token);
+  } catch (const Interrupted&) {
+    return signalled("while connecting to the rendezvous");
+  }
 
   for (;;) {
     // RENDEZVOUS: a closed round this node is in (one node: the port).

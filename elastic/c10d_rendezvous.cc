@@ -68,24 +68,33 @@ void useRoundStore(RoundStore& parts, std::unique_ptr<store::TCPStore> tcp,
   parts.liveness = LivenessMode::kCounter;
 }
 
+// The error when join_timeout passed before the store answered; `why` is
+// the last connect's error (each is bounded by a slice of join_timeout,
+// connectInSlices).
 std::string cannotReach(const std::string& what,
                         std::chrono::milliseconds joinTimeout,
                         const std::string& why) {
   return "cannot reach " + what + " within join_timeout " +
-         formatDuration(joinTimeout) + ": " + why;
+         formatDuration(joinTimeout) + "; last try: " + why;
 }
 
-// Connects to the rendezvous store at `ep`, retrying until join_timeout.
-// `what` names the store in the error ("the c10d rendezvous endpoint H:P
+// Connects to the rendezvous store at `ep`, retrying until join_timeout
+// and looking for a signal about every second (connectInSlices). `what`
+// names the store in the error ("the c10d rendezvous endpoint H:P
 // (--rdzv-endpoint)").
 void connectRoundStore(RoundStore& parts, const Endpoint& ep,
                        const std::string& what,
                        std::chrono::milliseconds readTimeout,
                        std::chrono::milliseconds joinTimeout,
-                       const auth::JobToken& token) {
+                       const auth::JobToken& token,
+                       const Interruption& interrupted) {
   std::unique_ptr<store::TCPStore> tcp;
   try {
-    tcp = connectStore(ep, readTimeout, joinTimeout, token);
+    connectInSlices(
+        [&](std::chrono::milliseconds window) {
+          tcp = connectStore(ep, readTimeout, window, token);
+        },
+        Deadline::fromTimeout(joinTimeout), interrupted);
   } catch (const ConnectionError& e) {
     throw ConnectionError(
         Error::connection(cannotReach(what, joinTimeout, e.error().message())));
@@ -93,10 +102,10 @@ void connectRoundStore(RoundStore& parts, const Endpoint& ep,
   useRoundStore(parts, std::move(tcp), readTimeout);
 }
 
-// How long an agent that could not host the store first tries to join it
-// before it tries to host again; doubled after each try, up to kMaxProbe.
+// How long an agent that could not host the store tries to join it before
+// it tries to host again: half a second the first time, then a second
+// (kConnectSlice, so that it also looks for a signal that often).
 constexpr std::chrono::milliseconds kFirstProbe{500};
-constexpr std::chrono::milliseconds kMaxProbe{8000};
 
 // is_host unset: host the store at `ep`, or join the one there, whichever
 // works first, until join_timeout. Hosting is tried again whenever nobody
@@ -112,13 +121,17 @@ void hostOrJoin(RoundStore& parts, const Endpoint& ep,
                 const std::string& endpointText, const std::string& what,
                 std::chrono::milliseconds readTimeout,
                 std::chrono::milliseconds joinTimeout,
-                const auth::JobToken& token, const LogFn& log) {
+                const auth::JobToken& token, const LogFn& log,
+                const Interruption& interrupted) {
   const store::TCPStoreServerOptions so = serverAt(ep, token);
   const Deadline deadline = Deadline::fromTimeout(joinTimeout);
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> pauseMs(0, 50);
   auto probe = kFirstProbe;
   for (int tries = 1;; ++tries) {
+    if (interrupted()) {
+      throw Interrupted{};
+    }
     std::string hostError;
     try {
       parts.server = std::make_unique<store::TCPStoreServer>(so);
@@ -151,12 +164,13 @@ void hostOrJoin(RoundStore& parts, const Endpoint& ep,
             "; hosting it here failed too: " + hostError));
       }
     }
-    probe = std::min(probe * 2, kMaxProbe);
+    probe = kConnectSlice;
     // Agents that lost a race together do not try again in step.
     std::this_thread::sleep_for(std::min<Duration>(
         std::chrono::milliseconds(pauseMs(rng)), deadline.remaining()));
   }
-  connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token);
+  connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token,
+                    interrupted);
 }
 
 }  // namespace
@@ -164,6 +178,7 @@ void hostOrJoin(RoundStore& parts, const Endpoint& ep,
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
                                                auth::JobToken token, LogFn log,
+                                               const Interruption& interrupted,
                                                bool shareWithWorkers) {
   checkToken("--rdzv-id", options.rdzvId);
   const RdzvConf& conf = options.rdzvConf;
@@ -176,7 +191,7 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
   RoundStore parts;
   if (!conf.isHost.has_value()) {
     hostOrJoin(parts, ep, endpointText, what, readTimeout, joinTimeout, token,
-               log);
+               log, interrupted);
   } else {
     if (*conf.isHost) {
       const store::TCPStoreServerOptions so = serverAt(ep, token);
@@ -189,7 +204,8 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
       }
       log("hosting the c10d rendezvous store on " + endpointText);
     }
-    connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token);
+    connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token,
+                      interrupted);
   }
   if (shareWithWorkers) {
     // torchrun's agent store: the workers use this store too, under
@@ -204,10 +220,9 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                              std::move(log), std::move(parts));
 }
 
-std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
-                                                 std::string runLogDir,
-                                                 auth::JobToken token,
-                                                 LogFn log) {
+std::unique_ptr<Rendezvous> makeStaticRendezvous(
+    const ElasticOptions& options, std::string runLogDir, auth::JobToken token,
+    LogFn log, const Interruption& interrupted) {
   checkToken("--rdzv-id", options.rdzvId);
   if (options.minNodes != options.maxNodes) {
     throw InvalidArgumentError(Error::invalidArgument(
@@ -240,7 +255,7 @@ std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
   connectRoundStore(parts, ep,
                     "the static rendezvous store of node rank 0 at " +
                         endpointText + " (--master-addr, --master-port)",
-                    readTimeout, joinTimeout, token);
+                    readTimeout, joinTimeout, token, interrupted);
   parts.fixedGroupRank = o.nodeRank;
   return makeStoreRendezvous(o, std::move(runLogDir), std::move(token),
                              std::move(log), std::move(parts));

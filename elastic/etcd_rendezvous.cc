@@ -61,10 +61,9 @@ class LeaseHeart {
 
 }  // namespace
 
-std::unique_ptr<Rendezvous> makeEtcdRendezvous(const ElasticOptions& options,
-                                               std::string runLogDir,
-                                               auth::JobToken token,
-                                               LogFn log) {
+std::unique_ptr<Rendezvous> makeEtcdRendezvous(
+    const ElasticOptions& options, std::string runLogDir, auth::JobToken token,
+    LogFn log, const Interruption& interrupted) {
   detail::checkToken("--rdzv-id", options.rdzvId);
   const RdzvConf& conf = options.rdzvConf;
   if (conf.isHost.has_value()) {
@@ -86,16 +85,20 @@ std::unique_ptr<Rendezvous> makeEtcdRendezvous(const ElasticOptions& options,
   so.prefix = "/trellis/rdzv/" + options.rdzvId + "/";
   so.strip = kKeyPrefix;
   so.timeout = readTimeout;
-  so.connectTimeout = joinTimeout;
   RoundStore parts;
   std::unique_ptr<EtcdStore> etcd;
   try {
-    etcd = std::make_unique<EtcdStore>(so);
+    connectInSlices(
+        [&](std::chrono::milliseconds window) {
+          so.connectTimeout = window;
+          etcd = std::make_unique<EtcdStore>(so);
+        },
+        Deadline::fromTimeout(joinTimeout), interrupted);
   } catch (const ConnectionError& e) {
     throw ConnectionError(Error::connection(
         "cannot reach the etcd rendezvous endpoint " + ep.toString() +
         " (--rdzv-endpoint) within join_timeout " +
-        formatDuration(joinTimeout) + ": " + e.error().message()));
+        formatDuration(joinTimeout) + "; last try: " + e.error().message()));
   }
   // The keep-alives go through a handle with a timeout of one interval, so
   // a slow etcd cannot hold the heartbeat thread past its next beat.

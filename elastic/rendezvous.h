@@ -201,7 +201,8 @@ class Rendezvous {
   virtual std::string failureNote() const = 0;
 };
 
-// Thrown by Rendezvous::next when the agent was signalled meanwhile.
+// Thrown by Rendezvous::next, and by the backends' factories while they
+// connect, when the agent was signalled meanwhile.
 struct Interrupted {};
 // Thrown by Rendezvous::next when the round record says the job failed.
 struct JobFailed {
@@ -216,6 +217,10 @@ std::unique_ptr<Rendezvous> makeLocalRendezvous(const ElasticOptions& options,
 
 // Where a c10d agent's messages go.
 using LogFn = std::function<void(const std::string&)>;
+// True once the agent got a signal (agent.cc drains its signal pipe). The
+// backends below look at it about every second while they wait to connect
+// to their store, and throw Interrupted when it is true.
+using Interruption = std::function<bool()>;
 
 // The c10d rendezvous: hosts the store (if it binds the endpoint, or
 // is_host=true) or connects to it (bounded by join_timeout), starts the
@@ -227,6 +232,7 @@ using LogFn = std::function<void(const std::string&)>;
 std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
                                                auth::JobToken token, LogFn log,
+                                               const Interruption& interrupted,
                                                bool shareWithWorkers = false);
 
 // The static rendezvous of several nodes (--rdzv-backend static, --nnodes
@@ -236,10 +242,9 @@ std::unique_ptr<Rendezvous> makeC10dRendezvous(const ElasticOptions& options,
 // else `timeout`), group rank = --node-rank (a rank taken twice is an
 // InvalidArgumentError). Workers: TORCHELASTIC_USE_AGENT_STORE=False, their
 // rank 0 serves their store on a port node rank 0 picks.
-std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
-                                                 std::string runLogDir,
-                                                 auth::JobToken token,
-                                                 LogFn log);
+std::unique_ptr<Rendezvous> makeStaticRendezvous(
+    const ElasticOptions& options, std::string runLogDir, auth::JobToken token,
+    LogFn log, const Interruption& interrupted);
 
 // The etcd rendezvous (--rdzv-backend etcd): the same rounds in etcd under
 // /trellis/rdzv/<run id>/ (etcd_store.h), liveness by etcd leases. Waits
@@ -247,7 +252,8 @@ std::unique_ptr<Rendezvous> makeStaticRendezvous(const ElasticOptions& options,
 // endpoint when it does not, InvalidArgumentError for a bad configuration.
 std::unique_ptr<Rendezvous> makeEtcdRendezvous(const ElasticOptions& options,
                                                std::string runLogDir,
-                                               auth::JobToken token, LogFn log);
+                                               auth::JobToken token, LogFn log,
+                                               const Interruption& interrupted);
 
 namespace detail {
 // Shared by rendezvous.cc and the backends over a store.

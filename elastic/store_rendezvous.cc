@@ -484,6 +484,26 @@ class StoreRendezvous final : public Rendezvous {
 
 }  // namespace
 
+void connectInSlices(
+    const std::function<void(std::chrono::milliseconds window)>& connect,
+    const Deadline& deadline, const Interruption& interrupted) {
+  for (;;) {
+    if (interrupted()) {
+      throw Interrupted{};
+    }
+    try {
+      connect(std::clamp(
+          std::chrono::ceil<std::chrono::milliseconds>(deadline.remaining()),
+          std::chrono::milliseconds(1), kConnectSlice));
+      return;
+    } catch (const ConnectionError&) {
+      if (deadline.expired()) {
+        throw;
+      }
+    }
+  }
+}
+
 std::unique_ptr<Rendezvous> makeStoreRendezvous(const ElasticOptions& options,
                                                 std::string runLogDir,
                                                 auth::JobToken token, LogFn log,

@@ -6,11 +6,13 @@
 // node shows it is alive, and (c10d) the server it hosts. Internal to
 // elastic/; not installed.
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include <trellis/core/deadline.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/store/tcp_store.h>
 
@@ -58,5 +60,19 @@ std::unique_ptr<Rendezvous> makeStoreRendezvous(const ElasticOptions& options,
                                                 std::string runLogDir,
                                                 auth::JobToken token, LogFn log,
                                                 RoundStore parts);
+
+// How often an agent that waits (up to join_timeout) to connect to the
+// rendezvous store looks for a signal.
+inline constexpr std::chrono::milliseconds kConnectSlice{1000};
+
+// Calls `connect(window)`, a connect that throws ConnectionError when
+// nobody answered within `window`, with windows of at most kConnectSlice,
+// until one returns or `deadline` passes (the last ConnectionError then
+// propagates). Before each call it throws Interrupted when `interrupted()`
+// says the agent got a signal: a connect of up to join_timeout (600 s by
+// default) must not outlast a SIGTERM by more than about a second.
+void connectInSlices(
+    const std::function<void(std::chrono::milliseconds window)>& connect,
+    const Deadline& deadline, const Interruption& interrupted);
 
 }  // namespace trellis::elastic

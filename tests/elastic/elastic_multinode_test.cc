@@ -6,8 +6,9 @@
 // Checked: ranks that are complete and consistent across nodes, a worker
 // crash that restarts every node, a SIGKILLed agent whose peers go on
 // without it (scale down), a latecomer taken by the next round (scale up),
-// an unreachable endpoint, a node with another --nproc-per-node, a
-// partitioned node. Every wait is bounded; the test ends only the
+// an unreachable endpoint, an endpoint no agent can bind, a node with
+// another --nproc-per-node, a partitioned node, SIGTERM to an agent still
+// connecting. Every wait is bounded; the test ends only the
 // processes it started (by pid) and removes its namespaces even when it
 // fails.
 
@@ -475,7 +476,7 @@ TEST(ElasticMultiNode, AnEndpointHeldThroughoutIsNamedAtTheJoinTimeout) {
   EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
   EXPECT_LT(Clock::now() - start, 10s);
   EXPECT_NE(job.err(0).find("cannot reach the c10d rendezvous endpoint " + ep +
-                            " (--rdzv-endpoint) within join_timeout 2s: "),
+                            " (--rdzv-endpoint) within join_timeout 2s; last try: "),
             std::string::npos)
       << job.err(0);
   EXPECT_NE(job.err(0).find("Connection refused; hosting it here failed too: "
@@ -914,6 +915,68 @@ TEST_P(ElasticNetns, APartitionedHostIsDroppedAfterTheHeartbeatBound) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, ElasticNetns,
                          ::testing::Values("c10d", "etcd"),
+                         [](const auto& info) { return info.param; });
+
+// True once process `pid` has a handler for `sig` (SigCgt in
+// /proc/<pid>/status).
+bool catches(pid_t pid, int sig) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("SigCgt:", 0) == 0) {
+      return ((std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1) != 0;
+    }
+  }
+  return false;
+}
+
+// An agent that waits to connect to its rendezvous store (join_timeout 60
+// s, nobody there) gets SIGTERM: it stops within about a second (the
+// connect looks for a signal between slices of join_timeout) and exits
+// 128 + 15, naming the signal, instead of waiting out join_timeout. One
+// case per way of connecting: c10d joining (is_host=false), c10d trying to
+// host a port something else holds (is_host unset), a static node rank 1
+// whose node rank 0 never comes, etcd with nothing at the endpoint.
+class SigtermWhileConnecting : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SigtermWhileConnecting, StopsTheAgentWithinAboutASecond) {
+  Job job;
+  const uint16_t port = job.reservePort();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  const std::string conf = "join_timeout=60";
+  PortHolder holder(port);  // bound, never listening: connects are refused
+  ASSERT_TRUE(holder.bound()) << "port " << port;
+  std::vector<std::string> flags;
+  if (GetParam() == "c10d_join") {
+    flags = c10d(ep, "2", 1, conf + ",is_host=false");
+  } else if (GetParam() == "c10d_host_or_join") {
+    flags = c10d(ep, "2", 1, conf);
+  } else if (GetParam() == "static") {
+    flags = staticNode(port, 1, 1);
+    flags[std::find(flags.begin(), flags.end(), "--rdzv-conf") - flags.begin() +
+          1] = conf;
+  } else {
+    flags = etcd(ep, "2", 1, conf);
+  }
+  job.start(0, flags, {});
+  const auto end = Clock::now() + 10s;
+  while (!catches(job.agent(0).pid, SIGTERM) && Clock::now() < end) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(catches(job.agent(0).pid, SIGTERM)) << job.err(0);
+  std::this_thread::sleep_for(1500ms);  // well into the connect
+  const auto signalledAt = Clock::now();
+  ASSERT_EQ(::kill(job.agent(0).pid, SIGTERM), 0);  // ours, by pid
+  EXPECT_EQ(exitCode(job.wait(0, 15s)), 128 + SIGTERM) << job.err(0);
+  EXPECT_LT(Clock::now() - signalledAt, 3s) << job.err(0);
+  EXPECT_NE(
+      job.err(0).find("stopped by SIGTERM while connecting to the rendezvous"),
+      std::string::npos)
+      << job.err(0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SigtermWhileConnecting,
+                         ::testing::Values("c10d_join", "c10d_host_or_join",
+                                           "static", "etcd"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
