@@ -102,8 +102,8 @@ void connectRoundStore(RoundStore& parts, const Endpoint& ep,
   useRoundStore(parts, std::move(tcp), readTimeout);
 }
 
-// How long an agent that could not host the store tries to join it before
-// it tries to host again: half a second the first time, then a second
+// How long an agent that could not host the store first tries to join it
+// before it tries to host again; later tries take connectInSlices' windows
 // (kConnectSlice, so that it also looks for a signal that often).
 constexpr std::chrono::milliseconds kFirstProbe{500};
 
@@ -127,19 +127,18 @@ void hostOrJoin(RoundStore& parts, const Endpoint& ep,
   const Deadline deadline = Deadline::fromTimeout(joinTimeout);
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> pauseMs(0, 50);
-  auto probe = kFirstProbe;
-  for (int tries = 1;; ++tries) {
-    if (interrupted()) {
-      throw Interrupted{};
-    }
-    std::string hostError;
+  int tries = 0;
+  std::string hostError;
+  // One try: host, or else join within `window`.
+  const auto hostOrConnect = [&](std::chrono::milliseconds window) {
+    ++tries;
     try {
       parts.server = std::make_unique<store::TCPStoreServer>(so);
       log("hosting the c10d rendezvous store on " + endpointText +
           (tries == 1 ? std::string()
                       : " (try " + std::to_string(tries) +
                             ": nobody answered there before)"));
-      break;
+      return;
     } catch (const Exception& e) {
       hostError = e.error().message();
     }
@@ -149,28 +148,29 @@ void hostOrJoin(RoundStore& parts, const Endpoint& ep,
       // this job's store, this line is the only clue.
       log("cannot bind the c10d rendezvous endpoint here (" + hostError +
           "); joining the store at " + endpointText);
+      window = std::min(window, kFirstProbe);
     }
-    const auto window = std::clamp(
-        std::chrono::ceil<std::chrono::milliseconds>(deadline.remaining()),
-        std::chrono::milliseconds(1), probe);
     try {
       useRoundStore(parts, connectStore(ep, readTimeout, window, token),
                     readTimeout);
-      return;
-    } catch (const ConnectionError& e) {
-      if (deadline.expired()) {
-        throw ConnectionError(Error::connection(
-            cannotReach(what, joinTimeout, e.error().message()) +
-            "; hosting it here failed too: " + hostError));
-      }
+    } catch (const ConnectionError&) {
+      // Agents that lost a race together do not try again in step.
+      std::this_thread::sleep_for(std::min<Duration>(
+          std::chrono::milliseconds(pauseMs(rng)), deadline.remaining()));
+      throw;
     }
-    probe = kConnectSlice;
-    // Agents that lost a race together do not try again in step.
-    std::this_thread::sleep_for(std::min<Duration>(
-        std::chrono::milliseconds(pauseMs(rng)), deadline.remaining()));
+  };
+  try {
+    connectInSlices(hostOrConnect, deadline, interrupted);
+  } catch (const ConnectionError& e) {
+    throw ConnectionError(
+        Error::connection(cannotReach(what, joinTimeout, e.error().message()) +
+                          "; hosting it here failed too: " + hostError));
   }
-  connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token,
-                    interrupted);
+  if (parts.server) {
+    connectRoundStore(parts, ep, what, readTimeout, joinTimeout, token,
+                      interrupted);
+  }
 }
 
 }  // namespace

@@ -475,9 +475,10 @@ TEST(ElasticMultiNode, AnEndpointHeldThroughoutIsNamedAtTheJoinTimeout) {
   job.start(0, c10d(ep, "2", 1, "join_timeout=2"), {});
   EXPECT_EQ(exitCode(job.wait(0, 15s)), 1) << job.err(0);
   EXPECT_LT(Clock::now() - start, 10s);
-  EXPECT_NE(job.err(0).find("cannot reach the c10d rendezvous endpoint " + ep +
-                            " (--rdzv-endpoint) within join_timeout 2s; last try: "),
-            std::string::npos)
+  EXPECT_NE(
+      job.err(0).find("cannot reach the c10d rendezvous endpoint " + ep +
+                      " (--rdzv-endpoint) within join_timeout 2s; last try: "),
+      std::string::npos)
       << job.err(0);
   EXPECT_NE(job.err(0).find("Connection refused; hosting it here failed too: "
                             "store server cannot listen on " +
@@ -613,7 +614,8 @@ TEST(ElasticMultiNode, TorchsOptOutMakesRankZeroServeTheWorkersStore) {
 
 // ---- The static rendezvous of several nodes ---------------------------------
 
-std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc) {
+std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc,
+                                    const std::string& conf = kConf) {
   return {"--rdzv-backend",     "static",
           "--nnodes",           "2",
           "--node-rank",        std::to_string(nodeRank),
@@ -621,7 +623,7 @@ std::vector<std::string> staticNode(uint16_t port, int nodeRank, int nproc) {
           "--master-port",      std::to_string(port),
           "--nproc-per-node",   std::to_string(nproc),
           "--rdzv-id",          "mnjob",
-          "--rdzv-conf",        kConf,
+          "--rdzv-conf",        conf,
           "--monitor-interval", "0.05",
           "--max-restarts",     "1"};
 }
@@ -951,9 +953,7 @@ TEST_P(SigtermWhileConnecting, StopsTheAgentWithinAboutASecond) {
   } else if (GetParam() == "c10d_host_or_join") {
     flags = c10d(ep, "2", 1, conf);
   } else if (GetParam() == "static") {
-    flags = staticNode(port, 1, 1);
-    flags[std::find(flags.begin(), flags.end(), "--rdzv-conf") - flags.begin() +
-          1] = conf;
+    flags = staticNode(port, 1, 1, conf);
   } else {
     flags = etcd(ep, "2", 1, conf);
   }
