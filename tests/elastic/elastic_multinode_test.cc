@@ -6,9 +6,9 @@
 // Checked: ranks that are complete and consistent across nodes, a worker
 // crash that restarts every node, a SIGKILLed agent whose peers go on
 // without it (scale down), a latecomer taken by the next round (scale up),
-// an unreachable endpoint, an endpoint no agent can bind, a node with
-// another --nproc-per-node, a partitioned node, SIGTERM to an agent still
-// connecting. Every wait is bounded; the test ends only the
+// an unreachable endpoint, an endpoint no agent can bind, a SIGSTOPped host,
+// a node with another --nproc-per-node, a partitioned node, SIGTERM to an
+// agent still connecting. Every wait is bounded; the test ends only the
 // processes it started (by pid) and removes its namespaces even when it
 // fails.
 
@@ -485,6 +485,31 @@ TEST(ElasticMultiNode, AnEndpointHeldThroughoutIsNamedAtTheJoinTimeout) {
                             ep + ": Address already in use"),
             std::string::npos)
       << job.err(0);
+}
+
+// The host agent is SIGSTOPped: its port takes connections but never
+// answers the handshake, and cannot be bound either. A second agent ends
+// at its join_timeout naming both, instead of hanging.
+TEST(ElasticMultiNode, AStoppedHostIsNamedAtTheJoinTimeout) {
+  Job job;
+  const std::string ep = job.loopback();
+  job.start(0, c10d(ep, "2", 1, "join_timeout=30"), {});
+  ASSERT_EQ(job.host(1), 0) << job.allErr();
+  ASSERT_EQ(::kill(job.agent(0).pid, SIGSTOP), 0);  // ours, by pid
+  const auto start = Clock::now();
+  job.start(1, c10d(ep, "2", 1, "join_timeout=3"), {});
+  EXPECT_EQ(exitCode(job.wait(1, 15s)), 1) << job.err(1);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_NE(job.err(1).find("within join_timeout 3s; last try: "),
+            std::string::npos)
+      << job.err(1);
+  EXPECT_NE(job.err(1).find("store handshake: waiting for store server " + ep +
+                            " timed out; hosting it here failed too: store "
+                            "server cannot listen on " +
+                            ep + ": Address already in use"),
+            std::string::npos)
+      << job.err(1);
+  ::kill(job.agent(0).pid, SIGCONT);  // the Job then SIGKILLs it
 }
 
 TEST(ElasticMultiNode, ALatecomerIsTakenByTheNextRound) {
