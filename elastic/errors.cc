@@ -1,8 +1,11 @@
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <exception>
+#include <mutex>
 #include <cxxabi.h>
 #include <execinfo.h>
 #include <fcntl.h>
@@ -363,23 +366,59 @@ Error recordCurrentException(std::optional<std::string> path) noexcept {
   }
 }
 
+namespace {
+
+// Inside a catch block: records the exception in flight and says so on
+// stderr.
+void reportCurrentException() {
+  std::string message = "unknown exception";
+  try {
+    message = recordOfCurrentException().message;
+  } catch (...) {
+  }
+  const Error e = recordCurrentException();
+  std::fprintf(stderr, "%s\n", message.c_str());
+  if (!e.ok()) {
+    std::fprintf(stderr, "(could not write the error file: %s)\n",
+                 e.what().c_str());
+  }
+}
+
+std::atomic<std::terminate_handler> gPreviousTerminate{nullptr};
+std::once_flag gInstallOnce;
+
+[[noreturn]] void onTerminate() {
+  if (std::current_exception() != nullptr) {
+    try {
+      throw;
+    } catch (...) {
+      reportCurrentException();
+    }
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+  if (const std::terminate_handler previous = gPreviousTerminate.load();
+      previous != nullptr) {
+    previous();
+  }
+  std::abort();
+}
+
+}  // namespace
+
 int runAndRecordErrors(const std::function<int()>& body) {
   try {
     return body();
   } catch (...) {
-    std::string message = "unknown exception";
-    try {
-      message = recordOfCurrentException().message;
-    } catch (...) {
-    }
-    const Error e = recordCurrentException();
-    std::fprintf(stderr, "%s\n", message.c_str());
-    if (!e.ok()) {
-      std::fprintf(stderr, "(could not write the error file: %s)\n",
-                   e.what().c_str());
-    }
+    reportCurrentException();
     return 1;
   }
+}
+
+void installErrorFileHandler() noexcept {
+  std::call_once(gInstallOnce, [] {
+    gPreviousTerminate.store(std::set_terminate(&onTerminate));
+  });
 }
 
 }  // namespace trellis::elastic

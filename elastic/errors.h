@@ -80,4 +80,12 @@ Error recordCurrentException(
 // exception gives). Returns body's result otherwise.
 int runAndRecordErrors(const std::function<int()>& body);
 
+// Makes every uncaught exception, on any thread, do what runAndRecordErrors
+// does: std::terminate's handler records the exception in flight (as
+// recordCurrentException), prints its message to stderr and exits the
+// process with status 1. std::terminate without an exception in flight
+// goes on to the handler that was installed before. trellis::init installs
+// it; idempotent, any thread.
+void installErrorFileHandler() noexcept;
+
 }  // namespace trellis::elastic
