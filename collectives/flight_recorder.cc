@@ -263,7 +263,7 @@ Error writeDump(const std::string& dir, const GroupInfo& group,
   }
   const std::string text = toJson(group, entries, reason);
   const std::string tmp = target + ".tmp" + std::to_string(getpid());
-  FILE* f = std::fopen(tmp.c_str(), "w");
+  FILE* f = std::fopen(tmp.c_str(), "we");
   if (f == nullptr) {
     return Error(
         Code::kFailedPrecondition,

@@ -134,7 +134,7 @@ std::string Profiler::chromeTrace() const {
 
 void Profiler::exportChromeTrace(const std::string& path) const {
   const std::string json = chromeTrace();
-  std::FILE* f = std::fopen(path.c_str(), "w");
+  std::FILE* f = std::fopen(path.c_str(), "we");
   if (f == nullptr) {
     throwError(Error::fromErrno(errno, "open " + path));
   }

@@ -2,12 +2,15 @@
 // All store state lives on that thread, so it needs no lock.
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>  // before Boost 1.74 asio, whose awaitable.hpp misses it
 
 #include <boost/asio.hpp>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <trellis/core/auth.h>
 #include <trellis/core/ids.h>
@@ -67,6 +70,7 @@ struct TCPStoreServer::Impl {
   // coroutine frames, whose guards still touch the maps above.
   asio::io_context ioc{1};
   tcp::acceptor acceptor{ioc};
+  tcp protocol = tcp::v4();
   uint16_t port = 0;
   // Started by start() before the server is shared; joined by the first
   // stop() (stopMu serialises concurrent stops).
@@ -94,7 +98,18 @@ void TCPStoreServer::Impl::start() {
         opts.host, std::to_string(opts.port),
         tcp::resolver::passive | tcp::resolver::numeric_service);
     const tcp::endpoint ep = results.begin()->endpoint();
-    acceptor.open(ep.protocol());
+    // Close-on-exec from the start (Asio's open() leaves it inheritable):
+    // a process this one starts, elastic-run's workers and everything they
+    // start, must not hold the store's port.
+    const int fd = ::socket(ep.protocol().family(),
+                            SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+    if (fd < 0) {
+      throw boost::system::system_error(errno, boost::system::system_category(),
+                                        "socket");
+    }
+    acceptor.assign(ep.protocol(), fd);
+    protocol = ep.protocol();
+    acceptor.non_blocking(true);
     acceptor.set_option(tcp::acceptor::reuse_address(true));
     acceptor.bind(ep);
     acceptor.listen(asio::socket_base::max_listen_connections);
@@ -137,10 +152,31 @@ void TCPStoreServer::Impl::stop() {
 asio::awaitable<void> TCPStoreServer::Impl::acceptLoop() {
   for (;;) {
     boost::system::error_code ec;
-    tcp::socket sock = co_await acceptor.async_accept(
-        asio::redirect_error(asio::use_awaitable, ec));
+    co_await acceptor.async_wait(tcp::acceptor::wait_read,
+                                 asio::redirect_error(asio::use_awaitable, ec));
     if (ec == asio::error::operation_aborted || !acceptor.is_open()) {
       co_return;
+    }
+    int fd = -1;
+    if (!ec) {
+      // accept4, not Asio's accept: the connection is close-on-exec from
+      // the start, as the listener is.
+      fd = ::accept4(acceptor.native_handle(), nullptr, nullptr,
+                     SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0 && (errno == EAGAIN || errno == EWOULDBLOCK ||
+                     errno == EINTR || errno == ECONNABORTED)) {
+        continue;  // the peer gave up between readiness and accept
+      }
+      if (fd < 0) {
+        ec.assign(errno, boost::system::system_category());
+      }
+    }
+    tcp::socket sock(ioc);
+    if (!ec) {
+      sock.assign(protocol, fd, ec);
+      if (ec) {
+        ::close(fd);
+      }
     }
     if (ec) {
       // Out of descriptors and the like: keep serving the others and try
