@@ -1,21 +1,27 @@
+#include <algorithm>
 #include <arpa/inet.h>
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fcntl.h>
 #include <filesystem>
 #include <netdb.h>
 #include <poll.h>
+#include <linux/close_range.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <trellis/core/error.h>
 #include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
+#include <trellis/elastic/group_keeper.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/worker_env.h>
 
@@ -135,6 +141,47 @@ struct ChildPlan {
   int stdoutFd = -1;  // dup2'd onto 1 when >= 0
   int stderrFd = -1;
 };
+
+// In a forked child (async-signal-safe): every descriptor from `first` on
+// becomes close-on-exec. close_range(2) does it in one call (Linux 5.11);
+// before that, one fcntl per possible descriptor, bounded.
+void markCloseOnExecFrom(int first) {
+  if (::syscall(SYS_close_range, static_cast<unsigned>(first), ~0U,
+                CLOSE_RANGE_CLOEXEC) == 0) {
+    return;
+  }
+  rlimit lim{};
+  const rlim_t top = ::getrlimit(RLIMIT_NOFILE, &lim) == 0 &&
+                             lim.rlim_cur != RLIM_INFINITY
+                         ? std::min<rlim_t>(lim.rlim_cur, 1 << 20)
+                         : 1 << 16;
+  for (int fd = first; fd < static_cast<int>(top); ++fd) {
+    const int flags = ::fcntl(fd, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) == 0) {
+      ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+    }
+  }
+}
+
+// See AttemptResult::firstFailure.
+std::optional<size_t> rootCause(const std::vector<WorkerExit>& workers) {
+  auto when = [](const WorkerExit& w) {
+    return std::pair{w.error && w.error->timestamp > 0 ? w.error->timestamp
+                                                       : w.endedAtUnix,
+                     w.endedAt};
+  };
+  std::optional<size_t> root;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    const WorkerExit& w = workers[i];
+    if (w.succeeded() || w.pid <= 0 || (w.stoppedByAgent && !w.error)) {
+      continue;
+    }
+    if (!root || when(w) < when(workers[*root])) {
+      root = i;
+    }
+  }
+  return root;
+}
 
 Error makeDirs(const std::string& path) {
   std::error_code ec;
@@ -294,6 +341,8 @@ RunResult Agent::run() {
     throw InvalidArgumentError(Error::invalidArgument("no worker command"));
   }
   SignalScope signals;
+  // Ends what the workers started if this process dies (group_keeper.h).
+  GroupKeeper keeper;
   RunResult result;
   result.runId = options_.rdzvId;
   result.runLogDir = makeRunLogDir(options_, config_.env);
@@ -425,7 +474,7 @@ RunResult Agent::run() {
             t.file = file;
             t.console =
                 stream == 1 ? config_.consoleOutFd : config_.consoleErrFd;
-            t.prefix = "[" + options_.role + "/" + std::to_string(lr) + "]:";
+            t.prefix = "[" + options_.role + std::to_string(lr) + "]:";
             childFd = fds[1];
           } else {
             childFd = file;
@@ -467,6 +516,12 @@ RunResult Agent::run() {
         if (plan.stderrFd >= 0) {
           ::dup2(plan.stderrFd, 2);
         }
+        // The worker gets stdin, stdout and stderr, nothing else of the
+        // agent's: not the rendezvous store's port, the log files or other
+        // workers' pipes, whatever opened them without close-on-exec
+        // (torchrun's subprocess closes them too). Marked, not closed, so
+        // that execPipe still reports a failed exec.
+        markCloseOnExecFrom(3);
         ::execvpe(plan.argv[0], plan.argv.data(), plan.envp.data());
         const int err = errno;
         [[maybe_unused]] const ssize_t n =
@@ -476,6 +531,7 @@ RunResult Agent::run() {
       // Also here, so that a signal sent right after fork() finds the group.
       ::setpgid(pid, pid);
       w.exit.pid = pid;
+      keeper.watch(pid);
       ::close(execPipe[1]);
       for (int fd : toCloseInParent) {
         if (fd != w.tees[0].file && fd != w.tees[1].file) {
@@ -619,7 +675,9 @@ RunResult Agent::run() {
           continue;
         }
         w.reaped = true;
+        keeper.forget(w.exit.pid);
         w.exit.endedAt = Clock::now();
+        w.exit.endedAtUnix = static_cast<int64_t>(std::time(nullptr));
         if (WIFSIGNALED(status)) {
           w.exit.signal = WTERMSIG(status);
         } else {
@@ -683,6 +741,9 @@ RunResult Agent::run() {
       }
       attempt.workers.push_back(w.exit);
     }
+    if (const auto root = rootCause(attempt.workers)) {
+      attempt.firstFailure = root;
+    }
     result.attempts.push_back(attempt);
 
     if (execFailure) {
@@ -693,7 +754,7 @@ RunResult Agent::run() {
       return result;
     }
     if (agentSignal != 0) {
-      return signalled("; the workers were stopped");
+      return signalled("while the workers ran; they were stopped");
     }
     if (rdzvLost) {
       return fail(kExitWorkerFailed, "lost the rendezvous (" + *rdzvLost +
@@ -770,7 +831,9 @@ RunResult Agent::run() {
       const WorkerExit& f = attempt.workers[*attempt.firstFailure];
       s += "\n  first failure: local rank " + std::to_string(f.localRank) +
            " (rank " + std::to_string(f.rank) + ", pid " +
-           std::to_string(f.pid) + ") " + f.describe();
+           std::to_string(f.pid) + ") " + f.describe() +
+           (f.stoppedByAgent ? " (stopped by the agent after its error)"
+                             : "");
       if (f.error) {
         // A summary line, not a dump: the file has the rest.
         constexpr size_t kShown = 4096;

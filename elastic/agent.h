@@ -25,7 +25,9 @@
 // Workers: fork + execvp of ElasticOptions::workerArgv with the environment
 // of workerEnvironment(); each is the leader of its own process group, gets
 // PR_SET_PDEATHSIG(SIGKILL) and checks that the agent is still its parent,
-// so none outlives an agent that is SIGKILLed. An exec failure is reported
+// so none outlives an agent that is SIGKILLed; what a worker started in its
+// group goes too (group_keeper.h). A worker inherits stdin, stdout and
+// stderr and no other descriptor of the agent's. An exec failure is reported
 // through a close-on-exec pipe and ends the run (it would fail every
 // attempt): FAILED, exit status kExitExecFailed, naming the program.
 //
@@ -101,6 +103,7 @@ struct WorkerExit {
   std::string errorFile;             // its TORCHELASTIC_ERROR_FILE
   std::optional<ErrorRecord> error;  // what it recorded there, if anything
   std::chrono::steady_clock::time_point endedAt{};
+  int64_t endedAtUnix = 0;  // the same, in seconds since the epoch
 
   bool succeeded() const { return signal == 0 && exitCode == 0; }
   // "exited with code 3", "killed by signal 9 (SIGKILL)".
@@ -110,7 +113,10 @@ struct WorkerExit {
 struct AttemptResult {
   int32_t restartCount = 0;
   std::vector<WorkerExit> workers;  // by local rank
-  // Index into `workers` of the first worker that failed on its own.
+  // Index into `workers` of the root cause, as torchrun picks it: the
+  // earliest error by the time in its error file; a worker without a file
+  // counts by when it ended, and one the agent stopped without a file is
+  // not a candidate.
   std::optional<size_t> firstFailure;
 };
 

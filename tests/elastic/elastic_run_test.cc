@@ -4,14 +4,18 @@
 // the log layout. Every wait is bounded; the test ends only the processes
 // it started (by pid).
 
+#include <arpa/inet.h>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <netinet/in.h>
 #include <sstream>
 #include <string>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <thread>
 #include <vector>
@@ -258,6 +262,27 @@ TEST(ElasticRun, BudgetSpentNamesTheFirstFailureAndItsMessage) {
   EXPECT_EQ(run.env(1, 1).at("TORCHELASTIC_RESTART_COUNT"), "1");
 }
 
+// The root cause is the earliest error, as torchrun picks it: rank 1
+// records its error and is slow to go; rank 0 fails 1.5 s later because of
+// it (no error file) and is the first to end. The summary names rank 1, and
+// rank 0 as what followed.
+TEST(ElasticRun, TheSummaryNamesTheEarliestErrorNotTheFirstToExit) {
+  AgentRun run;
+  run.start({"--standalone", "--nproc-per-node", "2", "--max-restarts", "0"},
+            {"--fail-rank", "1", "--fail-after-ms", "20000", "--exit-rank",
+             "0", "--exit-code", "5", "--sleep-ms", "1500"},
+            {"TRELLIS_ELASTIC_STOP_GRACE_S=2"});
+  EXPECT_EQ(exitCode(run.wait()), 1) << run.agentErr();
+  const std::string err = run.agentErr();
+  EXPECT_NE(err.find("first failure: local rank 1 (rank 1"), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("message: std::runtime_error: boom from rank 1"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("local rank 0: exited with code 5"), std::string::npos)
+      << err;
+}
+
 // A worker's message too big for an error file still reaches the agent's
 // summary, cut (the writer keeps within the reader's bound); a file the
 // reader refuses is named in the agent's log.
@@ -304,6 +329,10 @@ TEST(ElasticRun, SigtermStopsEveryWorkerAndExits143) {
     EXPECT_TRUE(processGone(pid)) << "worker " << pid << " survived";
   }
   EXPECT_NE(run.agentErr().find("got SIGTERM"), std::string::npos);
+  EXPECT_NE(run.agentErr().find("elastic-run: error: stopped by SIGTERM while "
+                                "the workers ran; they were stopped\n"),
+            std::string::npos)
+      << run.agentErr();
 }
 
 TEST(ElasticRun, WorkerIgnoringTheSignalIsKilledAfterTheGrace) {
@@ -336,6 +365,83 @@ TEST(ElasticRun, NoWorkerSurvivesAnAgentThatIsKilled) {
   for (pid_t pid : pids) {
     EXPECT_TRUE(waitGone(pid, 5s)) << "worker " << pid << " survived";
   }
+}
+
+// What a worker starts goes with a SIGKILLed agent (the keeper ends the
+// worker's process group), and a worker gets stdin, stdout and stderr of
+// the agent's descriptors and nothing else, so a child that left the group
+// (setsid) and outlives the agent does not hold the agent's rendezvous
+// port: a relaunch could host the endpoint again.
+TEST(ElasticRun, AKilledAgentTakesItsWorkersChildrenAndLeavesItsPortFree) {
+  const trellis::testing::PortReservation reserved;
+  const std::string port = std::to_string(reserved.port());
+  AgentRun run;
+  const auto grouped = run.dir() / "grouped";
+  const auto escaped = run.dir() / "escaped";
+  const auto fdsFile = run.dir() / "fds";
+  run.start({"--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend",
+             "c10d", "--rdzv-endpoint", "127.0.0.1:" + port, "--rdzv-id",
+             "orphans"},
+            {"-c", "ls -l /proc/self/fd > " + fdsFile.string() +
+                       "; sleep 40 & echo $! > " + grouped.string() +
+                       "; setsid sleep 40 & echo $! > " + escaped.string() +
+                       "; wait"},
+            {}, "/bin/sh");
+  auto readPid = [](const std::filesystem::path& file) {
+    pid_t pid = 0;
+    const auto end = Clock::now() + 20s;
+    while (pid <= 0 && Clock::now() < end) {
+      pid = static_cast<pid_t>(std::atoi(readFile(file).c_str()));
+      std::this_thread::sleep_for(10ms);
+    }
+    return pid;
+  };
+  const pid_t child = readPid(grouped);
+  const pid_t loner = readPid(escaped);
+  ASSERT_GT(child, 0) << run.agentErr();
+  ASSERT_GT(loner, 0) << run.agentErr();
+  // What the worker's shell passed on to ls: 0, 1, 2 and ls's own
+  // listing of /proc/self/fd, nothing else.
+  const std::string fds = readFile(fdsFile);
+  std::istringstream lines(fds);
+  int others = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto arrow = line.find(" -> ");
+    if (arrow == std::string::npos) {
+      continue;  // "total 0"
+    }
+    const auto name = line.rfind(' ', arrow - 1);
+    const int fd = std::atoi(line.c_str() + name + 1);
+    others += fd > 2 && line.find(" -> /proc/", arrow) == std::string::npos;
+  }
+  EXPECT_EQ(others, 0) << fds;
+  EXPECT_NE(fds.find(" 2 -> "), std::string::npos) << fds;
+
+  ASSERT_EQ(::kill(run.agent().pid, SIGKILL), 0);
+  run.wait(5s);
+  EXPECT_TRUE(waitGone(child, 5s)) << "the worker's child outlived the agent";
+  EXPECT_FALSE(processGone(loner)) << "setsid's child left the group";
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(reserved.port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool bound =
+      ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::listen(fd, 1) == 0;
+  const int err = errno;
+  ::close(fd);
+  // Started by this test's worker; by pid.
+  for (pid_t pid : {child, loner}) {
+    if (!processGone(pid)) {
+      ::kill(pid, SIGKILL);
+    }
+  }
+  EXPECT_TRUE(waitGone(loner, 5s));
+  EXPECT_TRUE(bound) << "the port is held after the agent died: "
+                     << std::strerror(err);
 }
 
 TEST(ElasticRun, MissingProgramIsNamed) {
@@ -373,8 +479,8 @@ TEST(ElasticRun, TeePrefixesLinesAndLogDirHoldsEachAttempt) {
             {"--print", "hello"});
   EXPECT_EQ(exitCode(run.wait()), 0) << run.agentErr();
   const std::string out = run.agentOut();
-  EXPECT_NE(out.find("[default/1]:hello"), std::string::npos) << out;
-  EXPECT_EQ(out.find("[default/0]:"), std::string::npos) << out;
+  EXPECT_NE(out.find("[default1]:hello"), std::string::npos) << out;
+  EXPECT_EQ(out.find("[default0]:"), std::string::npos) << out;
   // The files hold every rank's raw lines, filter or not.
   std::vector<std::filesystem::path> runDirs;
   for (const auto& e :

@@ -8,7 +8,12 @@
 //                      (default: every attempt)
 //   --fail-pad N       ... with N more bytes ('x') after that message
 //   --fail-garbage     ... writing "not json" as its error file instead
+//   --fail-after-ms M  ... M ms after it recorded the error (a worker
+//                      that is slow to go after its failure)
 //   --sleep-ms M       sleep M ms before exiting (0 by default)
+//   --exit-rank R      rank R exits with --exit-code's status after its
+//   --exit-code C      sleep, recording nothing (a worker that fails as a
+//                      consequence of another's failure)
 //   --sleep-first-ms M sleep M ms more when TORCHELASTIC_RESTART_COUNT is 0
 //   --ignore-signals   ignore SIGTERM, SIGINT, SIGHUP (needs SIGKILL)
 //   --print TEXT       print TEXT on stdout and stderr first
@@ -123,6 +128,9 @@ int main(int argc, char** argv) {
   bool store = false;
   long failPad = 0;
   bool failGarbage = false;
+  long failAfterMs = 0;
+  int exitRank = -1;
+  int exitCode = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const char* next = i + 1 < argc ? argv[i + 1] : "";
@@ -137,6 +145,15 @@ int main(int argc, char** argv) {
       ++i;
     } else if (a == "--fail-pad") {
       failPad = std::atol(next);
+      ++i;
+    } else if (a == "--fail-after-ms") {
+      failAfterMs = std::atol(next);
+      ++i;
+    } else if (a == "--exit-rank") {
+      exitRank = std::atoi(next);
+      ++i;
+    } else if (a == "--exit-code") {
+      exitCode = std::atoi(next);
       ++i;
     } else if (a == "--fail-garbage") {
       failGarbage = true;
@@ -196,11 +213,12 @@ int main(int argc, char** argv) {
     } catch (...) {
       (void)trellis::elastic::recordCurrentException();  // exits 3 anyway
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(failAfterMs));
     return 3;
   }
   if (restart == "0") {
     sleepMs += sleepFirstMs;
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(sleepMs));
-  return 0;
+  return std::to_string(exitRank) == rank ? exitCode : 0;
 }
