@@ -35,11 +35,8 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
-#include <trellis/collectives/process_group.h>
-#include <trellis/core/worker_env.h>
-#include <trellis/ddp/distributed_data_parallel.h>
-#include <trellis/ddp/join.h>
-#include <trellis/ddp/sync_batch_norm.h>
+#include "cli_checks.h"
+#include <trellis/trellis.h>
 
 using Clock = std::chrono::steady_clock;
 
@@ -328,35 +325,36 @@ int main(int argc, char** argv) {
   double lr = 0.05;
   bool syncBn = true;
   app.add_option("--epochs", epochs, "passes over the training set")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--batch-size", batchSize, "images per rank per step")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--train-limit", trainLimit,
                  "use the first N training images (0: all 60,000)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(trellis::examples::wholeNumberFrom(0));
   app.add_option("--test-limit", testLimit,
                  "use the first N test images (0: all 10,000)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(trellis::examples::wholeNumberFrom(0));
   app.add_option("--data-dir", dataDir,
                  "the idx files (Debian package dataset-fashion-mnist)");
   app.add_option("--seed", seed, "initial weights and shuffling");
   app.add_option("--lr", lr,
                  "SGD learning rate (momentum 0.9), at the start; a cosine "
                  "takes it to 0 at the end")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::positiveReal());
   app.add_flag("!--no-sync-bn", syncBn,
                "plain BatchNorm (per-rank statistics) instead of "
                "SyncBatchNorm");
   CLI11_PARSE(app, argc, argv);
 
-  try {
-    const auto env = trellis::WorkerEnv::fromEnvironment();
-    // One intra-op thread per core this process may use.
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    at::set_num_threads(static_cast<int>(
-        std::max<unsigned>(1, cores / std::max(1, env.localWorldSize))));
-
-    auto pg = trellis::collectives::ProcessGroup::fromEnvironment();
+  // Every rank in job.group(); an exception that escapes main is written
+  // to the launcher's error file (job.h).
+  auto job = trellis::init();
+  // One intra-op thread per core this process may use.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  at::set_num_threads(static_cast<int>(
+      std::max<unsigned>(1, cores / std::max(1, job.env().localWorldSize))));
+  {
+    const auto& pg = job.group();
     const int rank = pg->rank();
     const int worldSize = pg->size();
     std::vector<int> all(static_cast<size_t>(worldSize));
@@ -469,9 +467,6 @@ int main(int argc, char** argv) {
       std::printf("  %-58s %.3f\n", "this run", accuracy);
       std::fflush(stdout);
     }
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "ddp_fashion_mnist: %s\n", e.what());
-    return 1;
   }
+  return 0;
 }

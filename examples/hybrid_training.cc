@@ -42,6 +42,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -50,18 +51,12 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include "cli_checks.h"
 #include "click_data.h"
 #include "dlrm.h"
 #include "row_shards.h"
-#include <trellis/collectives/process_group.h>
 #include <trellis/core/text.h>
-#include <trellis/core/worker_env.h>
-#include <trellis/ddp/distributed_data_parallel.h>
-#include <trellis/elastic/checkpoint.h>
-#include <trellis/rpc.h>
-#include <trellis/store/prefix_store.h>
-#include <trellis/store/tcp_store.h>
-#include <trellis/store/worker_store.h>
+#include <trellis/trellis.h>
 
 namespace rpc = trellis::rpc;
 namespace da = trellis::dist_autograd;
@@ -697,28 +692,28 @@ int main(int argc, char** argv) {
       "mpirun; ranks 0..servers-1 are parameter servers, the rest trainers)"};
   Flags f;
   app.add_option("--steps", f.steps, "training steps (per trainer)")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--batch", f.batch, "samples per trainer and step")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--servers", f.servers, "parameter-server ranks")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--tables", f.tables, "embedding tables")
       ->check(CLI::Range(1, 64));
   app.add_option("--rows", f.rows, "rows per table")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--dim", f.dim, "embedding dimension")
       ->check(CLI::Range(1, 4096));
   app.add_option("--dense-features", f.denseFeatures, "dense features")
       ->check(CLI::Range(1, 4096));
   app.add_option("--lr", f.lr, "Adagrad learning rate (tables and dense part)")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::positiveReal());
   app.add_option("--log-every", f.logEvery, "progress every N steps")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--eval-samples", f.evalSamples, "held-out samples")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--checkpoint-every", f.checkpointEvery,
                  "checkpoint every N steps (0: never)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(trellis::examples::wholeNumberFrom(0));
   app.add_option("--checkpoint-dir", f.checkpointDir,
                  "checkpoint directory, shared by the job's ranks (default "
                  "<tmp>/trellis-hybrid/<TORCHELASTIC_RUN_ID>)");
@@ -736,7 +731,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "seed of the hidden model, data and init");
   app.add_option("--timeout-s", f.timeoutS,
                  "bound on every RPC and collective, in seconds")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::positiveReal());
   CLI11_PARSE(app, argc, argv);
 
   trellis::WorkerEnv env;
@@ -769,87 +764,51 @@ int main(int argc, char** argv) {
   const auto timeout = std::chrono::duration_cast<trellis::Duration>(
       std::chrono::duration<double>(f.timeoutS));
 
+  const bool isServer = rank < f.servers;
+  if (isServer) {
+    ServerShard::setCheckpointDir(dir / ("server" + std::to_string(rank)));
+    std::lock_guard<std::mutex> lock(gShardMu);
+    gShard = std::make_shared<ServerShard>(rank, f.tables, f.rows, f.dim,
+                                           f.servers,
+                                           static_cast<uint64_t>(f.seed), f.lr);
+  }
+  std::vector<int> trainerRanks(static_cast<size_t>(trainers));
+  std::iota(trainerRanks.begin(), trainerRanks.end(), static_cast<int>(f.servers));
   int rc = 0;
-  try {
-    // One store for the job, shared by RPC and the trainers' process group
-    // under their own prefixes: rank 0 serves it, or elastic-run's agents
-    // do (TORCHELASTIC_USE_AGENT_STORE=True with c10d: store/worker_store.h).
-    trellis::store::WorkerStoreOptions so;
-    so.jobToken = env.jobToken;
-    so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
-    so.connectTimeout = so.timeout;
-    trellis::store::WorkerStore ws =
-        trellis::store::connectWorkerStore(env.master, rank, so);
-    const std::shared_ptr<trellis::store::TCPStoreServer> server = ws.server;
-    const std::shared_ptr<trellis::store::Store> store = ws.store;
-
-    const bool isServer = rank < f.servers;
-    if (isServer) {
-      ServerShard::setCheckpointDir(dir / ("server" + std::to_string(rank)));
-      std::lock_guard<std::mutex> lock(gShardMu);
-      gShard = std::make_shared<ServerShard>(
-          rank, f.tables, f.rows, f.dim, f.servers,
-          static_cast<uint64_t>(f.seed), f.lr);
+  // RPC over every rank, the trainers' group, the exit barrier (job.h).
+  auto job = trellis::init(
+      {.rpcName = isServer ? "ps" + std::to_string(rank)
+                           : "trainer" + std::to_string(rank - f.servers),
+       .groupRanks = trainerRanks,
+       .timeout = timeout});
+  if (job.inGroup()) {
+    Trainer trainer(f, job.group()->rank(), trainers, restartCount, dir,
+                    job.group());
+    rc = trainer.run();
+  }
+  // Servers serve until every trainer is done (graceful shutdown waits
+  // for all of them); then their rows are final.
+  rpc::shutdown();
+  if (isServer) {
+    int64_t changedUnlooked = 0;
+    for (int64_t t = 0; t < gShard->tables(); ++t) {
+      const auto s = gShard->stats(t);
+      std::printf("ps%d table%" PRId64 "/shard%d: %" PRId64
+                  " rows looked up in training, %" PRId64 " changed, %" PRId64
+                  " changed without a lookup\n",
+                  rank, t, rank, s.looked, s.changed, s.changedUnlooked);
+      changedUnlooked += s.changedUnlooked;
     }
-    rpc::RpcOptions options;
-    options.store =
-        std::make_shared<trellis::store::PrefixStore>("rpc/", store);
-    options.defaultTimeout = timeout;
-    options.shutdownDrainTimeout = timeout;
-    rpc::init(isServer ? "ps" + std::to_string(rank)
-                       : "trainer" + std::to_string(rank - f.servers),
-              rank, worldSize, options);
-    if (!isServer) {
-      trellis::collectives::ProcessGroupOptions po;
-      po.timeout = timeout;
-      auto group = trellis::collectives::ProcessGroup::create(
-          "cpu",
-          std::make_shared<trellis::store::PrefixStore>("trainers/", store),
-          rank - static_cast<int>(f.servers), trainers, po);
-      Trainer trainer(f, rank - static_cast<int>(f.servers), trainers,
-                      restartCount, dir, group);
-      rc = trainer.run();
-    }
-    // Servers serve until every trainer is done (graceful shutdown waits
-    // for all of them).
-    rpc::shutdown();
-    if (isServer) {
-      int64_t changedUnlooked = 0;
-      for (int64_t t = 0; t < gShard->tables(); ++t) {
-        const auto s = gShard->stats(t);
-        std::printf("ps%d table%" PRId64 "/shard%d: %" PRId64
-                    " rows looked up in training, %" PRId64 " changed, %" PRId64
-                    " changed without a lookup\n",
-                    rank, t, rank, s.looked, s.changed, s.changedUnlooked);
-        changedUnlooked += s.changedUnlooked;
-      }
-      std::fflush(stdout);
-      rc = changedUnlooked == 0 ? 0 : 6;
-    }
-    // Rank 0 may serve the store: it stays until every rank is past its own
-    // shutdown, which still talks to the store after rank 0's returned.
-    // Each rank leaves its exit status.
-    store->set("exit/" + std::to_string(rank), std::to_string(rc));
-    if (rank == 0) {
-      std::vector<std::string> keys;
-      for (int r = 0; r < worldSize; ++r) {
-        keys.push_back("exit/" + std::to_string(r));
-      }
-      store->wait(keys, so.timeout);
-      bool allZero = true;
-      for (const auto& v : store->multiGet(keys)) {
-        allZero = allZero && v.size() == 1 && v[0] == '0';
-      }
-      // A job that ended well needs its checkpoints in the default place
-      // no more (a given --checkpoint-dir is the user's to keep); after a
-      // failure elastic-run may restart the group from them.
-      if (allZero && f.checkpointDir.empty()) {
-        trellis::removeTree(dir);
-      }
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "hybrid_training rank %d: %s\n", rank, e.what());
-    return 1;
+    std::fflush(stdout);
+    rc = changedUnlooked == 0 ? 0 : 6;
+  }
+  // Rank 0 learns every rank's exit code. A job that ended well needs its
+  // checkpoints in the default place no more (a given --checkpoint-dir is
+  // the user's to keep); after a failure elastic-run may restart the group
+  // from them.
+  const int jobRc = job.shutdown(rc);
+  if (rank == 0 && jobRc == 0 && f.checkpointDir.empty()) {
+    trellis::removeTree(dir);
   }
   return rc;
 }

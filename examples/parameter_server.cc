@@ -29,6 +29,7 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include "cli_checks.h"
 #include "click_data.h"
 #include <trellis/rpc.h>
 
@@ -260,17 +261,17 @@ int main(int argc, char** argv) {
       "mpirun)"};
   Flags f;
   app.add_option("--steps", f.steps, "training steps per trainer")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--batch", f.batch, "bags per step")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--log-every", f.logEvery, "print progress every N steps")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--eval-samples", f.evalSamples, "held-out samples")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--rows", f.rows, "embedding table rows (items)")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--dim", f.dim, "embedding dimension")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::wholeNumberFrom(1));
   app.add_option("--lr", f.lr, "Adagrad learning rate");
   app.add_option("--seed", f.seed, "seed of the hidden model and the data");
   app.add_option("--weight-std", f.weightStd,
@@ -279,7 +280,7 @@ int main(int argc, char** argv) {
   app.add_option("--rpc-timeout-s", f.rpcTimeoutS,
                  "bound on every RPC (and on each step of a graceful "
                  "shutdown) in seconds")
-      ->check(CLI::PositiveNumber);
+      ->check(trellis::examples::positiveReal());
   CLI11_PARSE(app, argc, argv);
 
   trellis::WorkerEnv env;

@@ -144,4 +144,20 @@ set -e
 [[ $rc -eq 2 ]] || fail "a bad TORCHELASTIC_RESTART_COUNT gave exit $rc: $out"
 expect_line "TORCHELASTIC_RESTART_COUNT is not a count: 'x1'" \
   "the bad variable is not named"
+
+# A bad flag is refused in the flag's own terms, before anything starts.
+for bad in "--steps 0" "--timeout-s 0" "--checkpoint-every -1"; do
+  set +e
+  # shellcheck disable=SC2086  # $bad is a flag and its value
+  out=$(timeout 30 "$job" $bad 2>&1)
+  rc=$?
+  set -e
+  [[ $rc -ne 0 ]] || fail "$bad was accepted: $out"
+done
+out=$(timeout 30 "$job" --steps 0 2>&1 || true)
+expect_line "--steps: must be a whole number of at least 1 (got '0')" \
+  "--steps 0 is not refused in the flag's terms"
+out=$(timeout 30 "$job" --timeout-s 0 2>&1 || true)
+expect_line "--timeout-s: must be a number above 0 (got '0')" \
+  "--timeout-s 0 is not refused in the flag's terms"
 echo "PASS"
