@@ -79,8 +79,8 @@ function(trellis_test name)
 endfunction()
 
 # Cases the sanitizer builds leave out of every test binary: gtest negative
-# patterns, ':'-separated (the Makefile passes its list; README,
-# "Quickstart: the two commands").
+# patterns, ':'-separated (the Makefile passes its list;
+# docs/building.md).
 set(TRELLIS_SANITIZER_GTEST_SKIP "" CACHE STRING
     "gtest patterns of cases the sanitizer test runs skip")
 
