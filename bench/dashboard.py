@@ -12,8 +12,7 @@
   bench/dashboard.py --from-json DIR               # table from saved runs
 
 Each program prints one JSON object per line (--json). The table lists the
-figures that have a target (the issues that set them are named in
-docs/benchmarks.md) plus a few orientation figures; a ratio is the figure
+figures that have a target plus a few orientation figures; a ratio is the figure
 over the baseline named next to it, both from the same run. With
 --repeat N, a row's value and baseline are the medians over the N runs,
 its ratio is the median of the N per-run ratios (each still a pair from
