@@ -303,7 +303,7 @@ class CmaChannel final : public Channel {
     }
     // Off the loop thread; a large copy in page-aligned pieces, one per
     // worker, since one process_vm_readv runs on one core at well under
-    // memcpy speed (docs/benchmarks.md, "cma channel").
+    // memcpy speed (docs/transport.md, "cma channel").
     const size_t length = dst.length;
     size_t pieces = 1;
     if (options_.splitBytes > 0 && length >= options_.splitBytes) {

@@ -23,8 +23,8 @@ constexpr unsigned kUserTimeoutMs = 30000;
 // Each read() asks for at most this much, even when the reader's buffer is
 // larger. Measured on loopback: 64 KiB reads (one loopback segment) move 1
 // to 64 MiB payloads 1.3-2x faster than one read per payload, and raw
-// sockets read the same way gain as much (docs/benchmarks.md, "uv reads in
-// 64 KiB pieces"). Our reading of it: the window update that lets the
+// sockets read the same way gain as much (docs/transport.md,
+// "Reading"). Our reading of it: the window update that lets the
 // sender go on leaves only when a read returns, so a read that drains a
 // deep receive queue makes the sender's copy and ours take turns.
 constexpr size_t kMaxRead = size_t{64} << 10;
