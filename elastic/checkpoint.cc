@@ -194,25 +194,34 @@ std::optional<Checkpoints::Loaded> Checkpoints::loadLatest(
 }
 
 std::optional<Checkpoints::Loaded> Checkpoints::load(
-    int64_t step, std::optional<torch::Device> device) const {
+    int64_t step, std::optional<torch::Device> device, std::string* why) const {
+  std::string ignored;
+  std::string& reason = why != nullptr ? *why : ignored;
   if (step < 0) {
+    reason = "no checkpoint has a negative step";
     return std::nullopt;
   }
   const fs::path path = pathOf(step);
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    if (errno != ENOENT) {
+    const int err = errno;
+    if (err == ENOENT) {
+      reason = path.string() + " does not exist";
+    } else {
+      reason = path.string() + " cannot be opened: " + std::strerror(err);
       TRELLIS_LOG_WARN("checkpoint {}: skipped: cannot be opened: {}",
-                       path.string(), std::strerror(errno));
+                       path.string(), std::strerror(err));
     }
     return std::nullopt;
   }
   std::string bytes((std::istreambuf_iterator<char>(in)),
                     std::istreambuf_iterator<char>());
-  std::string why;
-  const std::optional<std::string_view> payload = payloadOf(bytes, step, &why);
+  std::string damage;
+  const std::optional<std::string_view> payload =
+      payloadOf(bytes, step, &damage);
   if (!payload) {
-    TRELLIS_LOG_WARN("checkpoint {}: skipped: it {}", path.string(), why);
+    reason = path.string() + ": it " + damage;
+    TRELLIS_LOG_WARN("checkpoint {}: skipped: it {}", path.string(), damage);
     return std::nullopt;
   }
   Loaded loaded;
@@ -225,6 +234,7 @@ std::optional<Checkpoints::Loaded> Checkpoints::load(
   } catch (const std::exception& e) {
     // Whole by its checksum, but not an archive torch reads (written by
     // another libtorch, say): the same as damage.
+    reason = path.string() + ": torch cannot read it: " + e.what();
     TRELLIS_LOG_WARN("checkpoint {}: skipped: torch cannot read it: {}",
                      path.string(), e.what());
     return std::nullopt;

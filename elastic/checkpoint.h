@@ -83,9 +83,12 @@ class Checkpoints {
       std::optional<torch::Device> device = std::nullopt) const;
 
   // Checkpoint `step`, or nullopt when it is absent or damaged (damage is
-  // logged as for loadLatest).
-  std::optional<Loaded> load(
-      int64_t step, std::optional<torch::Device> device = std::nullopt) const;
+  // logged as for loadLatest). With `why`, what was wrong, naming the file
+  // ("<path> does not exist", "<path>: its SHA-256 does not match its
+  // payload", ...).
+  std::optional<Loaded> load(int64_t step,
+                             std::optional<torch::Device> device = std::nullopt,
+                             std::string* why = nullptr) const;
 
   // Steps of the checkpoint files present, oldest first, whole or not.
   std::vector<int64_t> steps() const;

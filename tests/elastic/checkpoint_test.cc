@@ -106,6 +106,11 @@ TEST(Checkpoints, KeepsTheLastKAndLoadsTheNewestByStepNotByName) {
   EXPECT_EQ(c.load(100)->step, 100);
   EXPECT_FALSE(c.load(10).has_value());  // pruned
   EXPECT_FALSE(c.load(-1).has_value());
+  // Why not, naming the file.
+  std::string why;
+  EXPECT_FALSE(c.load(10, std::nullopt, &why).has_value());
+  EXPECT_EQ(why, (dir.path / "rank3-000000000010.ckpt").string() +
+                     " does not exist");
   // Another prefix in the same directory is left alone.
   Checkpoints other({.dir = dir.path, .prefix = "rank4", .keepLast = 1});
   saveStep(other, 5, m, opt);
@@ -150,7 +155,9 @@ TEST(Checkpoints, DamagedNewestIsSkippedForTheOneBefore) {
     auto last = c.loadLatest();
     ASSERT_TRUE(last.has_value()) << k.what;
     EXPECT_EQ(last->step, 1) << k.what;
-    EXPECT_FALSE(c.load(2).has_value()) << k.what;
+    std::string why;
+    EXPECT_FALSE(c.load(2, std::nullopt, &why).has_value()) << k.what;
+    EXPECT_EQ(why.rfind(newest.string() + ": ", 0), 0u) << k.what << ": " << why;
   }
   // A file renamed to another step's name is refused: its header says
   // otherwise.
@@ -160,6 +167,9 @@ TEST(Checkpoints, DamagedNewestIsSkippedForTheOneBefore) {
       1, [&](torch::serialize::OutputArchive& a) { saveModule(a, "m", *m); });
   fs::rename(one, dir.path / "checkpoint-000000000005.ckpt");
   EXPECT_FALSE(c.loadLatest().has_value());
+  std::string why;
+  EXPECT_FALSE(c.load(5, std::nullopt, &why).has_value());
+  EXPECT_NE(why.find("records step 1"), std::string::npos) << why;
 }
 
 TEST(Checkpoints, BadOptionsAndStepsAreRefusedNamingThem) {
