@@ -21,12 +21,15 @@
 // the dense part.
 //
 // Fault tolerance: every --checkpoint-every steps the group checkpoints
-// (trainers: the dense part and its optimizer state; servers: their rows
-// and their Adagrad state). --fail-at-step S makes the last trainer exit
-// abnormally at step S of the first attempt; elastic-run restarts the group,
-// which resumes from the last checkpoint every rank completed. The data are a
-// deterministic function of (seed, trainer, step), so a resumed run trains
-// on what an undisturbed one would have.
+// (servers: their rows and their Adagrad state; then trainer 0: the dense
+// part and its optimizer state, the same on every trainer). --fail-at-step
+// S makes the last trainer exit abnormally at step S of the first attempt;
+// elastic-run restarts the group, which resumes from the newest checkpoint
+// that is whole on every rank (a damaged one is skipped, saying why), with
+// any number of trainers: one that joins on a scale-up takes the common
+// dense part. The number of servers must stay the same (the rows are
+// sharded by it). The data are a deterministic function of (seed, trainer,
+// step), so a resumed run trains on what an undisturbed one would have.
 #include <ATen/CPUGeneratorImpl.h>
 #include <algorithm>
 #include <atomic>
@@ -112,7 +115,7 @@ class ServerShard {
  public:
   ServerShard(int64_t server, int64_t tables, int64_t rowsPerTable, int64_t dim,
               int64_t servers, uint64_t seed, double lr)
-      : server_(server) {
+      : server_(server), servers_(servers) {
     const int64_t rows = shardRows(rowsPerTable, servers, server);
     at::NoGradGuard noGrad;
     weight_ = at::empty({tables * rows, dim});
@@ -172,27 +175,42 @@ class ServerShard {
     checkpoints().save(step, [&](torch::serialize::OutputArchive& a) {
       a.write("weight", weight_.detach());
       a.write("optimizer", c10::IValue(state));
+      a.write("servers", c10::IValue(servers_));
     });
     return true;
   }
 
-  // Back to checkpoint `step`; false when this server does not have it.
-  bool restore(int64_t step) {
-    auto loaded = checkpoints().load(step);
+  // Back to checkpoint `step`: "" when done, else why not (naming the
+  // file), and this server's state is unchanged. Rows are sharded by the
+  // number of servers, so a checkpoint taken with another number is
+  // refused rather than re-sharded.
+  std::string restore(int64_t step) {
+    std::string why;
+    auto loaded = checkpoints().load(step, std::nullopt, &why);
     if (!loaded) {
-      return false;
+      return why;
+    }
+    const std::string file = loaded->path.string();
+    c10::IValue servers;
+    if (!loaded->archive.try_read("servers", servers) || !servers.isInt() ||
+        servers.toInt() != servers_) {
+      return file + " was taken with " +
+             (servers.isInt() ? std::to_string(servers.toInt()) : "an unknown number of") +
+             " servers and this job has " + std::to_string(servers_) +
+             " (--servers): the rows are sharded by the number of servers and "
+             "are not re-sharded; resume with as many servers, or start "
+             "afresh in another --checkpoint-dir";
     }
     at::Tensor w;
     loaded->archive.read("weight", w);
     if (!w.sizes().equals(weight_.sizes())) {
-      throw std::runtime_error("checkpoint " + loaded->path.string() +
-                               ": the server's shape of the tables differs");
+      return file + ": the server's shape of the tables differs (--tables, "
+                    "--rows, --dim)";
     }
     c10::IValue state;
     loaded->archive.read("optimizer", state);
     if (!state.isString()) {
-      throw std::runtime_error("checkpoint " + loaded->path.string() +
-                               ": no optimizer state for the tables");
+      return file + ": no optimizer state for the tables";
     }
     optimizer_->loadStateDict(state.toStringRef());
     at::NoGradGuard noGrad;
@@ -200,7 +218,7 @@ class ServerShard {
     std::lock_guard<std::mutex> lock(mu_);
     initial_ = weight_.detach().clone();
     std::fill(looked_.begin(), looked_.end(), 0);
-    return true;
+    return "";
   }
 
   // Of table `table`'s rows here, since the start (or the restore): rows
@@ -244,6 +262,7 @@ class ServerShard {
   }
 
   int64_t server_;
+  int64_t servers_;
   std::vector<int64_t> bases_;  // tables() + 1 entries
   at::Tensor weight_;
   std::mutex mu_;
@@ -375,41 +394,31 @@ struct Trainer {
   int run() {
     torch::manual_seed(static_cast<uint64_t>(f.seed));  // same on every trainer
     DenseNet net(f.denseFeatures, f.tables, f.dim);
-    trellis::elastic::Checkpoints ckpt({.dir = dir / name(), .keepLast = 3});
-
-    // Where to resume: trainer 0's newest checkpoint is the last one every
-    // rank completed (it writes its own last), and every rank still has it
-    // (each keeps 3, and is at most one checkpoint ahead of trainer 0).
+    // The dense part is the same on every trainer (DDP), so one copy of
+    // it serves any number of trainers: trainer 0 writes it, after the
+    // servers wrote their rows (checkpoint() below).
+    trellis::elastic::Checkpoints ckpt({.dir = dir / "dense", .keepLast = 3});
     at::Tensor resume = torch::tensor({int64_t{-1}}, torch::kLong);
     if (trainer == 0) {
-      if (auto last = ckpt.loadLatest()) {
-        resume.fill_(last->step);
+      const auto step = chooseResumeStep(ckpt);
+      if (!step) {
+        return 4;
       }
+      resume.fill_(*step);
     }
     group->broadcast(resume, 0).wait();
     const int64_t resumeStep = resume.item<int64_t>();
     std::optional<trellis::elastic::Checkpoints::Loaded> loaded;
     if (resumeStep >= 0) {
-      loaded = ckpt.load(resumeStep);
+      std::string why;
+      loaded = ckpt.load(resumeStep, std::nullopt, &why);
       if (!loaded) {
-        std::fprintf(stderr, "%s: checkpoint %" PRId64 " is missing in %s\n",
-                     name().c_str(), resumeStep, ckpt.options().dir.c_str());
+        std::fprintf(stderr, "%s: the dense checkpoint of step %" PRId64
+                     " that trainer0 chose: %s\n",
+                     name().c_str(), resumeStep, why.c_str());
         return 4;
       }
       trellis::elastic::loadModule(loaded->archive, "dense", *net);
-      if (trainer == 0) {
-        std::vector<trellis::Future<bool>> restored;
-        for (auto& shard : shards) {
-          restored.push_back(shard.rpcAsync<&ServerShard::restore>(resumeStep));
-        }
-        for (auto& r : restored) {
-          if (!r.wait()) {
-            std::fprintf(stderr, "%s: a server lacks checkpoint %" PRId64 "\n",
-                         name().c_str(), resumeStep);
-            return 4;
-          }
-        }
-      }
     }
 
     trellis::ddp::DistributedDataParallel model(net, group);
@@ -431,8 +440,9 @@ struct Trainer {
     group->barrier().wait();
     if (resumeStep >= 0 && trainer == 0) {
       std::printf("%s: resumed from the checkpoint of step %" PRId64
-                  " (attempt %d)\n",
-                  name().c_str(), resumeStep, restartCount + 1);
+                  " (attempt %d, %d trainer%s)\n",
+                  name().c_str(), resumeStep, restartCount + 1, trainers,
+                  trainers == 1 ? "" : "s");
       std::fflush(stdout);
     }
 
@@ -580,14 +590,74 @@ struct Trainer {
     }
   }
 
+  // Trainer 0: the newest step whose dense checkpoint and every server's
+  // rows are whole; the servers are restored to it. -1 when there is no
+  // checkpoint yet; nullopt (said on stderr) when some exist but none is
+  // whole everywhere. A step skipped is named with the reason.
+  std::optional<int64_t> chooseResumeStep(
+      const trellis::elastic::Checkpoints& ckpt) {
+    const std::vector<int64_t> steps = ckpt.steps();
+    std::vector<std::string> skipped;
+    for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+      const int64_t step = *it;
+      std::string why;
+      if (!ckpt.load(step, std::nullopt, &why)) {
+        skipped.push_back("step " + std::to_string(step) + ": " + why);
+        continue;
+      }
+      std::vector<trellis::Future<std::string>> restored;
+      for (auto& shard : shards) {
+        restored.push_back(shard.rpcAsync<&ServerShard::restore>(step));
+      }
+      std::string refused;
+      for (size_t k = 0; k < restored.size(); ++k) {
+        const std::string r = restored[k].wait();
+        if (!r.empty() && refused.empty()) {
+          refused = "ps" + std::to_string(k) + ": " + r;
+        }
+      }
+      if (!refused.empty()) {
+        skipped.push_back("step " + std::to_string(step) + ": " + refused);
+        continue;
+      }
+      for (const auto& note : skipped) {
+        std::fprintf(stderr, "%s: skipped the checkpoint of %s\n",
+                     name().c_str(), note.c_str());
+      }
+      return step;
+    }
+    if (steps.empty()) {
+      return -1;
+    }
+    std::string all;
+    for (const auto& note : skipped) {
+      all += "\n  " + note;
+    }
+    std::fprintf(stderr,
+                 "%s: no checkpoint in %s is whole on every rank:%s\n",
+                 name().c_str(), dir.c_str(), all.c_str());
+    return std::nullopt;
+  }
+
   // Every rank's state after `step`: trainers wait for each other's last
-  // optimizer step, trainer 0 has the servers save their shards, the other
-  // trainers save theirs; trainer 0 saves its own last, so its newest
-  // checkpoint is one every rank has.
+  // optimizer step, trainer 0 has the servers save their rows, then
+  // saves the dense part (the same on every trainer), so a dense
+  // checkpoint exists only for a step every server saved too.
   void checkpoint(trellis::elastic::Checkpoints& ckpt, DenseNetImpl& net,
                   da::DistributedOptimizer& opt, int64_t step) {
     group->barrier().wait();
-    auto saveMine = [&] {
+    if (trainer == 0) {
+      std::vector<trellis::Future<bool>> saved;
+      for (auto& shard : shards) {
+        saved.push_back(shard.rpcAsync<&ServerShard::save>(step));
+      }
+      for (auto& s : saved) {
+        (void)s.wait();
+      }
+    }
+    // No trainer's next lookups before the servers saved.
+    group->barrier().wait();
+    if (trainer == 0) {
       const std::vector<std::string> state = opt.stateDict();
       c10::List<std::string> list;
       for (const auto& s : state) {
@@ -597,21 +667,6 @@ struct Trainer {
         trellis::elastic::saveModule(a, "dense", net);
         a.write("optimizer", c10::IValue(list));
       });
-    };
-    if (trainer == 0) {
-      std::vector<trellis::Future<bool>> saved;
-      for (auto& shard : shards) {
-        saved.push_back(shard.rpcAsync<&ServerShard::save>(step));
-      }
-      for (auto& s : saved) {
-        (void)s.wait();
-      }
-    } else {
-      saveMine();
-    }
-    group->barrier().wait();
-    if (trainer == 0) {
-      saveMine();
     }
   }
 

@@ -11,8 +11,12 @@
 #      to it times out naming it (--timeout-s 5), elastic-run stops the
 #      group (SIGKILL for the stopped one), restarts it, every rank resumes
 #      from the last checkpoint and the job ends well.
-#   4. Bad input: too few processes for the servers asked for, a bad
-#      restart count in the environment: exit 2 naming what was wrong.
+#   4. Across a checkpoint: 1 trainer, then 2, then 1 again (each resumes
+#      from the last's checkpoint), a damaged newest checkpoint skipped for
+#      an older one whole everywhere, another number of servers refused.
+#   5. Bad input: too few processes for the servers asked for, a bad
+#      restart count in the environment, bad flags: exit non-zero naming
+#      what was wrong.
 #
 #   hybrid_training_test.sh BUILD_DIR
 set -euo pipefail
@@ -128,6 +132,45 @@ expect_line 'resumed from the checkpoint of step' \
 auc3=$(auc_well_above_chance "after the hung server")
 stopped=""
 echo "with a hung server: AUC $auc3"
+
+# Stage 4: across a checkpoint the number of trainers changes (1 -> 2 ->
+# 1: scale up, then down), a damaged newest checkpoint is skipped for the
+# newest one whole on every rank, and another number of servers is refused
+# naming why.
+short=(--log-every 50 --eval-samples 1024 --checkpoint-every 50 --timeout-s 60
+       --checkpoint-dir "$tmp/d")
+out=$(timeout 120 "$run" --standalone --nproc-per-node 3 "$job" "${short[@]}" \
+  --steps 120 2>&1) || fail "1 trainer, 120 steps, exited with $?: $out"
+out=$(timeout 120 "$run" --standalone --nproc-per-node 4 "$job" "${short[@]}" \
+  --steps 220 2>&1) || fail "scaled up to 2 trainers, exited with $?: $out"
+expect_line 'resumed from the checkpoint of step 99 (attempt 1, 2 trainers)' \
+  "2 trainers did not resume from 1 trainer's checkpoint"
+check_servers "$out"
+out=$(timeout 120 "$run" --standalone --nproc-per-node 3 "$job" "${short[@]}" \
+  --steps 320 2>&1) || fail "scaled down to 1 trainer, exited with $?: $out"
+expect_line 'resumed from the checkpoint of step 199 (attempt 1, 1 trainer)' \
+  "1 trainer did not resume from 2 trainers' checkpoint"
+newest=$tmp/d/server1/tables-000000000299.ckpt
+[[ -f $newest ]] || fail "no $newest: $(ls -R "$tmp/d")"
+printf '\377\377\377\377' |
+  dd of="$newest" bs=1 seek=$(($(stat -c %s "$newest") / 2)) conv=notrunc 2>/dev/null
+out=$(timeout 120 "$run" --standalone --nproc-per-node 4 "$job" "${short[@]}" \
+  --steps 340 2>&1) || fail "with a damaged checkpoint, exited with $?: $out"
+expect_line "skipped the checkpoint of step 299: ps1: $newest: it is corrupted" \
+  "the damaged checkpoint is not named"
+expect_line 'resumed from the checkpoint of step 249 (attempt 1, 2 trainers)' \
+  "the job did not fall back to step 249"
+set +e
+out=$(timeout 120 "$run" --standalone --nproc-per-node 3 "$job" "${short[@]}" \
+  --servers 1 --steps 400 2>&1)
+rc=$?
+set -e
+[[ $rc -ne 0 ]] || fail "another number of servers was accepted: $out"
+expect_line "was taken with 2 servers and this job has 1 (--servers)" \
+  "the refusal does not say why"
+expect_line "no checkpoint in $tmp/d is whole on every rank" \
+  "the refusal does not name the checkpoint folder"
+echo "scale up, down, a damaged checkpoint skipped, other servers refused"
 
 set +e
 out=$(timeout 60 "$run" --standalone --nproc-per-node 2 "$job" --servers 2 2>&1)
