@@ -22,6 +22,7 @@
 #include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
 #include <trellis/elastic/group_keeper.h>
+#include <trellis/elastic/worker_process.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/worker_env.h>
 
@@ -42,7 +43,7 @@ void onSignal(int signo) {
   errno = saved;
 }
 
-constexpr int kHandled[] = {SIGTERM, SIGINT, SIGHUP, SIGCHLD, SIGPIPE};
+constexpr const int (&kHandled)[std::size(kAgentSignals)] = kAgentSignals;
 
 // Installs the handlers and the pipe for run()'s duration.
 class SignalScope {
@@ -78,89 +79,6 @@ std::string signalName(int sig) {
   const char* abbrev = ::sigabbrev_np(sig);
   return abbrev != nullptr ? std::string("SIG") + abbrev
                            : "signal " + std::to_string(sig);
-}
-
-// One tee'd stream of one worker: the pipe the agent reads, the log file
-// it copies to, and the console it prefixes lines onto (-1: none).
-struct Tee {
-  int pipe = -1;
-  int file = -1;
-  int console = -1;
-  std::string prefix;
-  std::string partial;
-};
-
-// Reads what is there; returns false at EOF (the pipe is then closed).
-bool pump(Tee& t) {
-  char buf[65536];
-  const ssize_t n = ::read(t.pipe, buf, sizeof(buf));
-  if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
-    return true;
-  }
-  if (n <= 0) {
-    if (!t.partial.empty() && t.console >= 0) {
-      writeAll(t.console, t.prefix + t.partial + "\n");
-    }
-    t.partial.clear();
-    ::close(t.pipe);
-    t.pipe = -1;
-    return false;
-  }
-  if (t.file >= 0) {
-    writeAll(t.file, std::string(buf, static_cast<size_t>(n)));
-  }
-  if (t.console < 0) {
-    return true;
-  }
-  t.partial.append(buf, static_cast<size_t>(n));
-  std::string lines;
-  size_t start = 0;
-  for (size_t nl; (nl = t.partial.find('\n', start)) != std::string::npos;
-       start = nl + 1) {
-    lines += t.prefix;
-    lines.append(t.partial, start, nl + 1 - start);
-  }
-  t.partial.erase(0, start);
-  writeAll(t.console, lines);
-  return true;
-}
-
-struct Worker {
-  WorkerExit exit;
-  bool reaped = false;
-  Tee tees[2];  // stdout, stderr
-};
-
-// What the child needs, built before fork(): after it, only
-// async-signal-safe calls.
-struct ChildPlan {
-  std::vector<std::string> argvStore;
-  std::vector<std::string> envStore;
-  std::vector<char*> argv;
-  std::vector<char*> envp;
-  int stdoutFd = -1;  // dup2'd onto 1 when >= 0
-  int stderrFd = -1;
-};
-
-// In a forked child (async-signal-safe): every descriptor from `first` on
-// becomes close-on-exec. close_range(2) does it in one call (Linux 5.11);
-// before that, one fcntl per possible descriptor, bounded.
-void markCloseOnExecFrom(int first) {
-  if (::syscall(SYS_close_range, static_cast<unsigned>(first), ~0U,
-                CLOSE_RANGE_CLOEXEC) == 0) {
-    return;
-  }
-  rlimit lim{};
-  const rlim_t top = ::getrlimit(RLIMIT_NOFILE, &lim) == 0 &&
-                             lim.rlim_cur != RLIM_INFINITY
-                         ? std::min<rlim_t>(lim.rlim_cur, 1 << 20)
-                         : 1 << 16;
-  for (int fd = first; fd < static_cast<int>(top); ++fd) {
-    const int flags = ::fcntl(fd, F_GETFD);
-    if (flags >= 0 && (flags & FD_CLOEXEC) == 0) {
-      ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
-    }
-  }
 }
 
 // See AttemptResult::firstFailure.
@@ -209,19 +127,6 @@ std::string makeRunLogDir(const ElasticOptions& options,
     throwError(Error::fromErrno(errno, "cannot create a folder in " + base));
   }
   return pattern;
-}
-
-int openLog(const std::string& path) {
-  const int fd =
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    throwError(Error::fromErrno(errno, "cannot open " + path));
-  }
-  return fd;
-}
-
-bool hasStream(Streams s, int stream) {
-  return (static_cast<int>(s) & (stream == 1 ? 1 : 2)) != 0;
 }
 
 }  // namespace
@@ -438,117 +343,13 @@ RunResult Agent::run() {
       std::error_code ignored;
       std::filesystem::remove(w.exit.errorFile, ignored);
 
-      ChildPlan plan;
-      plan.argvStore = options_.workerArgv;
-      for (const auto& [k, v] : env) {
-        plan.envStore.push_back(k + "=" + v);
-      }
-      for (auto& a : plan.argvStore) {
-        plan.argv.push_back(a.data());
-      }
-      plan.argv.push_back(nullptr);
-      for (auto& e : plan.envStore) {
-        plan.envp.push_back(e.data());
-      }
-      plan.envp.push_back(nullptr);
-
-      // Streams: redirected to a file, tee'd (file + prefixed console),
-      // silenced (filtered out), or inherited.
-      const bool shown = options_.localRanksFilter.empty() ||
-                         options_.localRanksFilter.count(lr) != 0;
-      std::vector<int> toCloseInParent;
-      for (int stream : {1, 2}) {
-        const bool redirect = hasStream(options_.redirects.forRank(lr), stream);
-        const bool tee = hasStream(options_.tee.forRank(lr), stream);
-        int childFd = -1;
-        if (redirect || tee) {
-          const int file =
-              openLog(dir + (stream == 1 ? "/stdout.log" : "/stderr.log"));
-          if (tee && shown) {
-            int fds[2];
-            if (::pipe2(fds, O_CLOEXEC) != 0) {
-              throwError(Error::fromErrno(errno, "elastic-run: pipe"));
-            }
-            Tee& t = w.tees[stream - 1];
-            t.pipe = fds[0];
-            t.file = file;
-            t.console =
-                stream == 1 ? config_.consoleOutFd : config_.consoleErrFd;
-            t.prefix = "[" + options_.role + std::to_string(lr) + "]:";
-            childFd = fds[1];
-          } else {
-            childFd = file;
-          }
-          toCloseInParent.push_back(childFd);
-        } else if (!shown) {
-          childFd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
-          toCloseInParent.push_back(childFd);
-        }
-        (stream == 1 ? plan.stdoutFd : plan.stderrFd) = childFd;
-      }
-
-      int execPipe[2];
-      if (::pipe2(execPipe, O_CLOEXEC) != 0) {
-        throwError(Error::fromErrno(errno, "elastic-run: pipe"));
-      }
-      const pid_t pid = ::fork();
-      if (pid < 0) {
-        throwError(Error::fromErrno(errno, "elastic-run: fork"));
-      }
-      if (pid == 0) {
-        // The child: async-signal-safe calls only.
-        ::setpgid(0, 0);
-        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (::getppid() != agentPid) {
-          ::_exit(kExitExecFailed);  // the agent died before prctl
-        }
-        struct sigaction dfl {};
-        dfl.sa_handler = SIG_DFL;
-        for (int s : kHandled) {
-          ::sigaction(s, &dfl, nullptr);
-        }
-        sigset_t none;
-        sigemptyset(&none);
-        ::sigprocmask(SIG_SETMASK, &none, nullptr);
-        if (plan.stdoutFd >= 0) {
-          ::dup2(plan.stdoutFd, 1);
-        }
-        if (plan.stderrFd >= 0) {
-          ::dup2(plan.stderrFd, 2);
-        }
-        // The worker gets stdin, stdout and stderr, nothing else of the
-        // agent's: not the rendezvous store's port, the log files or other
-        // workers' pipes, whatever opened them without close-on-exec
-        // (torchrun's subprocess closes them too). Marked, not closed, so
-        // that execPipe still reports a failed exec.
-        markCloseOnExecFrom(3);
-        ::execvpe(plan.argv[0], plan.argv.data(), plan.envp.data());
-        const int err = errno;
-        [[maybe_unused]] const ssize_t n =
-            ::write(execPipe[1], &err, sizeof(err));
-        ::_exit(kExitExecFailed);
-      }
-      // Also here, so that a signal sent right after fork() finds the group.
-      ::setpgid(pid, pid);
-      w.exit.pid = pid;
-      keeper.watch(pid);
-      ::close(execPipe[1]);
-      for (int fd : toCloseInParent) {
-        if (fd != w.tees[0].file && fd != w.tees[1].file) {
-          ::close(fd);
-        }
-      }
-      // EOF once exec succeeded; an errno when it failed. Bounded: the
-      // child does nothing but set itself up before exec.
-      pollfd p{execPipe[0], POLLIN, 0};
-      int err = 0;
-      if (::poll(&p, 1, 10'000) == 1 &&
-          ::read(execPipe[0], &err, sizeof(err)) == sizeof(err)) {
-        execFailure = "cannot run '" + options_.workerArgv[0] +
-                      "' (local rank " + std::to_string(lr) +
-                      "): " + std::strerror(err);
-      }
-      ::close(execPipe[0]);
+      execFailure = startWorker(w, {.options = options_,
+                                    .config = config_,
+                                    .localRank = lr,
+                                    .dir = dir,
+                                    .env = env,
+                                    .agentPid = agentPid},
+                                keeper);
     }
 
     // Monitor until every worker is reaped.

@@ -1,5 +1,3 @@
-#include <trellis/elastic/group_keeper.h>
-
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -13,6 +11,7 @@
 #include <unistd.h>
 
 #include <trellis/core/error.h>
+#include <trellis/elastic/group_keeper.h>
 
 namespace trellis::elastic {
 
