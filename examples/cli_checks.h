@@ -35,8 +35,8 @@ inline CLI::Validator positiveReal() {
         char* end = nullptr;
         errno = 0;
         const double v = std::strtod(text.c_str(), &end);
-        if (!text.empty() && end == text.c_str() + text.size() &&
-            errno == 0 && std::isfinite(v) && v > 0) {
+        if (!text.empty() && end == text.c_str() + text.size() && errno == 0 &&
+            std::isfinite(v) && v > 0) {
           return "";
         }
         return "must be a number above 0 (got '" + text + "')";

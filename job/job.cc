@@ -1,5 +1,3 @@
-#include <trellis/job/job.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -11,6 +9,7 @@
 #include <trellis/core/error.h>
 #include <trellis/core/text.h>
 #include <trellis/elastic/errors.h>
+#include <trellis/job/job.h>
 #include <trellis/rpc/rpc.h>
 #include <trellis/store/prefix_store.h>
 #include <trellis/store/tcp_store.h>
@@ -27,9 +26,7 @@ using Ms = std::chrono::milliseconds;
 constexpr const char* kPlanKey = "trellis/init/";
 constexpr const char* kExitKey = "trellis/exit/";
 
-Ms toMs(Duration d) {
-  return std::max(Ms(1), std::chrono::ceil<Ms>(d));
-}
+Ms toMs(Duration d) { return std::max(Ms(1), std::chrono::ceil<Ms>(d)); }
 
 std::string rankList(const std::vector<int>& ranks) {
   std::string s = "[";
@@ -177,8 +174,9 @@ Job init(InitOptions o) {
             "--nproc-per-node, --nnodes) or leave worldSize unset");
   }
   if (!env.master.complete()) {
-    invalid("MASTER_ADDR and MASTER_PORT are not both set: start the program "
-            "with elastic-run (or torchrun, srun, mpirun -x), which set them");
+    invalid(
+        "MASTER_ADDR and MASTER_PORT are not both set: start the program "
+        "with elastic-run (or torchrun, srun, mpirun -x), which set them");
   }
   for (const auto* d : {&o.timeout, &o.initTimeout, &o.exitTimeout}) {
     if (d->has_value() && **d <= Duration::zero()) {
@@ -201,10 +199,10 @@ Job init(InitOptions o) {
 
   Plan plan;
   plan.rpcName = o.rpcName;
-  plan.group = members.empty() ? "none" : o.backend + " over " +
-                                              (o.groupRanks.empty()
-                                                   ? "every rank"
-                                                   : rankList(members));
+  plan.group = members.empty() ? "none"
+                               : o.backend + " over " +
+                                     (o.groupRanks.empty() ? "every rank"
+                                                           : rankList(members));
   agreeOnPlans(*job.store_, env, plan, initTimeout);
 
   if (!o.rpcName.empty()) {
@@ -338,12 +336,12 @@ int Job::exitBarrier(int exitCode, bool wait) {
   try {
     store_->wait(keys, toMs(exitTimeout_));
   } catch (const TimeoutError&) {
-    throw TimeoutError(Error::timeout(
-        "trellis::Job::shutdown: rank 0 waited " +
-        formatDuration(exitTimeout_) +
-        " (InitOptions::exitTimeout) for ranks " +
-        rankList(missingRanks(*store_, keys)) +
-        " to finish; it stops serving the job's store now"));
+    throw TimeoutError(
+        Error::timeout("trellis::Job::shutdown: rank 0 waited " +
+                       formatDuration(exitTimeout_) +
+                       " (InitOptions::exitTimeout) for ranks " +
+                       rankList(missingRanks(*store_, keys)) +
+                       " to finish; it stops serving the job's store now"));
   }
   for (const auto& v : store_->multiGet(keys)) {
     const std::string code(v.begin(), v.end());

@@ -41,11 +41,11 @@ JobRun launch(const std::string& mode, int nproc = 2) {
                     std::to_string(counter++));
   std::filesystem::create_directories(dir);
   const auto start = Clock::now();
-  auto child = spawnHelper(
-      ELASTIC_RUN,
-      {"--standalone", "--nproc-per-node", std::to_string(nproc),
-       "--max-restarts", "0", JOB_WORKER, "--mode", mode},
-      {"OMP_NUM_THREADS=1"}, dir / "err.txt");
+  auto child =
+      spawnHelper(ELASTIC_RUN,
+                  {"--standalone", "--nproc-per-node", std::to_string(nproc),
+                   "--max-restarts", "0", JOB_WORKER, "--mode", mode},
+                  {"OMP_NUM_THREADS=1"}, dir / "err.txt");
   JobRun run;
   run.status = child->wait(90'000);
   run.took = Clock::now() - start;
@@ -62,9 +62,11 @@ TEST(Init, HybridJobStartsRpcAndATrainersGroupAndEndsWell) {
   const JobRun run = launch("hybrid", 3);
   ASSERT_EQ(exitCode(run.status), 0) << run.err;
   // Trainers are ranks 1 and 2, group ranks 0 and 1: 1 + 2 = 3.
-  EXPECT_TRUE(has(run.err, "rank 1: allreduce 3.000000 group rank 0 of 2 rpc 11"))
+  EXPECT_TRUE(
+      has(run.err, "rank 1: allreduce 3.000000 group rank 0 of 2 rpc 11"))
       << run.err;
-  EXPECT_TRUE(has(run.err, "rank 2: allreduce 3.000000 group rank 1 of 2 rpc 12"))
+  EXPECT_TRUE(
+      has(run.err, "rank 2: allreduce 3.000000 group rank 1 of 2 rpc 12"))
       << run.err;
   EXPECT_TRUE(has(run.err, "rank 0: serving")) << run.err;
 }
@@ -104,11 +106,10 @@ TEST(Init, RanksThatStartDifferentlyAreNamed) {
 TEST(Init, ARankThatNeverComesIsNamedAtTheInitTimeout) {
   const JobRun run = launch("late");
   EXPECT_EQ(exitCode(run.status), 1) << run.err;
+  EXPECT_TRUE(has(run.err, "first failure: local rank 0 (rank 0")) << run.err;
   EXPECT_TRUE(has(run.err,
-                  "first failure: local rank 0 (rank 0"))
-      << run.err;
-  EXPECT_TRUE(has(run.err, "rank [1] of 2 did not reach init within 1s "
-                           "(InitOptions::initTimeout)"))
+                  "rank [1] of 2 did not reach init within 1s "
+                  "(InitOptions::initTimeout)"))
       << run.err;
 }
 
@@ -139,9 +140,10 @@ TEST(Init, AProgramAWorkerStartsInheritsNoDescriptorOfTrellis) {
 TEST(Init, TheExitBarrierNamesTheRankItWaitedFor) {
   const JobRun run = launch("exit-timeout");
   EXPECT_EQ(exitCode(run.status), 1) << run.err;
-  EXPECT_TRUE(has(run.err, "rank 0: DEADLINE_EXCEEDED: trellis::Job::shutdown: "
-                           "rank 0 waited 1s (InitOptions::exitTimeout) for "
-                           "ranks [1] to finish"))
+  EXPECT_TRUE(has(run.err,
+                  "rank 0: DEADLINE_EXCEEDED: trellis::Job::shutdown: "
+                  "rank 0 waited 1s (InitOptions::exitTimeout) for "
+                  "ranks [1] to finish"))
       << run.err;
 }
 

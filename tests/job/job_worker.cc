@@ -54,9 +54,8 @@ int hybrid() {
     job.group()->allreduce(t).wait();
     const int64_t reply = trellis::rpc::rpcSync<addTen>("ps", job.rank());
     say(job.rank(), "allreduce " + std::to_string(t[0].item<double>()) +
-                        " group rank " +
-                        std::to_string(job.group()->rank()) + " of " +
-                        std::to_string(job.group()->size()) + " rpc " +
+                        " group rank " + std::to_string(job.group()->rank()) +
+                        " of " + std::to_string(job.group()->size()) + " rpc " +
                         std::to_string(reply));
   } else {
     say(job.rank(), "serving");
