@@ -7,9 +7,9 @@
 #include <ctime>
 #include <fcntl.h>
 #include <filesystem>
+#include <linux/close_range.h>
 #include <netdb.h>
 #include <poll.h>
-#include <linux/close_range.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -21,10 +21,11 @@
 #include <trellis/core/error.h>
 #include <trellis/core/text.h>
 #include <trellis/elastic/agent.h>
+#include <trellis/elastic/attempt_watch.h>
 #include <trellis/elastic/group_keeper.h>
-#include <trellis/elastic/worker_process.h>
 #include <trellis/elastic/rendezvous.h>
 #include <trellis/elastic/worker_env.h>
+#include <trellis/elastic/worker_process.h>
 
 namespace trellis::elastic {
 
@@ -75,32 +76,6 @@ class SignalScope {
   struct sigaction saved_[std::size(kHandled)]{};
 };
 
-std::string signalName(int sig) {
-  const char* abbrev = ::sigabbrev_np(sig);
-  return abbrev != nullptr ? std::string("SIG") + abbrev
-                           : "signal " + std::to_string(sig);
-}
-
-// See AttemptResult::firstFailure.
-std::optional<size_t> rootCause(const std::vector<WorkerExit>& workers) {
-  auto when = [](const WorkerExit& w) {
-    return std::pair{w.error && w.error->timestamp > 0 ? w.error->timestamp
-                                                       : w.endedAtUnix,
-                     w.endedAt};
-  };
-  std::optional<size_t> root;
-  for (size_t i = 0; i < workers.size(); ++i) {
-    const WorkerExit& w = workers[i];
-    if (w.succeeded() || w.pid <= 0 || (w.stoppedByAgent && !w.error)) {
-      continue;
-    }
-    if (!root || when(w) < when(workers[*root])) {
-      root = i;
-    }
-  }
-  return root;
-}
-
 Error makeDirs(const std::string& path) {
   std::error_code ec;
   std::filesystem::create_directories(path, ec);
@@ -127,6 +102,84 @@ std::string makeRunLogDir(const ElasticOptions& options,
     throwError(Error::fromErrno(errno, "cannot create a folder in " + base));
   }
   return pattern;
+}
+
+// The rendezvous of --rdzv-backend (one node: a trivial local one).
+std::unique_ptr<Rendezvous> makeRendezvous(const ElasticOptions& options,
+                                           const std::string& runLogDir,
+                                           const auth::JobToken& token,
+                                           const LogFn& logFn,
+                                           const Interruption& interrupted,
+                                           bool shareStore) {
+  return options.rdzvBackend == RdzvBackend::kEtcd
+             ? makeEtcdRendezvous(options, runLogDir, token, logFn, interrupted)
+         : usesC10d(options)
+             ? makeC10dRendezvous(options, runLogDir, token, logFn, interrupted,
+                                  shareStore)
+         : staticSeveral(options)
+             ? makeStaticRendezvous(options, runLogDir, token, logFn,
+                                    interrupted)
+             : makeLocalRendezvous(options, runLogDir, token);
+}
+
+// Starts the attempt's workers, one per local rank, each with its log
+// folder under `attemptDir`; stops at the first that cannot be executed
+// and returns why.
+std::optional<std::string> startWorkers(std::vector<Worker>& workers,
+                                        const ElasticOptions& options,
+                                        const AgentConfig& config,
+                                        const RendezvousOutcome& outcome,
+                                        const std::string& attemptDir,
+                                        GroupKeeper& keeper) {
+  std::optional<std::string> execFailure;
+  const pid_t agentPid = ::getpid();
+  for (int32_t lr = 0; lr < options.nprocPerNode && !execFailure; ++lr) {
+    Worker& w = workers[static_cast<size_t>(lr)];
+    const std::string dir = attemptDir + "/" + std::to_string(lr);
+    throwIfError(makeDirs(dir));
+    const Environment env = workerEnvironment(options, outcome, lr, config.env);
+    w.exit.localRank = lr;
+    w.exit.rank = outcome.rankOffset + lr;
+    w.exit.errorFile = env.at(kErrorFileEnvVar);
+    // A round that does not count as a restart reuses the attempt's
+    // folder: an old error file must not pass for a new failure.
+    std::error_code ignored;
+    std::filesystem::remove(w.exit.errorFile, ignored);
+
+    execFailure = startWorker(w,
+                              {.options = options,
+                               .config = config,
+                               .localRank = lr,
+                               .dir = dir,
+                               .env = env,
+                               .agentPid = agentPid},
+                              keeper);
+  }
+  return execFailure;
+}
+
+// What the rendezvous tells the other nodes about this node's failure.
+std::string describeFailure(const AttemptResult& attempt) {
+  if (!attempt.firstFailure) {
+    return "a worker failed";
+  }
+  const WorkerExit& f = attempt.workers[*attempt.firstFailure];
+  return "local rank " + std::to_string(f.localRank) + " (rank " +
+         std::to_string(f.rank) + ") " + f.describe();
+}
+
+// Drains the signal pipe between rendezvous moves; true once the agent
+// got a signal other than SIGCHLD (the first one is kept in agentSignal).
+bool drainSignals(int& agentSignal) {
+  unsigned char sigs[64];
+  for (ssize_t n; (n = ::read(gSignalPipe[0], sigs, sizeof(sigs))) > 0;) {
+    for (ssize_t i = 0; i < n; ++i) {
+      if (sigs[i] != SIGCHLD && agentSignal == 0) {
+        agentSignal = sigs[i];
+      }
+    }
+  }
+  return agentSignal != 0;
 }
 
 }  // namespace
@@ -255,22 +308,9 @@ RunResult Agent::run() {
   if (auto note = ompNumThreadsWarning(options_, config_.env)) {
     writeAll(config_.logFd, *note + "\n");
   }
-  const int32_t nproc = options_.nprocPerNode;
   int32_t restartCount = 0;
   int agentSignal = 0;
-  // Drains the signal pipe between rendezvous moves; true once the agent
-  // got a signal other than SIGCHLD.
-  auto interrupted = [&] {
-    unsigned char sigs[64];
-    for (ssize_t n; (n = ::read(gSignalPipe[0], sigs, sizeof(sigs))) > 0;) {
-      for (ssize_t i = 0; i < n; ++i) {
-        if (sigs[i] != SIGCHLD && agentSignal == 0) {
-          agentSignal = sigs[i];
-        }
-      }
-    }
-    return agentSignal != 0;
-  };
+  auto interrupted = [&] { return drainSignals(agentSignal); };
   auto fail = [&](int exitCode, std::string summary) {
     setState(AgentState::kFailed);
     result.state = state_;
@@ -293,17 +333,9 @@ RunResult Agent::run() {
   // at `interrupted` about every second.
   std::unique_ptr<Rendezvous> rdzv;
   try {
-    const LogFn logFn = [this](const std::string& l) { log(l); };
-    rdzv = options_.rdzvBackend == RdzvBackend::kEtcd
-               ? makeEtcdRendezvous(options_, result.runLogDir, token, logFn,
-                                    interrupted)
-           : usesC10d(options_)
-               ? makeC10dRendezvous(options_, result.runLogDir, token, logFn,
-                                    interrupted, shareStore)
-           : staticSeveral(options_)
-               ? makeStaticRendezvous(options_, result.runLogDir, token, logFn,
-                                      interrupted)
-               : makeLocalRendezvous(options_, result.runLogDir, token);
+    rdzv = makeRendezvous(
+        options_, result.runLogDir, token,
+        [this](const std::string& l) { log(l); }, interrupted, shareStore);
   } catch (const Interrupted&) {
     return signalled("while connecting to the rendezvous");
   }
@@ -326,245 +358,37 @@ RunResult Agent::run() {
     setState(AgentState::kRunning);
     const std::string attemptDir =
         result.runLogDir + "/attempt_" + std::to_string(restartCount);
-    std::vector<Worker> workers(static_cast<size_t>(nproc));
-    std::optional<std::string> execFailure;
-    const pid_t agentPid = ::getpid();
-    for (int32_t lr = 0; lr < nproc && !execFailure; ++lr) {
-      Worker& w = workers[static_cast<size_t>(lr)];
-      const std::string dir = attemptDir + "/" + std::to_string(lr);
-      throwIfError(makeDirs(dir));
-      const Environment env =
-          workerEnvironment(options_, outcome, lr, config_.env);
-      w.exit.localRank = lr;
-      w.exit.rank = outcome.rankOffset + lr;
-      w.exit.errorFile = env.at(kErrorFileEnvVar);
-      // A round that does not count as a restart reuses the attempt's
-      // folder: an old error file must not pass for a new failure.
-      std::error_code ignored;
-      std::filesystem::remove(w.exit.errorFile, ignored);
+    std::vector<Worker> workers(static_cast<size_t>(options_.nprocPerNode));
+    const std::optional<std::string> execFailure =
+        startWorkers(workers, options_, config_, outcome, attemptDir, keeper);
 
-      execFailure = startWorker(w, {.options = options_,
-                                    .config = config_,
-                                    .localRank = lr,
-                                    .dir = dir,
-                                    .env = env,
-                                    .agentPid = agentPid},
-                                keeper);
-    }
-
-    // Monitor until every worker is reaped.
-    std::optional<Clock::time_point> killAt;
-    std::optional<Clock::time_point> giveUpAt;
-    bool stopping = false;
-    bool groupRestart = false;  // another node opened a new round
-    bool jobFailed = false;     // the round record says the job failed
-    std::optional<std::string> rdzvLost;
-    const auto pollEvery =
-        std::max<Clock::duration>(options_.monitorInterval, 10ms);
-    auto nextPollAt = Clock::now() + pollEvery;
-    AttemptResult attempt;
-    attempt.restartCount = restartCount;
-    auto stopAll = [&](int sig) {
-      for (auto& w : workers) {
-        if (!w.reaped && w.exit.pid > 0) {
-          ::kill(-w.exit.pid, sig);  // its group: only what we started
-          w.exit.stoppedByAgent = true;
-        }
-      }
-    };
-    auto beginStop = [&](int sig) {
-      if (!stopping) {
-        stopping = true;
-        stopAll(sig);
-        killAt = Clock::now() + config_.stopGrace;
-      }
-    };
-    if (execFailure) {
-      beginStop(SIGKILL);
-    }
-    std::optional<Clock::time_point> drainUntil;
-    for (;;) {
-      bool allReaped = true;
-      for (const auto& w : workers) {
-        allReaped = allReaped && (w.reaped || w.exit.pid <= 0);
-      }
-      std::vector<pollfd> fds{{gSignalPipe[0], POLLIN, 0}};
-      std::vector<Tee*> tees;
-      for (auto& w : workers) {
-        for (Tee& t : w.tees) {
-          if (t.pipe >= 0) {
-            fds.push_back({t.pipe, POLLIN, 0});
-            tees.push_back(&t);
-          }
-        }
-      }
-      const auto now = Clock::now();
-      if (allReaped) {
-        // A worker's children may keep its pipes open: drain briefly.
-        if (!drainUntil) {
-          drainUntil = now + std::chrono::seconds(2);
-        }
-        if (tees.empty() || now >= *drainUntil) {
-          break;
-        }
-      }
-      if (killAt && now >= *killAt) {
-        log("workers still running " +
-            std::to_string(config_.stopGrace.count()) +
-            " ms after the stop signal; sending SIGKILL");
-        stopAll(SIGKILL);
-        killAt.reset();
-        giveUpAt = now + std::chrono::seconds(10);
-      }
-      if (giveUpAt && now >= *giveUpAt && !allReaped) {
-        log("workers did not die within 10 s of SIGKILL; giving up on them");
-        break;
-      }
-      auto next = now + std::chrono::seconds(1);
-      for (const auto& t : {killAt, giveUpAt, drainUntil}) {
-        if (t && *t < next) {
-          next = *t;
-        }
-      }
-      const auto waitMs =
-          std::chrono::duration_cast<std::chrono::milliseconds>(next - now)
-              .count();
-      const auto pollMs =
-          std::chrono::duration_cast<std::chrono::milliseconds>(pollEvery)
-              .count();
-      ::poll(fds.data(), fds.size(),
-             static_cast<int>(std::max<int64_t>(
-                 1, std::min<int64_t>({waitMs, 1000, pollMs}))));
-      if ((fds[0].revents & POLLIN) != 0) {
-        unsigned char sigs[64];
-        const ssize_t n = ::read(gSignalPipe[0], sigs, sizeof(sigs));
-        for (ssize_t i = 0; i < n; ++i) {
-          const int sig = sigs[i];
-          if (sig == SIGCHLD) {
-            continue;
-          }
-          if (agentSignal != 0) {
-            // A second signal: no more grace.
-            log("got " + signalName(sig) + " again; sending SIGKILL");
-            stopAll(SIGKILL);
-            continue;
-          }
-          agentSignal = sig;
-          log("got " + signalName(sig) + "; forwarding it to the workers (" +
-              "SIGKILL after " + std::to_string(config_.stopGrace.count()) +
-              " ms)");
-          if (stopping) {
-            stopAll(sig);
-          } else {
-            beginStop(sig);
-          }
-        }
-      }
-      for (size_t i = 0; i < tees.size(); ++i) {
-        if ((fds[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
-          pump(*tees[i]);
-        }
-      }
-      // Reap only our own workers, by pid.
-      for (size_t i = 0; i < workers.size(); ++i) {
-        Worker& w = workers[i];
-        if (w.reaped || w.exit.pid <= 0) {
-          continue;
-        }
-        int status = 0;
-        if (::waitpid(w.exit.pid, &status, WNOHANG) != w.exit.pid) {
-          continue;
-        }
-        w.reaped = true;
-        keeper.forget(w.exit.pid);
-        w.exit.endedAt = Clock::now();
-        w.exit.endedAtUnix = static_cast<int64_t>(std::time(nullptr));
-        if (WIFSIGNALED(status)) {
-          w.exit.signal = WTERMSIG(status);
-        } else {
-          w.exit.exitCode = WEXITSTATUS(status);
-        }
-        if (w.exit.succeeded()) {
-          w.exit.stoppedByAgent = false;
-          continue;
-        }
-        if (!stopping) {
-          w.exit.stoppedByAgent = false;
-          attempt.firstFailure = i;
-          log("local rank " + std::to_string(w.exit.localRank) + " (pid " +
-              std::to_string(w.exit.pid) + ") " + w.exit.describe() +
-              "; stopping the other workers");
-          beginStop(SIGTERM);
-        }
-      }
-      // The other nodes: a new round, a dead peer, the job given up.
-      if (!stopping && Clock::now() >= nextPollAt) {
-        nextPollAt = Clock::now() + pollEvery;
-        GroupEvent event = GroupEvent::kNone;
-        try {
-          event = rdzv->poll();
-        } catch (const std::exception& e) {
-          rdzvLost = e.what();
-          log(std::string("lost the rendezvous: ") + e.what() +
-              "; stopping the workers");
-          beginStop(SIGTERM);
-        }
-        if (event == GroupEvent::kRestart) {
-          log("a new rendezvous round opened; stopping the workers");
-          groupRestart = true;
-          beginStop(SIGTERM);
-        } else if (event == GroupEvent::kJobFailed) {
-          log("the job failed on another node; stopping the workers");
-          jobFailed = true;
-          beginStop(SIGTERM);
-        }
-      }
-    }
-    for (auto& w : workers) {
-      for (Tee& t : w.tees) {
-        if (t.pipe >= 0) {
-          ::close(t.pipe);
-        }
-        if (t.file >= 0) {
-          ::close(t.file);
-        }
-      }
-      ErrorRecord record;
-      if (!w.exit.succeeded() && w.exit.pid > 0) {
-        if (const Error e = readErrorFile(w.exit.errorFile, &record); e.ok()) {
-          w.exit.error = record;
-        } else if (e.code() != Code::kNotFound) {
-          // A worker that recorded no error writes no file; one that wrote
-          // a file the reader refuses is worth a line.
-          log("local rank " + std::to_string(w.exit.localRank) +
-              ": its error file is not usable: " + e.message());
-        }
-      }
-      attempt.workers.push_back(w.exit);
-    }
-    if (const auto root = rootCause(attempt.workers)) {
-      attempt.firstFailure = root;
-    }
+    // Watch them until every one is reaped.
+    WatchEnd end =
+        watchAttempt(workers, execFailure.has_value(), restartCount,
+                     {.options = options_,
+                      .config = config_,
+                      .rdzv = *rdzv,
+                      .keeper = keeper,
+                      .log = [this](const std::string& l) { log(l); },
+                      .signalFd = gSignalPipe[0],
+                      .agentSignal = agentSignal});
+    const AttemptResult& attempt = end.attempt;
     result.attempts.push_back(attempt);
 
     if (execFailure) {
-      setState(AgentState::kFailed);
-      result.state = state_;
-      result.exitCode = kExitExecFailed;
-      result.summary = *execFailure;
-      return result;
+      return fail(kExitExecFailed, *execFailure);
     }
     if (agentSignal != 0) {
       return signalled("while the workers ran; they were stopped");
     }
-    if (rdzvLost) {
-      return fail(kExitWorkerFailed, "lost the rendezvous (" + *rdzvLost +
+    if (end.rdzvLost) {
+      return fail(kExitWorkerFailed, "lost the rendezvous (" + *end.rdzvLost +
                                          "); the workers were stopped");
     }
-    if (jobFailed) {
+    if (end.jobFailed) {
       return fail(kExitWorkerFailed, "the job failed: " + rdzv->failureNote());
     }
-    if (groupRestart) {
+    if (end.groupRestart) {
       setState(AgentState::kRestarting);
       continue;
     }
@@ -598,17 +422,8 @@ RunResult Agent::run() {
       return result;
     }
     GroupEvent next = GroupEvent::kJobFailed;
-    const std::string why =
-        attempt.firstFailure
-            ? "local rank " +
-                  std::to_string(
-                      attempt.workers[*attempt.firstFailure].localRank) +
-                  " (rank " +
-                  std::to_string(attempt.workers[*attempt.firstFailure].rank) +
-                  ") " + attempt.workers[*attempt.firstFailure].describe()
-            : "a worker failed";
     try {
-      next = rdzv->reportFailure(why);
+      next = rdzv->reportFailure(describeFailure(attempt));
     } catch (const std::exception& e) {
       return fail(kExitWorkerFailed,
                   std::string("lost the rendezvous: ") + e.what());
@@ -622,44 +437,8 @@ RunResult Agent::run() {
     }
 
     // FAILED: one summary, rooted in the first failure.
-    setState(AgentState::kFailed);
-    result.state = state_;
-    result.exitCode = kExitWorkerFailed;
-    std::string s = "the job failed after " + std::to_string(restartCount + 1) +
-                    " attempt(s) (" + "--max-restarts " +
-                    std::to_string(options_.maxRestarts) + ")";
-    if (attempt.firstFailure) {
-      const WorkerExit& f = attempt.workers[*attempt.firstFailure];
-      s += "\n  first failure: local rank " + std::to_string(f.localRank) +
-           " (rank " + std::to_string(f.rank) + ", pid " +
-           std::to_string(f.pid) + ") " + f.describe() +
-           (f.stoppedByAgent ? " (stopped by the agent after its error)"
-                             : "");
-      if (f.error) {
-        // A summary line, not a dump: the file has the rest.
-        constexpr size_t kShown = 4096;
-        const std::string& m = f.error->message;
-        s += "\n  error file: " + f.errorFile + "\n  message: " +
-             (m.size() <= kShown
-                  ? m
-                  : m.substr(0, kShown) + " ... [" + std::to_string(m.size()) +
-                        " bytes; the error file has more]");
-      } else {
-        s += "\n  error file: none written (" + f.errorFile + ")";
-      }
-    }
-    for (const auto& w : attempt.workers) {
-      if (attempt.firstFailure &&
-          &w == &attempt.workers[*attempt.firstFailure]) {
-        continue;
-      }
-      s += "\n  local rank " + std::to_string(w.localRank) + ": " +
-           w.describe() + (w.stoppedByAgent ? " (stopped by the agent)" : "");
-    }
-    s += "\n  logs: " + result.runLogDir + "/attempt_" +
-         std::to_string(restartCount);
-    result.summary = s;
-    return result;
+    return fail(kExitWorkerFailed, failureSummary(attempt, options_.maxRestarts,
+                                                  result.runLogDir));
   }
 }
 
