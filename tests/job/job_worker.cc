@@ -25,6 +25,8 @@
 
 #include <torch/torch.h>
 
+#include "../fd_listing.h"
+
 #include <trellis/trellis.h>
 
 using namespace std::chrono_literals;
@@ -112,22 +114,18 @@ std::string inheritedDescriptors() {
   if (ls == nullptr) {
     return "popen failed";
   }
-  std::string found;
-  char line[512];
-  while (std::fgets(line, sizeof(line), ls) != nullptr) {
-    const std::string l(line);
-    const auto arrow = l.find(" -> ");
-    if (arrow == std::string::npos) {
-      continue;  // "total 0"
-    }
-    const auto name = l.rfind(' ', arrow - 1);
-    const int fd = std::atoi(l.c_str() + name + 1);
-    if (fd > 2) {
-      found += " " + std::to_string(fd) + "=" +
-               l.substr(arrow + 4, l.size() - arrow - 5);
-    }
+  std::string listing;
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), ls) != nullptr) {
+    listing += buf;
   }
   ::pclose(ls);
+  std::string found;
+  for (const auto& [fd, target] : trellis::testing::parseFdListing(listing)) {
+    if (fd > 2) {
+      found += " " + std::to_string(fd) + "=" + target;
+    }
+  }
   return found.empty() ? " none" : found;
 }
 
