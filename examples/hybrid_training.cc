@@ -99,9 +99,6 @@ double seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
-}  // namespace
-
-namespace {
 std::mutex gShardMu;
 std::shared_ptr<ServerShard> gShard;  // this server's, built at startup
 }  // namespace
@@ -228,9 +225,10 @@ struct Trainer {
     // it serves any number of trainers: trainer 0 writes it, after the
     // servers wrote their rows (checkpoint() below).
     trellis::elastic::Checkpoints ckpt({.dir = dir / "dense", .keepLast = 3});
+    std::optional<trellis::elastic::Checkpoints::Loaded> loaded;
     at::Tensor resume = torch::tensor({int64_t{-1}}, torch::kLong);
     if (trainer == 0) {
-      const auto step = chooseResumeStep(ckpt);
+      const auto step = chooseResumeStep(ckpt, loaded);
       if (!step) {
         return 4;
       }
@@ -238,10 +236,11 @@ struct Trainer {
     }
     group->broadcast(resume, 0).wait();
     const int64_t resumeStep = resume.item<int64_t>();
-    std::optional<trellis::elastic::Checkpoints::Loaded> loaded;
     if (resumeStep >= 0) {
       std::string why;
-      loaded = ckpt.load(resumeStep, std::nullopt, &why);
+      if (!loaded) {
+        loaded = ckpt.load(resumeStep, std::nullopt, &why);
+      }
       if (!loaded) {
         std::fprintf(stderr, "%s: the dense checkpoint of step %" PRId64
                      " that trainer0 chose: %s\n",
@@ -420,18 +419,20 @@ struct Trainer {
     }
   }
 
-  // Trainer 0: the newest step whose dense checkpoint and every server's
-  // rows are whole; the servers are restored to it. -1 when there is no
-  // checkpoint yet; nullopt (said on stderr) when some exist but none is
-  // whole everywhere. A step skipped is named with the reason.
+  // Trainer 0: the newest step whose dense checkpoint (read into `dense`,
+  // which the other trainers read once it is broadcast) and every server's
+  // rows are whole; the servers are restored to it. -1: no checkpoint yet;
+  // nullopt (said on stderr): none whole everywhere. Skips are named.
   std::optional<int64_t> chooseResumeStep(
-      const trellis::elastic::Checkpoints& ckpt) {
+      const trellis::elastic::Checkpoints& ckpt,
+      std::optional<trellis::elastic::Checkpoints::Loaded>& dense) {
     const std::vector<int64_t> steps = ckpt.steps();
     std::vector<std::string> skipped;
     for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
       const int64_t step = *it;
       std::string why;
-      if (!ckpt.load(step, std::nullopt, &why)) {
+      dense = ckpt.load(step, std::nullopt, &why);
+      if (!dense) {
         skipped.push_back("step " + std::to_string(step) + ": " + why);
         continue;
       }
